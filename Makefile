@@ -1,0 +1,28 @@
+# Two entry points, each self-contained on a machine with only Python 3.11+ and pip:
+#   make demo   set up .venv and run the main job
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+# torch 2.13.0: a CPU wheel on the CI machines' disk; elsewhere pip fetches it.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[test,debug,bench]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/dynamo-once overhead
+
+test: venv
+	$(PY) -m pytest -n 2 -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,186 @@
+"""Compilation levels and the process-wide compilation config."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import threading
+from typing import Any, Callable
+
+from . import envs
+
+__all__ = [
+    "CompilationLevel",
+    "CompilationConfig",
+    "get_compilation_config",
+    "set_compilation_config",
+]
+
+
+class CompilationLevel(enum.IntEnum):
+    """How much of torch.compile a decorated model goes through."""
+
+    NO_COMPILATION = 0
+    """Plain eager PyTorch: Dynamo never runs. The reference for every other level."""
+
+    DYNAMO_AS_IS = 1
+    """Stock ``torch.compile``: guards are evaluated on every call and a failed guard recompiles."""
+
+    DYNAMO_ONCE = 2
+    """Dynamo traces ``forward`` once; later calls run the captured bytecode with no guard evaluation."""
+
+    INDUCTOR = 3
+    """As DYNAMO_ONCE, and the captured graph is compiled by Inductor."""
+
+    INDUCTOR_MAX_AUTOTUNE = 4
+    """As INDUCTOR, with Inductor's ``max_autotune`` (slow compile, faster kernels)."""
+
+    @classmethod
+    def parse(cls, value: int | str | CompilationLevel) -> CompilationLevel:
+        """A level from an int 0-4, a digit string, or a member name in any case."""
+        allowed = ", ".join(f"{m.value} ({m.name})" for m in cls)
+        if isinstance(value, bool):
+            raise ValueError(f"expected a compilation level, one of {allowed}; got {value!r}")
+        if isinstance(value, int):
+            try:
+                return cls(value)
+            except ValueError:
+                raise ValueError(f"expected a compilation level, one of {allowed}; got {value!r}") from None
+        if isinstance(value, str):
+            v = value.strip()
+            if v.lstrip("-").isdigit():
+                return cls.parse(int(v))
+            try:
+                return cls[v.upper()]
+            except KeyError:
+                raise ValueError(f"expected a compilation level, one of {allowed}; got {value!r}") from None
+        raise ValueError(f"expected a compilation level, one of {allowed}; got {value!r} ({type(value).__name__})")
+
+
+@dataclasses.dataclass
+class CompilationConfig:
+    """What a decorated model does on its first call, and how later calls are dispatched.
+
+    Args:
+        level: see :class:`CompilationLevel`.
+        backend: Dynamo backend for levels 1-2 (a name or a callable); ``None`` means
+            the plugin backend (``dispatcher.plugins``), else ``"eager"``. Levels 3-4
+            always use Inductor.
+        custom_ops: the per-op switch, tokens like ``"all"``, ``"none"``, ``"+rms_norm"``,
+            ``"-silu_and_mul"`` (validated by ``ops.custom_op``).
+        use_bytecode_hook: levels >= 2: run the bytecode Dynamo produced directly
+            (True) or stay inside Dynamo with every guard dropped (False).
+        check_inputs: levels >= 2: compare every tensor argument's rank, dtype,
+            device and static sizes with the traced ones on each call.
+        debug: also evaluate the trace's shape guards on each call and raise on
+            a failing one (``DYNAMO_ONCE_DEBUG``).
+        inductor_compile_config: Inductor options for levels 3-4, merged over
+            ``plugins.get_inductor_additional_configs()``.
+        debug_dump_path: write disassembly, decompiled source and FX graph of
+            each captured code here.
+        fullgraph: levels >= 2 require one graph; a graph break is an error.
+    """
+
+    level: CompilationLevel = CompilationLevel.INDUCTOR
+    backend: str | Callable[..., Any] | None = None
+    custom_ops: list[str] = dataclasses.field(default_factory=list)
+    use_bytecode_hook: bool = True
+    check_inputs: bool = True
+    debug: bool = False
+    inductor_compile_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    debug_dump_path: str | None = None
+    fullgraph: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            self.level = CompilationLevel.parse(self.level)
+        except ValueError as e:
+            raise ValueError(f"CompilationConfig.level: {e}") from None
+        if self.backend is not None and not (isinstance(self.backend, str) or callable(self.backend)):
+            raise ValueError(
+                f"CompilationConfig.backend: expected a backend name, a callable or None; "
+                f"got {self.backend!r} ({type(self.backend).__name__})"
+            )
+        if isinstance(self.custom_ops, str):
+            self.custom_ops = [t.strip() for t in self.custom_ops.split(",") if t.strip()]
+        if not isinstance(self.custom_ops, (list, tuple)) or not all(isinstance(t, str) for t in self.custom_ops):
+            raise ValueError(f"CompilationConfig.custom_ops: expected a list of str; got {self.custom_ops!r}")
+        self.custom_ops = list(self.custom_ops)
+        if not isinstance(self.inductor_compile_config, dict):
+            raise ValueError(
+                "CompilationConfig.inductor_compile_config: expected a dict; "
+                f"got {type(self.inductor_compile_config).__name__}"
+            )
+        for name in ("use_bytecode_hook", "check_inputs", "debug", "fullgraph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CompilationConfig.{name}: expected a bool; got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> CompilationConfig:
+        """A config from the ``DYNAMO_ONCE_*`` variables; ``overrides`` win over them.
+
+        ``TORCH_COMPILE_DISABLE=1`` forces level 0, as it disables torch.compile.
+        """
+        kwargs: dict[str, Any] = {}
+        level = envs.compile_level()
+        if level is not None:
+            kwargs["level"] = level
+        if envs.torch_compile_disabled():
+            kwargs["level"] = CompilationLevel.NO_COMPILATION
+        ops = envs.custom_ops()
+        if ops is not None:
+            kwargs["custom_ops"] = ops
+        kwargs["use_bytecode_hook"] = envs.use_bytecode_hook()
+        kwargs["debug"] = envs.debug()
+        kwargs["debug_dump_path"] = envs.debug_dump_path()
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def copy(self) -> CompilationConfig:
+        return copy.deepcopy(self)
+
+
+_lock = threading.Lock()
+_current: CompilationConfig | None = None
+
+
+def get_compilation_config() -> CompilationConfig:
+    """The config set by :func:`set_compilation_config`, else one read from the environment.
+
+    With none set, the environment is read on every call, so a changed
+    ``DYNAMO_ONCE_*`` variable applies to the next model constructed.
+    """
+    cfg = _current
+    return cfg if cfg is not None else CompilationConfig.from_env()
+
+
+class _ConfigScope:
+    """Returned by :func:`set_compilation_config`; as a context manager it restores the previous config."""
+
+    def __init__(self, config: CompilationConfig | None, previous: CompilationConfig | None):
+        self.config = config
+        self.previous = previous
+
+    def __enter__(self) -> CompilationConfig:
+        return get_compilation_config()
+
+    def __exit__(self, *exc: object) -> None:
+        global _current
+        with _lock:
+            _current = self.previous
+
+
+def set_compilation_config(config: CompilationConfig | None) -> _ConfigScope:
+    """Set the process-wide config (``None``: back to the environment).
+
+    Takes effect at once; used as ``with set_compilation_config(cfg): ...`` the
+    previous config is restored on exit.
+    """
+    global _current
+    if config is not None and not isinstance(config, CompilationConfig):
+        raise TypeError(f"set_compilation_config: expected a CompilationConfig or None; got {type(config).__name__}")
+    with _lock:
+        previous = _current
+        _current = config
+    return _ConfigScope(config, previous)

@@ -1,0 +1,90 @@
+"""Every ``DYNAMO_ONCE_*`` environment variable, parsed and validated here only.
+
+A bad value raises ``ValueError`` naming the variable, the value given and
+what is allowed. Values are read at call time (not import time) so tests and
+users can change them between configurations.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "ENV_VARS",
+    "compile_level",
+    "custom_ops",
+    "debug",
+    "debug_dump_path",
+    "use_bytecode_hook",
+    "torch_compile_disabled",
+]
+
+#: name -> one-line description; the CLI and README list these.
+ENV_VARS: dict[str, str] = {
+    "DYNAMO_ONCE_COMPILE_LEVEL": "compilation level: 0-4 or a level name (any case)",
+    "DYNAMO_ONCE_CUSTOM_OPS": 'per-op switch, e.g. "+rms_norm,-silu_and_mul", "all", "none"',
+    "DYNAMO_ONCE_USE_BYTECODE_HOOK": "1: dispatch captured bytecode (default); 0: stay in Dynamo, drop guards",
+    "DYNAMO_ONCE_DEBUG": "1: check shape guards and CUDA-graph input addresses on every call",
+    "DYNAMO_ONCE_DEBUG_DUMP_PATH": "directory for dumps of captured code (disassembly, source, FX graph)",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip()
+
+
+def parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; expected one of 0, 1 (or true/false, yes/no, on/off)")
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = _get(name)
+    return default if value is None else parse_bool(name, value)
+
+
+def torch_compile_disabled() -> bool:
+    """``TORCH_COMPILE_DISABLE=1`` (torch's own switch) means level 0."""
+    return _bool("TORCH_COMPILE_DISABLE", False)
+
+
+def compile_level() -> int | None:
+    """``DYNAMO_ONCE_COMPILE_LEVEL`` as an int 0-4, or None when unset."""
+    from .config import CompilationLevel
+
+    value = _get("DYNAMO_ONCE_COMPILE_LEVEL")
+    if value is None or value == "":
+        return None
+    try:
+        return int(CompilationLevel.parse(value))
+    except ValueError as e:
+        raise ValueError(f"DYNAMO_ONCE_COMPILE_LEVEL={value!r}: {e}") from None
+
+
+def custom_ops() -> list[str] | None:
+    """``DYNAMO_ONCE_CUSTOM_OPS`` split on commas; syntax is checked by ``ops.custom_op``."""
+    value = _get("DYNAMO_ONCE_CUSTOM_OPS")
+    if value is None:
+        return None
+    return [tok.strip() for tok in value.split(",") if tok.strip()]
+
+
+def use_bytecode_hook() -> bool:
+    return _bool("DYNAMO_ONCE_USE_BYTECODE_HOOK", True)
+
+
+def debug() -> bool:
+    return _bool("DYNAMO_ONCE_DEBUG", False)
+
+
+def debug_dump_path() -> str | None:
+    value = _get("DYNAMO_ONCE_DEBUG_DUMP_PATH")
+    return value or None
