@@ -6,12 +6,31 @@ from .config import (
     get_compilation_config,
     set_compilation_config,
 )
-from .counters import compilation_counter
+from .counters import CompilationCounter, compilation_counter
+from .decorators import compile_once, dispatcher_of, support_torch_compile
+from .errors import (
+    DynamoOnceError,
+    GraphBreakError,
+    InputMismatchError,
+    RecompileError,
+    ShapeGuardError,
+)
+from .wrapper import TorchCompileWrapperWithCustomDispatcher
 
 __all__ = [
     "CompilationConfig",
+    "CompilationCounter",
     "CompilationLevel",
+    "DynamoOnceError",
+    "GraphBreakError",
+    "InputMismatchError",
+    "RecompileError",
+    "ShapeGuardError",
+    "TorchCompileWrapperWithCustomDispatcher",
     "compilation_counter",
+    "compile_once",
+    "dispatcher_of",
     "get_compilation_config",
     "set_compilation_config",
+    "support_torch_compile",
 ]

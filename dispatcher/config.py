@@ -21,20 +21,17 @@ __all__ = [
 class CompilationLevel(enum.IntEnum):
     """How much of torch.compile a decorated model goes through."""
 
-    NO_COMPILATION = 0
-    """Plain eager PyTorch: Dynamo never runs. The reference for every other level."""
+    def __new__(cls, value: int, doc: str) -> CompilationLevel:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.__doc__ = doc
+        return member
 
-    DYNAMO_AS_IS = 1
-    """Stock ``torch.compile``: guards are evaluated on every call and a failed guard recompiles."""
-
-    DYNAMO_ONCE = 2
-    """Dynamo traces ``forward`` once; later calls run the captured bytecode with no guard evaluation."""
-
-    INDUCTOR = 3
-    """As DYNAMO_ONCE, and the captured graph is compiled by Inductor."""
-
-    INDUCTOR_MAX_AUTOTUNE = 4
-    """As INDUCTOR, with Inductor's ``max_autotune`` (slow compile, faster kernels)."""
+    NO_COMPILATION = 0, "Plain eager PyTorch: Dynamo never runs. The reference for every other level."
+    DYNAMO_AS_IS = 1, "Stock torch.compile: guards are evaluated on every call; a failed guard recompiles."
+    DYNAMO_ONCE = 2, "Dynamo traces forward once; later calls run the captured bytecode with no guard evaluation."
+    INDUCTOR = 3, "As DYNAMO_ONCE, and Inductor compiles the captured graph."
+    INDUCTOR_MAX_AUTOTUNE = 4, "As INDUCTOR, with Inductor's max_autotune (slower compile, faster kernels)."
 
     @classmethod
     def parse(cls, value: int | str | CompilationLevel) -> CompilationLevel:

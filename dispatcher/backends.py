@@ -1,0 +1,89 @@
+"""The Dynamo backend for each compilation level.
+
+Every backend we hand to ``torch.compile`` goes through :class:`RecordingBackend`,
+which counts graphs, keeps the ShapeEnv of the trace (debug mode evaluates its
+guards on dispatched calls) and the FX graph (for dumps), then delegates:
+
+- levels 1-2: ``CompilationConfig.backend``, else the plugin backend, else ``"eager"``;
+- levels 3-4: Inductor on the whole graph, with the plugin and config options
+  (level 4 forces ``max_autotune``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import compat, plugins
+from .config import CompilationConfig, CompilationLevel
+from .counters import compilation_counter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RecordingBackend", "resolve_backend", "inductor_options"]
+
+
+def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict[str, Any]:
+    """Inductor config patches for a level 3-4 compile: plugin options, then the config's, then the level's."""
+    options = plugins.get_inductor_additional_configs()
+    options.update(config.inductor_compile_config)
+    if level >= CompilationLevel.INDUCTOR_MAX_AUTOTUNE:
+        options["max_autotune"] = True
+    return options
+
+
+def resolve_backend(config: CompilationConfig, level: CompilationLevel) -> str | Callable[..., Any]:
+    """The backend that compiles a traced graph at ``level`` (before our recording wrapper)."""
+    if level >= CompilationLevel.INDUCTOR:
+        return "inductor"
+    if config.backend is not None:
+        return config.backend
+    plugin = plugins.get_torch_compile_backend()
+    return plugin if plugin is not None else "eager"
+
+
+def _compile_with(backend: str | Callable[..., Any], gm: torch.fx.GraphModule, example_inputs: list[Any],
+                  options: dict[str, Any]) -> Callable[..., Any]:
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=options)
+    if isinstance(backend, str):
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+    return backend(gm, example_inputs)
+
+
+class RecordingBackend:
+    """A per-instance Dynamo backend that records what it compiles.
+
+    Attributes:
+        graphs: the FX graphs compiled, in order.
+        shape_envs: the ShapeEnv of each trace (None for a trace without one).
+    """
+
+    def __init__(self, config: CompilationConfig, level: CompilationLevel, owner_name: str):
+        self.config = config
+        self.level = level
+        self.owner_name = owner_name
+        self.backend = resolve_backend(config, level)
+        self.options = inductor_options(config, level) if self.backend == "inductor" else {}
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.shape_envs: list[Any] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if self.graphs:
+            compilation_counter.add("num_recompiles")
+            logger.info("%s: Dynamo traced graph #%d (a recompile)", self.owner_name, len(self.graphs) + 1)
+        compilation_counter.add("num_graphs_seen")
+        self.graphs.append(gm)
+        self.shape_envs.append(compat.current_shape_env())
+        t0 = time.perf_counter()
+        compiled = _compile_with(self.backend, gm, example_inputs, self.options)
+        compilation_counter.add("num_backend_compilations")
+        logger.debug("%s: backend %s compiled a graph of %d nodes in %.2fs", self.owner_name,
+                     getattr(self.backend, "__name__", self.backend), len(gm.graph.nodes),
+                     time.perf_counter() - t0)
+        return compiled

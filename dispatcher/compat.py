@@ -1,0 +1,102 @@
+"""Every use of Dynamo internals goes through here (torch 2.11 .. 2.13 and later).
+
+Each function names the private API it relies on, so that a torch upgrade
+that moves one breaks a single place; tests/dispatcher/test_compat.py covers
+each version-dependent path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TORCH_VERSION",
+    "BytecodeHook",
+    "register_bytecode_hook",
+    "compile_lock",
+    "current_shape_env",
+    "source_name",
+    "is_graph_break",
+    "mark_dynamic",
+    "is_compiling",
+]
+
+
+def _parse_version(v: str) -> tuple[int, int]:
+    major, minor = v.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _parse_version(torch.__version__)
+
+BytecodeHook = Callable[[types.CodeType, types.CodeType], "types.CodeType | None"]
+
+
+def register_bytecode_hook(hook: BytecodeHook) -> Any:
+    """``torch._dynamo.convert_frame.register_bytecode_hook``; returns a RemovableHandle."""
+    from torch._dynamo.convert_frame import register_bytecode_hook as _register
+
+    return _register(hook)
+
+
+@contextlib.contextmanager
+def compile_lock() -> Iterator[None]:
+    """Dynamo's compile lock (``convert_frame.compile_lock``), held while Dynamo runs bytecode hooks.
+
+    Adding or removing a hook under it means no other thread is iterating
+    Dynamo's hook dict at that moment.
+    """
+    from torch._dynamo import convert_frame
+
+    lock = getattr(convert_frame, "compile_lock", None)
+    if lock is None:  # pragma: no cover - every supported torch has it
+        yield
+        return
+    with lock:
+        yield
+
+
+def current_shape_env() -> Any | None:
+    """The ShapeEnv of the trace being compiled, from inside a backend (None outside one)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None or ctx.fake_mode is None:
+        return None
+    return ctx.fake_mode.shape_env
+
+
+def source_name(source: Any) -> str:
+    """A guard source's Python expression, e.g. ``L['x'].size()[0]``.
+
+    ``Source.name`` is a method up to torch 2.12 and a property from 2.13.
+    """
+    name = source.name
+    return name() if callable(name) else name
+
+
+def is_graph_break(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dynamo refusing to trace (a graph break under fullgraph=True)."""
+    from torch._dynamo import exc as dynamo_exc
+
+    return isinstance(exc, (dynamo_exc.Unsupported, dynamo_exc.UserError))
+
+
+def mark_dynamic(t: torch.Tensor, dims: list[int]) -> None:
+    torch._dynamo.mark_dynamic(t, dims)
+
+
+def is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def bytecode_hooks() -> list[Any]:
+    """The hooks Dynamo will call (``convert_frame._bytecode_hooks``), for leak tests."""
+    from torch._dynamo import convert_frame
+
+    return list(getattr(convert_frame, "_bytecode_hooks", {}).values())

@@ -1,0 +1,334 @@
+"""``TorchCompileWrapperWithCustomDispatcher``: trace once, then run the captured bytecode.
+
+On the first call Dynamo traces ``forward`` (``fullgraph=True``). A bytecode
+hook, registered only for the duration of that call, receives Dynamo's
+``(original_code, transformed_code)`` and keeps the transformed code for this
+instance. Later calls run that code directly: it takes the same arguments and
+has the same free variables as ``forward`` (Dynamo guarantees it), so a
+function object built from it once stands in for ``forward`` with no guard
+evaluation and nothing shared mutated per call.
+
+Ownership of a captured code is decided without walking Dynamo's frames: each
+instance traces its own copy of ``forward.__code__`` (Dynamo's cache lives on
+the code object, so two instances never share cache entries), and the hook
+only accepts codes compiled on the thread that registered it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import compat
+from .backends import RecordingBackend
+from .config import CompilationConfig, CompilationLevel, get_compilation_config
+from .counters import compilation_counter
+from .debug import InputChecker, ShapeGuardChecker, dump_captured_code
+from .errors import GraphBreakError, RecompileError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TorchCompileWrapperWithCustomDispatcher"]
+
+_UNBOUND = object()
+# Guards the swap of a shared function's __code__ (dispatch_to_code), per function.
+_swap_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_swap_locks_lock = threading.Lock()
+
+
+def _swap_lock(fn: Any) -> threading.RLock:
+    with _swap_locks_lock:
+        lock = _swap_locks.get(fn)
+        if lock is None:
+            lock = _swap_locks[fn] = threading.RLock()
+        return lock
+
+
+def _function_from_code(template: types.FunctionType, code: types.CodeType) -> types.FunctionType:
+    """A function like ``template`` (globals, defaults, closure) whose body is ``code``."""
+    fn = types.FunctionType(code, template.__globals__, template.__name__, template.__defaults__,
+                            template.__closure__)
+    fn.__kwdefaults__ = template.__kwdefaults__
+    fn.__qualname__ = template.__qualname__
+    return fn
+
+
+def _find_in_chain(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class TorchCompileWrapperWithCustomDispatcher:
+    """Mixin: compile ``forward`` once with Dynamo, then dispatch the captured bytecode.
+
+    Subclasses define ``forward``. The default ``__call__`` goes through
+    ``compiled_callable`` until a code is captured (always, below level 2) and
+    then runs ``compiled_codes[0]`` directly. A subclass may override
+    ``__call__`` to choose among several captured codes, either with
+    ``dispatch_to_code(i)`` (swaps ``type(self).forward.__code__`` for the
+    duration of a ``with`` block) or with :meth:`dispatch_fn`.
+
+    Args:
+        compiled_callable: what to call until a code is captured; by default
+            ``torch.compile`` of this instance's ``forward`` with the level's
+            backend and ``fullgraph=True``.
+        compilation_level: overrides ``get_compilation_config().level``.
+    """
+
+    def __init__(self, compiled_callable: Callable[..., Any] | None = None,
+                 compilation_level: int | CompilationLevel | None = None):
+        self._do_setup(type(self).forward, self, compiled_callable, compilation_level,
+                       getattr(type(self), "_dynamo_once_dynamic_arg_dims", None))
+
+    # ------------------------------------------------------------------ setup
+    def _do_setup(self, function: Any, bound_to: Any, compiled_callable: Callable[..., Any] | None,
+                  compilation_level: int | CompilationLevel | None,
+                  dynamic_arg_dims: dict[str, list[int]] | None,
+                  config: CompilationConfig | None = None) -> None:
+        config = get_compilation_config() if config is None else config
+        level = config.level if compilation_level is None else CompilationLevel.parse(compilation_level)
+        function = inspect.unwrap(function)
+        if not isinstance(function, types.FunctionType):
+            raise TypeError(f"dynamo-once can only compile Python functions; got {function!r}")
+        self.compilation_config = config
+        self.compilation_level = level
+        self.original_code_object: types.CodeType = function.__code__
+        self.compiled_codes: list[types.CodeType] = []
+        self.use_custom_dispatcher: bool = level >= CompilationLevel.DYNAMO_ONCE and config.use_bytecode_hook
+        self._do_function = function
+        self._do_bound = bound_to
+        self._do_name = function.__qualname__
+        self._do_signature = inspect.signature(function)
+        self._do_dynamic_arg_dims = dynamic_arg_dims
+        self._do_fast: Callable[..., Any] | None = None  # set once a code is captured
+        self._do_check: Callable[[tuple, dict], None] | None = None
+        self._do_traced = False
+        self._do_capture_lock = threading.Lock()
+        self._do_dispatch_fns: list[Callable[..., Any]] = []
+        self._do_input_checker: InputChecker | None = None
+        self._do_backend: RecordingBackend | None = None
+        # Each instance traces its own copy of the code: Dynamo's cache is keyed by code identity.
+        self._do_traced_code = self.original_code_object.replace()
+        traced_fn = _function_from_code(function, self._do_traced_code)
+        target = traced_fn if bound_to is _UNBOUND else types.MethodType(traced_fn, bound_to)
+        if compiled_callable is None and level >= CompilationLevel.DYNAMO_AS_IS:
+            self._do_backend = RecordingBackend(config, level, self._do_name)
+            options = None
+            if level >= CompilationLevel.DYNAMO_ONCE and not config.use_bytecode_hook:
+                options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            fullgraph = config.fullgraph if level >= CompilationLevel.DYNAMO_ONCE else False
+            compiled_callable = torch.compile(target, backend=self._do_backend, fullgraph=fullgraph,
+                                              dynamic=False, options=options)
+        self.compiled_callable = compiled_callable
+
+    # ------------------------------------------------------------ the hook
+    def bytecode_hook(self, old_code: types.CodeType, new_code: types.CodeType) -> None:
+        """Keep ``new_code`` if Dynamo produced it from this instance's ``forward``."""
+        if old_code is not self._do_traced_code and old_code is not self.original_code_object:
+            return
+        with self._do_capture_lock:
+            if self.compiled_codes and not self.use_custom_dispatcher:
+                compilation_counter.add("num_recompiles")
+                raise RecompileError(
+                    f"{self._do_name}: Dynamo is tracing it again after its first trace, but level "
+                    f"{self.compilation_level.name} with use_bytecode_hook=False dropped every guard, so "
+                    f"a recompile means the first graph was used for a call it was not valid for."
+                )
+            self.compiled_codes.append(new_code)
+            compilation_counter.add("num_codes_captured")
+            index = len(self.compiled_codes) - 1
+        logger.debug("%s: captured code #%d", self._do_name, index)
+        path = self.compilation_config.debug_dump_path
+        if path:
+            graphs = self._do_backend.graphs[-1:] if self._do_backend else []
+            dump_captured_code(path, self._do_name, index, new_code, graphs)
+
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Register a bytecode hook for this instance for the duration of one compiled call."""
+        ref = weakref.ref(self)
+        thread = threading.get_ident()
+        codes = (self._do_traced_code, self.original_code_object)
+
+        def hook(old_code: types.CodeType, new_code: types.CodeType) -> None:
+            if threading.get_ident() != thread or (old_code is not codes[0] and old_code is not codes[1]):
+                return None
+            owner = ref()
+            if owner is not None:
+                owner.bytecode_hook(old_code, new_code)
+            return None
+
+        with compat.compile_lock():
+            handle = compat.register_bytecode_hook(hook)
+        try:
+            yield
+        finally:
+            with compat.compile_lock():
+                handle.remove()
+
+    # --------------------------------------------------------- dispatching
+    def dispatch_fn(self, index: int) -> Callable[..., Any]:
+        """A callable running ``compiled_codes[index]`` with this instance bound, built once per code."""
+        while len(self._do_dispatch_fns) <= index < len(self.compiled_codes):
+            code = self.compiled_codes[len(self._do_dispatch_fns)]
+            fn = _function_from_code(self._do_function, code)
+            self._do_dispatch_fns.append(fn if self._do_bound is _UNBOUND else types.MethodType(fn, self._do_bound))
+        return self._do_dispatch_fns[index]
+
+    @contextlib.contextmanager
+    def dispatch_to_code(self, index: int) -> Iterator[None]:
+        """Within the block, ``forward`` runs ``compiled_codes[index]`` (the ``__code__`` swap contract).
+
+        The swap mutates the class's function, so it is serialized per function
+        and always undone, also when the block raises.
+        """
+        fn = self._do_function
+        with _swap_lock(fn):
+            previous = fn.__code__
+            fn.__code__ = self.compiled_codes[index]
+            try:
+                yield
+            finally:
+                fn.__code__ = previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fast = self._do_fast
+        if fast is not None and not compat.is_compiling():
+            check = self._do_check
+            if check is not None:
+                check(args, kwargs)
+            compilation_counter.num_dispatched_calls += 1
+            return fast(*args, **kwargs)
+        return self._do_slow_call(args, kwargs)
+
+    def _do_eager(self, args: tuple, kwargs: dict) -> Any:
+        if isinstance(self._do_bound, torch.nn.Module) and self._do_function is type(self._do_bound).forward:
+            return torch.nn.Module.__call__(self._do_bound, *args, **kwargs)
+        if self._do_bound is _UNBOUND:
+            return self._do_function(*args, **kwargs)
+        return self._do_function(self._do_bound, *args, **kwargs)
+
+    def _do_slow_call(self, args: tuple, kwargs: dict) -> Any:
+        level = self.compilation_level
+        if level == CompilationLevel.NO_COMPILATION or compat.is_compiling():
+            return self._do_eager(args, kwargs)
+        first = not self._do_traced
+        if first:
+            self._do_prepare_first_call(args, kwargs)
+        elif self._do_check is not None:
+            self._do_check(args, kwargs)
+        if level == CompilationLevel.DYNAMO_AS_IS:
+            return self.compiled_callable(*args, **kwargs)
+        try:
+            with self._capturing():
+                out = self.compiled_callable(*args, **kwargs)
+        except Exception as e:
+            recompile = _find_in_chain(e, RecompileError)
+            if recompile is not None:
+                raise recompile from e
+            if compat.is_graph_break(e) or _find_in_chain(e, torch._dynamo.exc.Unsupported):
+                raise GraphBreakError(
+                    f"{self._do_name} cannot be captured as one graph, which level "
+                    f"{level.name} requires (fullgraph=True). Remove the graph break below, or run it "
+                    f"at level 1 (DYNAMO_AS_IS).\n{e}"
+                ) from e
+            raise
+        if first:
+            self._do_finish_first_call()
+        return out
+
+    def _do_prepare_first_call(self, args: tuple, kwargs: dict) -> None:
+        """Mark dynamic dims and record what the trace will be valid for."""
+        self._do_traced = True
+        compilation_counter.add("num_models_seen")
+        skip_first = self._do_bound is not _UNBOUND
+        full = (None, *args) if skip_first else args
+        try:
+            bound = self._do_signature.bind(*full, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self._do_name}: {e}") from None
+        dims = self._do_dynamic_arg_dims
+        dynamic: dict[str, list[int]] = {}
+        for name, value in bound.arguments.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            want = [0] if dims is None else dims.get(name)
+            if not want:
+                continue
+            ndim = value.dim()
+            norm = []
+            for d in want:
+                if not -ndim <= d < ndim:
+                    raise ValueError(
+                        f"{self._do_name}: dynamic_arg_dims[{name!r}] has dim {d}, but the argument is "
+                        f"{ndim}-d (shape {tuple(value.shape)})"
+                    )
+                d %= ndim
+                if value.shape[d] < 2 and self.compilation_level >= CompilationLevel.DYNAMO_ONCE:
+                    # Dynamo specializes sizes 0 and 1 even on a marked dim: the one trace would
+                    # then hold only for that size (an Inductor kernel asserts it, eager ops may not).
+                    raise ValueError(
+                        f"{self._do_name}: the first call traces the graph that every later call runs, "
+                        f"but dynamic dim {d} of argument {name!r} has size {value.shape[d]}, which "
+                        f"Dynamo specializes to a constant. Make the first call with a size >= 2 there."
+                    )
+                norm.append(d)
+            compat.mark_dynamic(value, norm)
+            dynamic[name] = norm
+        if self.compilation_level >= CompilationLevel.DYNAMO_ONCE and self.compilation_config.check_inputs:
+            self._do_input_checker = InputChecker(self._do_name, self._do_signature, skip_first, args, kwargs,
+                                                  dynamic)
+            self._do_check = self._do_input_checker
+        logger.debug("%s: first call at level %s, dynamic dims %s", self._do_name,
+                     self.compilation_level.name, dynamic)
+
+    def _do_finish_first_call(self) -> None:
+        if not self.use_custom_dispatcher:
+            return
+        if not self.compiled_codes:
+            logger.warning(
+                "%s: Dynamo produced no code for forward (it may have skipped the frame); calls keep "
+                "going through torch.compile with its guards", self._do_name)
+            return
+        checks = [c for c in (self._do_input_checker,) if c is not None]
+        if self.compilation_config.debug:
+            checks.append(self._do_shape_guard_check())
+        if not checks:
+            self._do_check = None
+        elif len(checks) == 1:
+            self._do_check = checks[0]
+        else:
+            def check(args: tuple, kwargs: dict, _checks=tuple(checks)) -> None:
+                for c in _checks:
+                    c(args, kwargs)
+            self._do_check = check
+        self._do_fast = self.dispatch_fn(0)
+
+    def _do_shape_guard_check(self) -> Callable[[tuple, dict], None]:
+        shape_env = self._do_backend.shape_envs[0] if self._do_backend and self._do_backend.shape_envs else None
+        if shape_env is None:
+            logger.warning("%s: debug mode has no ShapeEnv for this trace; shape guards are not checked",
+                           self._do_name)
+            return lambda args, kwargs: None
+        checker = ShapeGuardChecker(self._do_name, self._do_signature, shape_env)
+        logger.debug("%s: debug mode checks %d shape guard(s)", self._do_name, len(checker.guards))
+        if self._do_bound is _UNBOUND:
+            return checker
+        bound = self._do_bound
+        return lambda args, kwargs: checker((bound, *args), kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must define forward")

@@ -1,0 +1,115 @@
+import pytest
+
+import dispatcher
+from dispatcher import CompilationConfig, CompilationLevel, envs, plugins
+from dispatcher.backends import inductor_options, resolve_backend
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("0", 0), ("4", 4), ("dynamo_once", 2), ("INDUCTOR", 3), (" Dynamo_As_Is ", 1), ("inductor_max_autotune", 4)],
+)
+def test_level_from_env(monkeypatch, value, expected):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", value)
+    assert CompilationConfig.from_env().level == expected
+    assert isinstance(CompilationConfig.from_env().level, CompilationLevel)
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "fast", "2.0"])
+def test_bad_level_names_variable_value_and_allowed(monkeypatch, value):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", value)
+    with pytest.raises(ValueError) as e:
+        CompilationConfig.from_env()
+    msg = str(e.value)
+    assert "DYNAMO_ONCE_COMPILE_LEVEL" in msg and repr(value) in msg and "DYNAMO_ONCE" in msg and "0" in msg
+
+
+@pytest.mark.parametrize("var", ["DYNAMO_ONCE_USE_BYTECODE_HOOK", "DYNAMO_ONCE_DEBUG", "TORCH_COMPILE_DISABLE"])
+def test_bad_bool_names_variable(monkeypatch, var):
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=rf"{var}='maybe'.*0, 1"):
+        CompilationConfig.from_env()
+
+
+def test_env_fields(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYNAMO_ONCE_CUSTOM_OPS", "+rms_norm, -silu_and_mul")
+    monkeypatch.setenv("DYNAMO_ONCE_USE_BYTECODE_HOOK", "0")
+    monkeypatch.setenv("DYNAMO_ONCE_DEBUG", "1")
+    monkeypatch.setenv("DYNAMO_ONCE_DEBUG_DUMP_PATH", str(tmp_path))
+    cfg = CompilationConfig.from_env()
+    assert cfg.custom_ops == ["+rms_norm", "-silu_and_mul"]
+    assert cfg.use_bytecode_hook is False and cfg.debug is True and cfg.debug_dump_path == str(tmp_path)
+
+
+def test_defaults():
+    cfg = CompilationConfig()
+    assert cfg.level is CompilationLevel.INDUCTOR
+    assert cfg.backend is None and cfg.custom_ops == [] and cfg.use_bytecode_hook and cfg.check_inputs
+    assert not cfg.debug and cfg.inductor_compile_config == {} and cfg.debug_dump_path is None
+
+
+def test_torch_compile_disable_means_level_0(monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", "3")
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    assert CompilationConfig.from_env().level is CompilationLevel.NO_COMPILATION
+
+
+def test_levels_have_docstrings():
+    assert [int(m) for m in CompilationLevel] == [0, 1, 2, 3, 4]
+    for member in CompilationLevel:
+        assert member.__doc__ and member.__doc__ != CompilationLevel.__doc__
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"level": 7}, "level"), ({"backend": 3}, "backend"), ({"custom_ops": [1]}, "custom_ops"),
+     ({"debug": "yes"}, "debug"), ({"inductor_compile_config": []}, "inductor_compile_config")],
+)
+def test_bad_config_field_is_named(kwargs, field):
+    with pytest.raises(ValueError, match=f"CompilationConfig.{field}"):
+        CompilationConfig(**kwargs)
+
+
+def test_set_config_process_wide_and_as_context_manager(monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", "1")
+    assert dispatcher.get_compilation_config().level == 1
+    outer = CompilationConfig(level=2)
+    dispatcher.set_compilation_config(outer)
+    assert dispatcher.get_compilation_config() is outer
+    with dispatcher.set_compilation_config(CompilationConfig(level=0)) as inner:
+        assert inner.level == 0 and dispatcher.get_compilation_config() is inner
+    assert dispatcher.get_compilation_config() is outer
+    dispatcher.set_compilation_config(None)
+    assert dispatcher.get_compilation_config().level == 1  # back to the environment
+    with pytest.raises(TypeError, match="CompilationConfig"):
+        dispatcher.set_compilation_config({"level": 2})
+
+
+def test_plugins_and_backend_resolution():
+    try:
+        cfg = CompilationConfig()
+        assert resolve_backend(cfg, CompilationLevel.DYNAMO_ONCE) == "eager"
+        plugins.set_torch_compile_backend("aot_eager")
+        assert plugins.get_torch_compile_backend() == "aot_eager"
+        assert resolve_backend(cfg, CompilationLevel.DYNAMO_AS_IS) == "aot_eager"
+        assert resolve_backend(CompilationConfig(backend="eager"), CompilationLevel.DYNAMO_ONCE) == "eager"
+        assert resolve_backend(cfg, CompilationLevel.INDUCTOR) == "inductor"
+        plugins.set_inductor_additional_configs({"epilogue_fusion": False})
+        opts = inductor_options(CompilationConfig(inductor_compile_config={"fx_graph_cache": False}),
+                                CompilationLevel.INDUCTOR_MAX_AUTOTUNE)
+        assert opts == {"epilogue_fusion": False, "fx_graph_cache": False, "max_autotune": True}
+        assert "max_autotune" not in inductor_options(cfg, CompilationLevel.INDUCTOR)
+        with pytest.raises(ValueError, match="backend"):
+            plugins.set_torch_compile_backend(42)
+        with pytest.raises(ValueError, match="dict"):
+            plugins.set_inductor_additional_configs([("a", 1)])
+    finally:
+        plugins.set_torch_compile_backend(None)
+        plugins.set_inductor_additional_configs({})
+
+
+def test_env_var_table_lists_every_variable():
+    assert set(envs.ENV_VARS) == {
+        "DYNAMO_ONCE_COMPILE_LEVEL", "DYNAMO_ONCE_CUSTOM_OPS", "DYNAMO_ONCE_USE_BYTECODE_HOOK",
+        "DYNAMO_ONCE_DEBUG", "DYNAMO_ONCE_DEBUG_DUMP_PATH",
+    }
