@@ -1,0 +1,165 @@
+"""Shared benchmark helpers: environment header, GPU timing, copy-bandwidth ceiling, tables, CSV, plots.
+
+Every result file states the device, torch (and Triton) version and date.
+Results go to ``benchmarks/results/`` unless ``out_dir`` is given.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+
+def env_header(device: torch.device | str | None = None) -> str:
+    """One line: device, torch, Triton (if importable), Python, UTC date."""
+    try:
+        import triton
+
+        tri = f", triton {triton.__version__}"
+    except ImportError:
+        tri = ""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"{device_name(device)}, torch {torch.__version__}{tri}, Python {platform.python_version()}, "
+            f"{date}")
+
+
+def bench_gpu(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100, cuda_graph: bool = False,
+              graph_iters: int = 20) -> float:
+    """Median µs per call of ``fn`` on the current CUDA stream, timed with CUDA events.
+
+    With ``cuda_graph=True``, ``graph_iters`` calls are captured into one CUDA
+    graph and replays are timed, which removes CPU launch latency (the
+    serving regime for small batches).
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if cuda_graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(graph_iters):
+                fn()
+        run, per = g.replay, graph_iters
+    else:
+        run, per = fn, 1
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(max(5, iters // per)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = bench_gpu(lambda: dst.copy_(src), warmup=3, iters=20)
+    del src, dst
+    return nbytes / (us * 1e-6) / 1e9
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1e-2 and v != 0 else str(v)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    columns = list(columns or (rows[0].keys() if rows else []))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, *,
+                  title: str = "", notes: Sequence[str] = (), device: torch.device | str | None = None,
+                  out_dir: str | None = None) -> str:
+    """Print a Markdown table and save ``<name>.csv`` and ``<name>.md``; returns the Markdown."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    columns = list(columns or (rows[0].keys() if rows else []))
+    header = env_header(device)
+    md = "\n".join([f"# {title or name}", "", header, "", markdown_table(rows, columns), "",
+                    *[f"- {n}" for n in notes]]) + "\n"
+    print(md)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+        f.write(f"# {header}\n")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return md
+
+
+def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, title: str = "",
+               xlabel: str = "", ylabel: str = "", logx: bool = False, logy: bool = False,
+               hlines: dict[str, float] | None = None, out_dir: str | None = None) -> str | None:
+    """Save ``<name>.png``: ``y`` against ``x``, one line per value of ``series``; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'dynamo-once[bench]')")
+        return None
+    out_dir = out_dir or RESULTS_DIR
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in dict.fromkeys(r[series] for r in rows):
+        pts = [(r[x], r[y]) for r in rows if r[series] == s and r[y] not in ("", None)]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(s))
+    for label, value in (hlines or {}).items():
+        ax.axhline(value, linestyle="--", color="gray")
+        ax.annotate(label, (ax.get_xlim()[0], value), fontsize=8, va="bottom")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    ax.set_title(title or name, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
