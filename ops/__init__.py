@@ -1,0 +1,80 @@
+"""dynamo-once's custom ops: Triton kernels registered as ``torch.ops.dynamo_once.*``, their
+``CustomOp`` modules (switched per op by ``CompilationConfig.custom_ops``) and fp32 references.
+
+Triton is optional: without it every op runs its reference on any device.
+"""
+
+from ._triton import HAS_TRITON
+from .custom_op import CustomOp, OpStatus, enabled_custom_ops, parse_custom_ops, uses_inductor
+from .gelu_and_mul import GeluAndMul, gelu_and_mul, gelu_and_mul_ref
+from .quant_fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    QuantFP8,
+    dynamic_scaled_fp8_quant,
+    dynamic_scaled_fp8_quant_ref,
+    static_scaled_fp8_quant,
+    static_scaled_fp8_quant_ref,
+)
+from .rms_norm import (
+    GemmaRMSNorm,
+    RMSNorm,
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    gemma_fused_add_rms_norm,
+    gemma_rms_norm,
+    rms_norm,
+    rms_norm_ref,
+)
+from .rotary_embedding import RotaryEmbedding, compute_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
+
+#: every op registered under ``torch.ops.dynamo_once``
+TORCH_OP_NAMES = (
+    "rms_norm",
+    "gemma_rms_norm",
+    "fused_add_rms_norm",
+    "gemma_fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "rotary_embedding",
+    "static_scaled_fp8_quant",
+    "dynamic_scaled_fp8_quant",
+)
+
+__all__ = [
+    "HAS_TRITON",
+    "TORCH_OP_NAMES",
+    "CustomOp",
+    "OpStatus",
+    "enabled_custom_ops",
+    "parse_custom_ops",
+    "uses_inductor",
+    "rms_norm",
+    "gemma_rms_norm",
+    "fused_add_rms_norm",
+    "gemma_fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "rotary_embedding",
+    "compute_cos_sin_cache",
+    "static_scaled_fp8_quant",
+    "dynamic_scaled_fp8_quant",
+    "RMSNorm",
+    "GemmaRMSNorm",
+    "SiluAndMul",
+    "GeluAndMul",
+    "RotaryEmbedding",
+    "QuantFP8",
+    "rms_norm_ref",
+    "fused_add_rms_norm_ref",
+    "silu_and_mul_ref",
+    "gelu_and_mul_ref",
+    "rotary_embedding_ref",
+    "static_scaled_fp8_quant_ref",
+    "dynamic_scaled_fp8_quant_ref",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "MIN_SCALE",
+]

@@ -1,0 +1,252 @@
+"""RMSNorm (Llama and Gemma forms), with and without the fused residual add.
+
+Conventions (``rms_norm_ref`` is the definition; everything is computed in fp32
+and cast back to the input dtype once, at the end):
+
+- Llama: ``y = x * rsqrt(mean(x**2) + eps) * weight``;
+- Gemma: ``y = x * rsqrt(mean(x**2) + eps) * (1 + weight)``: Gemma checkpoints
+  store ``weight - 1``, and ``1 + weight`` is formed in fp32 (in bf16, 1 + w
+  would lose w's low bits);
+- fused add: ``s = (x + residual)`` rounded to the input dtype, then
+  ``(rms_norm(s), s)``. Normalizing the *rounded* sum (as vLLM's CUDA kernel
+  does) makes the fused op equal the unfused ``residual = x + residual;
+  norm(residual)`` that a model without the fusion computes.
+
+The Triton kernel handles all four forms; each row is read once, normalized
+in registers, written once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import wrap_triton
+
+from ._triton import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from .custom_op import CustomOp
+
+__all__ = [
+    "rms_norm",
+    "gemma_rms_norm",
+    "fused_add_rms_norm",
+    "gemma_fused_add_rms_norm",
+    "RMSNorm",
+    "GemmaRMSNorm",
+    "rms_norm_ref",
+]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    res_row_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # A [ROWS, BLOCK_N] tile: several short rows per program keep enough bytes
+    # in flight per SM when the hidden size is small.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    out_offs = rows[:, None] * n_cols + cols[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
+        # Round the sum to the input dtype before normalizing it (module docstring).
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + out_offs, s, mask=mask)
+        xf = s.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = 1.0 + w
+    y = xf * rstd[:, None] * w[None, :]
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_config(n_cols: int, element_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for a row of ``n_cols`` elements.
+
+    Depends on the hidden size only (static under torch.compile), never on the
+    token count, so the choice adds no guard on a symbolic size.
+    """
+    block_n = next_power_of_2(n_cols)
+    # ~16 KiB of input per program: 4096 bf16 columns -> 2 rows, 8192 -> 1.
+    rows = max(1, min(16384 // (block_n * element_size), 64))
+    # 16 B (one vector) per thread per row at least; 4-16 warps.
+    elems = block_n * rows
+    num_warps = min(max(elems * element_size // (16 * 32 * 4), 4), 16)
+    return block_n, rows, num_warps
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_cols = x.shape[-1]
+    weight = weight.contiguous()
+    # Rows may be strided (a slice of a wider tensor); the last dim must be dense.
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, n_cols).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = None
+    r2 = x2
+    if residual is not None:
+        r2 = residual if residual.dim() == 2 and residual.stride(-1) == 1 else residual.reshape(-1, n_cols).contiguous()
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x2.shape[0]
+    block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size())
+    wrap_triton(_rms_norm_kernel)[(cdiv(n_rows, rows),)](
+        x2,
+        r2,
+        weight,
+        out,
+        out if res_out is None else res_out,
+        n_rows,
+        n_cols,
+        x2.stride(0),
+        r2.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        GEMMA=gemma,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        num_warps=num_warps,
+    )
+    return out, res_out
+
+
+@triton_op("dynamo_once::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps)
+    return _launch_rms_norm(x, None, weight, eps, gemma=False)[0]
+
+
+@triton_op("dynamo_once::gemma_rms_norm", mutates_args=())
+def _gemma_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps, gemma=True)
+    return _launch_rms_norm(x, None, weight, eps, gemma=True)[0]
+
+
+@triton_op("dynamo_once::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _launch_rms_norm(x, residual, weight, eps, gemma=False)  # type: ignore[return-value]
+
+
+@triton_op("dynamo_once::gemma_fused_add_rms_norm", mutates_args=())
+def _gemma_fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return fused_add_rms_norm_ref(x, residual, weight, eps, gemma=True)
+    return _launch_rms_norm(x, residual, weight, eps, gemma=True)  # type: ignore[return-value]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last dim, in fp32, cast to ``x.dtype``."""
+    return torch.ops.dynamo_once.rms_norm(x, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """As :func:`rms_norm` with the Gemma weight, ``x_normed * (1 + weight)``."""
+    return torch.ops.dynamo_once.gemma_rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(s), s)`` with ``s = x + residual`` rounded to ``x.dtype``. Inputs are not modified."""
+    return torch.ops.dynamo_once.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def gemma_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`fused_add_rms_norm` with the Gemma weight."""
+    return torch.ops.dynamo_once.gemma_fused_add_rms_norm(x, residual, weight, eps)
+
+
+@CustomOp.register("rms_norm")
+class RMSNorm(CustomOp):
+    """Llama RMSNorm; ``forward(x, residual=None)`` returns ``normed`` or ``(normed, x + residual)``.
+
+    Args:
+        hidden_size: size of the last dim.
+        eps: added to the mean square.
+        dtype: the weight's dtype (default: torch's default dtype).
+    """
+
+    gemma = False
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        # Python float: an fp64 0-dim tensor would promote the fp32 math under Inductor.
+        self.variance_epsilon = float(eps)
+        init = torch.zeros if self.gemma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.variance_epsilon, gemma=self.gemma)
+        return fused_add_rms_norm_ref(x, residual, self.weight, self.variance_epsilon, gemma=self.gemma)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            op = gemma_rms_norm if self.gemma else rms_norm
+            return op(x, self.weight, self.variance_epsilon)
+        fused = gemma_fused_add_rms_norm if self.gemma else fused_add_rms_norm
+        return fused(x, residual, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+@CustomOp.register("gemma_rms_norm")
+class GemmaRMSNorm(RMSNorm):
+    """Gemma RMSNorm, ``x_normed * (1 + weight)``; the weight starts at zero (checkpoints store ``w - 1``)."""
+
+    gemma = True
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """The fp32 reference: see the module docstring for the Llama and Gemma conventions."""
+    xf = x.float()
+    w = weight.float()
+    if gemma:
+        w = 1.0 + w
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * w
+    return y.to(x.dtype).contiguous()
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference of the fused add: ``s = (x + residual).to(x.dtype)``, then ``(rms_norm_ref(s), s)``."""
+    s = (x.float() + residual.float()).to(x.dtype).contiguous()
+    return rms_norm_ref(s, weight, eps, gemma=gemma), s

@@ -1,0 +1,290 @@
+"""Rotary position embedding applied to q and k, NeoX (rotate halves) or GPT-J (rotate pairs) style.
+
+``cos_sin_cache`` is ``[max_position, rotary_dim]``: cos of each frequency in
+the first half of a row, sin in the second (vLLM's layout), built by
+:func:`compute_cos_sin_cache` (plain RoPE, linear, or Llama-3 frequency
+scaling). Only the first ``rotary_dim`` dims of each head rotate; the rest
+pass through. ``rotary_embedding_ref`` is the definition, in fp32, cast back
+once; unlike vLLM's in-place kernel the op returns new tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.library import wrap_triton
+
+from ._triton import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from .custom_op import CustomOp
+
+__all__ = ["rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref"]
+
+
+@triton.jit
+def _rotary_embedding_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_row_stride,
+    k_row_stride,
+    cache_row_stride,
+    n_q_heads,
+    n_k_heads,
+    HEAD_SIZE: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    # Axis 0: one token; axis 1: a block of heads, q's heads first, then k's.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_q = (heads < n_q_heads)[:, None]
+    head_mask = (heads < n_q_heads + n_k_heads)[:, None]
+    in_base = tl.where(
+        is_q,
+        q_ptr + t * q_row_stride + heads[:, None] * HEAD_SIZE,
+        k_ptr + t * k_row_stride + (heads - n_q_heads)[:, None] * HEAD_SIZE,
+    )
+    out_base = tl.where(
+        is_q,
+        q_out_ptr + t * (n_q_heads * HEAD_SIZE) + heads[:, None] * HEAD_SIZE,
+        k_out_ptr + t * (n_k_heads * HEAD_SIZE) + (heads - n_q_heads)[:, None] * HEAD_SIZE,
+    )
+
+    half = tl.arange(0, BLOCK_HALF)
+    half_mask = half < ROT_DIM // 2
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cache_ptr + pos * cache_row_stride + half, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_ptr + pos * cache_row_stride + ROT_DIM // 2 + half, mask=half_mask, other=0.0)
+    sin = sin.to(tl.float32)[None, :]
+    if IS_NEOX:
+        i1 = half[None, :]
+        i2 = half[None, :] + ROT_DIM // 2
+    else:
+        i1 = 2 * half[None, :]
+        i2 = 2 * half[None, :] + 1
+    mask = head_mask & half_mask[None, :]
+    x1 = tl.load(in_base + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(in_base + i2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_base + i1, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_base + i2, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=mask)
+    if BLOCK_PASS > 0:
+        # Partial rotary (rotary_dim < head_size): copy the dims that do not rotate.
+        p = ROT_DIM + tl.arange(0, BLOCK_PASS)[None, :]
+        pmask = head_mask & (p < HEAD_SIZE)
+        tl.store(out_base + p, tl.load(in_base + p, mask=pmask), mask=pmask)
+
+
+def _heads_2d(x: torch.Tensor) -> torch.Tensor:
+    """``[T, n * head_size]`` with a dense last dim (a strided row, e.g. a slice of qkv, is fine)."""
+    x2 = x.flatten(1) if x.dim() == 3 else x
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rot_dim = cos_sin_cache.shape[-1]
+    pos = positions.reshape(-1)
+    q2, k2 = _heads_2d(q), _heads_2d(k)
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    n_q_heads, n_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size
+    block_half = next_power_of_2(rot_dim // 2)
+    # ~2048 elements per program: 8 heads of 128, enough to keep 4 warps' loads in flight.
+    block_h = min(next_power_of_2(n_q_heads + n_k_heads), max(1, 1024 // block_half))
+    pass_dims = head_size - rot_dim
+    wrap_triton(_rotary_embedding_kernel)[(pos.shape[0], cdiv(n_q_heads + n_k_heads, block_h))](
+        pos,
+        q2,
+        k2,
+        cache,
+        q_out,
+        k_out,
+        q2.stride(0),
+        k2.stride(0),
+        cache.stride(0),
+        n_q_heads,
+        n_k_heads,
+        HEAD_SIZE=head_size,
+        ROT_DIM=rot_dim,
+        IS_NEOX=is_neox,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims > 0 else 0,
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton_op("dynamo_once::rotary_embedding", mutates_args=())
+def _rotary_embedding_op(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(q):
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_size, is_neox)
+    return _launch_rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the angles of ``positions``; returns new ``(q, k)``.
+
+    Args:
+        positions: ``[T]`` integer positions, rows of ``cos_sin_cache``.
+        q: ``[T, n_q_heads * head_size]`` (or ``[T, n_q_heads, head_size]``).
+        k: ``[T, n_kv_heads * head_size]`` (or 3-d), same dtype as q.
+        cos_sin_cache: ``[max_position, rotary_dim]``, ``cat(cos, sin)`` per row.
+        head_size: per-head size; the first ``rotary_dim`` dims rotate.
+        is_neox: rotate the two halves (NeoX, Llama) rather than adjacent pairs (GPT-J).
+    """
+    return torch.ops.dynamo_once.rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox)
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
+        factor = float(rope_scaling["factor"])
+        low, high = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+        old_len = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+def compute_cos_sin_cache(
+    rotary_dim: int,
+    max_position: int,
+    base: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``[max_position, rotary_dim]``: ``cat(cos(p * f), sin(p * f))`` per position ``p``.
+
+    Frequencies ``f_i = base ** (-2i / rotary_dim)`` as in HF transformers
+    (computed in fp32, then cast to ``dtype``), optionally rescaled by
+    ``rope_scaling`` (an HF ``config.json`` dict: ``rope_type`` ``"default"``,
+    ``"linear"`` or ``"llama3"``).
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_scaling is not None:
+        inv_freq = _scaled_inv_freq(inv_freq, rope_scaling)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
+    """RoPE for one attention layer; ``forward(positions, q, k) -> (q, k)``, q and k ``[T, n_heads * head_size]``.
+
+    Args:
+        head_size: per-head size.
+        rotary_dim: leading dims of each head that rotate (``head_size`` for full RoPE).
+        max_position: rows of the cos/sin cache.
+        base: RoPE theta.
+        is_neox_style: rotate halves (True: Llama, Gemma) or adjacent pairs (GPT-J).
+        rope_scaling: HF ``rope_scaling`` dict (``linear``, ``llama3``), or None.
+        dtype: the cache's dtype (HF rounds cos/sin to the model dtype too); default torch's default dtype.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float = 10000.0,
+        is_neox_style: bool = True,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if rotary_dim > head_size or rotary_dim % 2:
+            raise ValueError(f"RotaryEmbedding: rotary_dim must be even and <= head_size; got {rotary_dim}, {head_size}")
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.is_neox_style = is_neox_style
+        self.rope_scaling = rope_scaling
+        cache = compute_cos_sin_cache(rotary_dim, max_position, base, rope_scaling, dtype or torch.get_default_dtype())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding_ref(positions, q, k, self.cos_sin_cache, self.head_size, self.is_neox_style)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, self.is_neox_style)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+            f"base={self.base}, is_neox_style={self.is_neox_style}, rope_scaling={self.rope_scaling}"
+        )
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` on each rotated pair."""
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rot_dim / 2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if xf.dim() == 2:
+            xf = xf.unflatten(-1, (-1, head_size))  # [T, n_heads, head_size]
+        x_rot, x_pass = xf[..., :rot_dim], xf[..., rot_dim:]
+        if is_neox:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((rotated, x_pass), dim=-1).reshape(x.shape).to(x.dtype).contiguous()
+
+    return rotate(q), rotate(k)
