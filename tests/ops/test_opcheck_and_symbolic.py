@@ -1,0 +1,98 @@
+"""Every registered ``torch.ops.dynamo_once`` op through ``torch.library.opcheck``, and under symbolic token counts."""
+
+import pytest
+import sympy
+import torch
+from ops_testing import DEVICES
+
+import ops
+from torch._dynamo.backends.registry import lookup_backend
+
+HEAD_SIZE = 64
+EPS = 1e-6
+
+
+def _samples(num_tokens: int, device: str) -> dict:
+    """torch op name -> (functional wrapper, args): one sample call per op; dim 0 of the first tensor is tokens."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    x, r, w = rand(num_tokens, 96), rand(num_tokens, 96), rand(96)
+    cache = ops.compute_cos_sin_cache(HEAD_SIZE, 4096, dtype=torch.bfloat16, device=device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    return {
+        "rms_norm": (ops.rms_norm, (x, w, EPS)),
+        "gemma_rms_norm": (ops.gemma_rms_norm, (x, w, EPS)),
+        "fused_add_rms_norm": (ops.fused_add_rms_norm, (x, r, w, EPS)),
+        "gemma_fused_add_rms_norm": (ops.gemma_fused_add_rms_norm, (x, r, w, EPS)),
+        "silu_and_mul": (ops.silu_and_mul, (x,)),
+        "gelu_and_mul": (ops.gelu_and_mul, (x, "tanh")),
+        "rotary_embedding": (
+            ops.rotary_embedding,
+            (positions, rand(num_tokens, 4 * HEAD_SIZE), rand(num_tokens, 2 * HEAD_SIZE), cache, HEAD_SIZE, True),
+        ),
+        "static_scaled_fp8_quant": (ops.static_scaled_fp8_quant, (x, torch.tensor([0.02], device=device))),
+        "dynamic_scaled_fp8_quant": (ops.dynamic_scaled_fp8_quant, (x,)),
+    }
+
+
+def test_every_registered_op_is_listed_and_sampled():
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("dynamo_once::")}
+    assert registered == set(ops.TORCH_OP_NAMES) == set(_samples(3, "cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ops.TORCH_OP_NAMES)
+def test_opcheck(device, name):
+    _, args = _samples(7, device)[name]
+    torch.library.opcheck(getattr(torch.ops.dynamo_once, name).default, args)
+
+
+class _RecordingBackend:
+    """Counts compiles and keeps each graph's ShapeEnv, to read the guards the compile left."""
+
+    def __init__(self, backend: str):
+        self.backend = lookup_backend(backend)
+        self.frame_count = 0
+        self.shape_envs = []
+
+    def __call__(self, gm, example_inputs):
+        self.frame_count += 1
+        self.shape_envs.append(torch._guards.detect_fake_mode(example_inputs).shape_env)
+        return self.backend(gm, example_inputs)
+
+
+def _pinned(shape_env) -> list:
+    """Guards or replacements that fix a symbolic size to a constant (``Eq(s0, 2048)``)."""
+    bad = [s for s, v in shape_env.replacements.items() if isinstance(v, sympy.Integer)]
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if isinstance(expr, sympy.Eq) and (expr.lhs.is_number or expr.rhs.is_number):
+            bad.append(expr)
+    return bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ops.TORCH_OP_NAMES)
+def test_symbolic_token_count(device, name):
+    """Compiled once with dim 0 dynamic, called with three token counts: one compile, no pinned size."""
+    backend = _RecordingBackend("inductor" if device == "cuda" else "aot_eager")
+    fn, _ = _samples(3, device)[name]
+
+    def f(*args):
+        return fn(*args)
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    for num_tokens in (3, 17, 64):
+        args = _samples(num_tokens, device)[name][1]
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == num_tokens:
+                torch._dynamo.mark_dynamic(a, 0)
+        expected = fn(*args)
+        out = compiled(*args)
+        for o, e in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)):
+            assert o.shape == e.shape
+    assert backend.frame_count == 1
+    assert _pinned(backend.shape_envs[0]) == []

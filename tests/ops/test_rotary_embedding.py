@@ -1,0 +1,144 @@
+import pytest
+import torch
+from ops_testing import DEVICES, DTYPE_IDS, DTYPES, NUM_TOKENS, assert_close, compiled
+
+import ops
+from dispatcher import CompilationConfig, set_compilation_config
+
+MAX_POSITION = 8192
+# (n_q_heads, n_kv_heads, head_size, rotary_dim): tiny, GPT-2-like, Llama-3-8B, partial rotary with an odd
+# head count, and a head size that is not a power of 2.
+HEADS = [(1, 1, 8, 8), (12, 4, 64, 64), (32, 8, 128, 128), (5, 1, 128, 64), (3, 1, 80, 32)]
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _inputs(t, heads, dtype, device, strided=True):
+    n_q, n_kv, hs, _ = heads
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=g).to(device)
+    # q and k as vLLM gets them: slices of the qkv projection, so their rows are strided.
+    qkv = torch.randn(t, (n_q + 2 * n_kv) * hs, generator=g).to(dtype).to(device)
+    q, k, _ = qkv.split([n_q * hs, n_kv * hs, n_kv * hs], dim=-1)
+    if not strided:
+        q, k = q.contiguous(), k.contiguous()
+    return positions, q, k
+
+
+def _params():
+    out = []
+    for dev in DEVICES:
+        device = dev.values[0]
+        for t in NUM_TOKENS:
+            for heads in HEADS:
+                for dt in DTYPES:
+                    if device == "cpu" and t == 4096 and heads[0] > 12 and dt != torch.bfloat16:
+                        continue
+                    out.append(pytest.param(device, t, heads, dt, marks=dev.marks, id=f"{device}-{t}-{heads}-{DTYPE_IDS[dt]}"))
+    return out
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("device,num_tokens,heads,dtype", _params())
+def test_rotary_embedding(device, num_tokens, heads, dtype, is_neox):
+    positions, q, k = _inputs(num_tokens, heads, dtype, device)
+    cache = ops.compute_cos_sin_cache(heads[3], MAX_POSITION, 500000.0, LLAMA3_SCALING, dtype, device)
+    q0, k0 = q.clone(), k.clone()
+    q_out, k_out = ops.rotary_embedding(positions, q, k, cache, heads[2], is_neox)
+    q_ref, k_ref = ops.rotary_embedding_ref(positions, q, k, cache, heads[2], is_neox)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # functional
+    if heads[3] < heads[2]:  # the dims past rotary_dim pass through unchanged
+        hs, rot = heads[2], heads[3]
+        assert torch.equal(q_out.unflatten(-1, (-1, hs))[..., rot:], q.unflatten(-1, (-1, hs))[..., rot:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_3d_inputs(device):
+    positions, q, k = _inputs(83, (12, 4, 64, 64), torch.bfloat16, device, strided=False)
+    cache = ops.compute_cos_sin_cache(64, MAX_POSITION, dtype=torch.bfloat16, device=device)
+    q3, k3 = q.unflatten(-1, (12, 64)), k.unflatten(-1, (4, 64))
+    q_out, k_out = ops.rotary_embedding(positions, q3, k3, cache, 64, True)
+    assert q_out.shape == q3.shape and k_out.shape == k3.shape
+    q_ref, k_ref = ops.rotary_embedding_ref(positions, q, k, cache, 64, True)
+    assert_close(q_out.flatten(1), q_ref)
+    assert_close(k_out.flatten(1), k_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("heads", [(12, 4, 64, 64), (3, 1, 80, 32)])
+def test_compiled(device, dtype, heads):
+    positions, q, k = _inputs(83, heads, dtype, device)
+    cache = ops.compute_cos_sin_cache(heads[3], MAX_POSITION, dtype=dtype, device=device)
+    out = compiled(lambda p, q, k: ops.rotary_embedding(p, q, k, cache, heads[2], True))(positions, q, k)
+    ref = ops.rotary_embedding_ref(positions, q, k, cache, heads[2], True)
+    assert_close(out[0], ref[0])
+    assert_close(out[1], ref[1])
+
+
+def test_reference_matches_transformers_llama():
+    """Our cache + NeoX rotation equal HF Llama's rotate_half formulation (fp32)."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    positions, q, k = _inputs(83, (4, 2, 64, 64), torch.float32, "cpu", strided=False)
+    cache = ops.compute_cos_sin_cache(64, MAX_POSITION, 10000.0)
+    cos, sin = cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]  # [1, T, 64]
+    # HF: q [B, n_heads, T, head_size]
+    q_hf, k_hf = (x.unflatten(-1, (-1, 64)).transpose(0, 1)[None] for x in (q, k))
+    q_exp, k_exp = llama.apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+    q_ref, k_ref = ops.rotary_embedding_ref(positions, q, k, cache, 64, True)
+    torch.testing.assert_close(q_ref, q_exp[0].transpose(0, 1).flatten(1))
+    torch.testing.assert_close(k_ref, k_exp[0].transpose(0, 1).flatten(1))
+
+
+def _hf_llama3_inv_freq(head_dim, base):
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+
+    fn = rope_utils.ROPE_INIT_FUNCTIONS["llama3"]
+    for kwargs in (
+        {"rope_parameters": {**LLAMA3_SCALING, "rope_theta": base}},  # transformers >= 5
+        {"rope_scaling": dict(LLAMA3_SCALING), "rope_theta": base},
+    ):
+        try:
+            cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, **kwargs)
+            return fn(cfg, "cpu")[0]
+        except Exception:  # the other transformers major version
+            continue
+    pytest.skip("no llama3 rope init in this transformers")
+
+
+def test_llama3_frequencies_match_transformers():
+    inv_freq = _hf_llama3_inv_freq(128, 500000.0)
+    cache = ops.compute_cos_sin_cache(128, 4, 500000.0, LLAMA3_SCALING)
+    # Row 1 holds cos(f), sin(f) for position 1.
+    torch.testing.assert_close(torch.atan2(cache[1, 64:], cache[1, :64]), inv_freq.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_bad_rope_scaling():
+    with pytest.raises(ValueError, match="rope_type"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ops.RotaryEmbedding(64, 65, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("custom_ops", [["all"], ["none"]])
+def test_module(device, custom_ops):
+    with set_compilation_config(CompilationConfig(level=0, custom_ops=custom_ops)):
+        rope = ops.RotaryEmbedding(128, 128, MAX_POSITION, 500000.0, True, LLAMA3_SCALING, torch.bfloat16).to(device)
+    assert rope.cos_sin_cache.shape == (MAX_POSITION, 128) and rope.cos_sin_cache.dtype == torch.bfloat16
+    assert "cos_sin_cache" not in rope.state_dict()  # rebuilt, not loaded from checkpoints
+    positions, q, k = _inputs(83, (32, 8, 128, 128), torch.bfloat16, device)
+    out = rope(positions, q, k)
+    ref = ops.rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, 128, True)
+    assert_close(out[0], ref[0])
+    assert_close(out[1], ref[1])
