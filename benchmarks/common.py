@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,11 +88,54 @@ def bench_gpu(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100, cuda
     return times[len(times) // 2]
 
 
+def bench_cpu(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20) -> float:
+    """Median µs per call of ``fn`` by wall clock (CPU runs, smoke tests of GPU benchmarks)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(fn: Callable[[], Any], device: torch.device | str, **kwargs: Any) -> float:
+    """:func:`bench_gpu` on CUDA (``kwargs`` passed on), else :func:`bench_cpu`."""
+    if torch.device(device).type == "cuda":
+        return bench_gpu(fn, **kwargs)
+    return bench_cpu(fn)
+
+
+def rotating(fn: Callable[..., Any], arg_sets: Sequence[tuple]) -> Callable[[], Any]:
+    """A no-argument callable that calls ``fn`` on ``arg_sets[0]``, ``[1]``, ... in turn.
+
+    Rotating through copies of the inputs whose total size exceeds the L2 cache
+    keeps repeated calls (and CUDA-graph captures of them) reading from DRAM,
+    as a layer of a real model does, instead of from a warm L2.
+    """
+    state = {"i": 0}
+
+    def call() -> Any:
+        args = arg_sets[state["i"] % len(arg_sets)]
+        state["i"] += 1
+        return fn(*args)
+
+    return call
+
+
+def copies_to_exceed_cache(nbytes: int, cache_bytes: int = 256 << 20, limit: int = 16) -> int:
+    """Power-of-2 number of input copies whose total exceeds ``cache_bytes`` (H200 L2: 50 MiB; 5x that), at most ``limit``."""
+    n = max(1, math.ceil(cache_bytes / max(nbytes, 1)))
+    return min(1 << (n - 1).bit_length(), limit)
+
+
 def measure_copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    """Copy bandwidth in GB/s, counting bytes read plus bytes written (``nbytes`` in all)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    us = bench_gpu(lambda: dst.copy_(src), warmup=3, iters=20)
+    us = bench(lambda: dst.copy_(src), device, warmup=3, iters=20)
     del src, dst
     return nbytes / (us * 1e-6) / 1e9
 
@@ -158,6 +203,49 @@ def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, ser
     ax.set_title(title or name, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, panel: str,
+                title: str = "", xlabel: str = "", ylabel: str = "", logx: bool = False, logy: bool = False,
+                hlines: dict[str, float] | None = None, out_dir: str | None = None) -> str | None:
+    """Save ``<name>.png``: one subplot per value of ``panel`` (side by side, shared y), each as :func:`plot_lines`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'dynamo-once[bench]')")
+        return None
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    panels = list(dict.fromkeys(r[panel] for r in rows))
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        prow = [r for r in rows if r[panel] == p]
+        for s in dict.fromkeys(r[series] for r in prow):
+            pts = [(r[x], r[y]) for r in prow if r[series] == s and r[y] not in ("", None)]
+            if pts:
+                ax.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", label=str(s))
+        for label, value in (hlines or {}).items():
+            ax.axhline(value, linestyle="--", color="gray")
+            ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(f"{panel} = {p}", fontsize=9)
+        ax.set_xlabel(xlabel or x)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(ylabel or y)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title or name, fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=120)

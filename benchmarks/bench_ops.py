@@ -1,0 +1,327 @@
+"""The custom ops against native eager and torch.compile of their references, on a bandwidth ceiling.
+
+For each op and tokens x hidden (bf16): correctness first (against the fp32
+reference: tolerance, fp8 bit-exact), then µs per call of
+
+- ours: ``torch.ops.dynamo_once.<op>`` (the Triton kernel);
+- eager: the native reference (``forward_native``) run eagerly;
+- compile: ``torch.compile`` of that reference (Inductor; token dim dynamic,
+  one compile per op and hidden size, size 1 specialized as Dynamo does);
+
+all three timed the same way: 32 calls captured in one CUDA graph, replays
+timed with CUDA events, inputs rotated through copies totalling >= 256 MiB so
+that reads come from DRAM rather than the 50 MiB L2. GB/s counts the bytes
+each op must move at least (inputs read once, outputs written once), and % of
+copy is against the device-to-device copy bandwidth measured in the same run.
+
+Usage: ``python benchmarks/bench_ops.py [--out DIR] [--quick] [--sweep]``;
+on a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ops  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+TOKENS = [1, 16, 256, 4096, 32768]
+HIDDEN = [2048, 4096, 8192]
+HEAD_SIZE = 128
+EPS = 1e-6
+GRAPH_ITERS = 32
+# Targets from the issue.
+BANDWIDTH_TARGET = 0.85  # of the copy bandwidth, at >= 4096 tokens x 4096 hidden
+BANDWIDTH_TARGET_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+LATENCY_TOKENS = 16  # at <= this many tokens: no slower than torch.compile, under CUDA-graph replay
+TOL = {torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+@dataclass
+class OpSpec:
+    name: str
+    make_args: Callable[[int, int, torch.dtype, str], tuple]
+    ours: Callable
+    ref: Callable
+    nbytes: Callable[[int, int, int], int]  # (tokens, hidden, element size) -> bytes moved at least
+    exact: bool = False
+
+
+def _rand(*shape, dtype, device):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def _rope_heads(hidden):
+    n_q = hidden // HEAD_SIZE
+    return n_q, max(1, n_q // 4)  # GQA 4:1 as Llama 3
+
+
+def _rope_args(t, h, dt, dev):
+    n_q, n_kv = _rope_heads(h)
+    cache = ops.compute_cos_sin_cache(HEAD_SIZE, 32768, 500000.0, dtype=dt, device=dev)
+    positions = torch.randint(0, 32768, (t,), device=dev)
+    return positions, _rand(t, n_q * HEAD_SIZE, dtype=dt, device=dev), _rand(t, n_kv * HEAD_SIZE, dtype=dt, device=dev), cache
+
+
+def _rope_bytes(t, h, s):
+    n_q, n_kv = _rope_heads(h)
+    return 2 * t * (n_q + n_kv) * HEAD_SIZE * s + t * 8 + t * HEAD_SIZE * s  # q, k in+out; positions; cache rows
+
+
+SPECS = [
+    OpSpec(
+        "rms_norm",
+        lambda t, h, dt, dev: (_rand(t, h, dtype=dt, device=dev), _rand(h, dtype=dt, device=dev)),
+        lambda x, w: ops.rms_norm(x, w, EPS),
+        lambda x, w: ops.rms_norm_ref(x, w, EPS),
+        lambda t, h, s: 2 * t * h * s + h * s,
+    ),
+    OpSpec(
+        "gemma_rms_norm",
+        lambda t, h, dt, dev: (_rand(t, h, dtype=dt, device=dev), _rand(h, dtype=dt, device=dev)),
+        lambda x, w: ops.gemma_rms_norm(x, w, EPS),
+        lambda x, w: ops.rms_norm_ref(x, w, EPS, gemma=True),
+        lambda t, h, s: 2 * t * h * s + h * s,
+    ),
+    OpSpec(
+        "fused_add_rms_norm",
+        lambda t, h, dt, dev: (
+            _rand(t, h, dtype=dt, device=dev),
+            _rand(t, h, dtype=dt, device=dev),
+            _rand(h, dtype=dt, device=dev),
+        ),
+        lambda x, r, w: ops.fused_add_rms_norm(x, r, w, EPS),
+        lambda x, r, w: ops.fused_add_rms_norm_ref(x, r, w, EPS),
+        lambda t, h, s: 4 * t * h * s + h * s,
+    ),
+    OpSpec(
+        "silu_and_mul",
+        lambda t, h, dt, dev: (_rand(t, 2 * h, dtype=dt, device=dev),),
+        ops.silu_and_mul,
+        ops.silu_and_mul_ref,
+        lambda t, h, s: 3 * t * h * s,
+    ),
+    OpSpec(
+        "gelu_and_mul",
+        lambda t, h, dt, dev: (_rand(t, 2 * h, dtype=dt, device=dev),),
+        lambda x: ops.gelu_and_mul(x, "tanh"),
+        lambda x: ops.gelu_and_mul_ref(x, "tanh"),
+        lambda t, h, s: 3 * t * h * s,
+    ),
+    OpSpec(
+        "rotary_embedding",
+        _rope_args,
+        lambda p, q, k, c: ops.rotary_embedding(p, q, k, c, HEAD_SIZE, True),
+        lambda p, q, k, c: ops.rotary_embedding_ref(p, q, k, c, HEAD_SIZE, True),
+        _rope_bytes,
+    ),
+    OpSpec(
+        "static_scaled_fp8_quant",
+        lambda t, h, dt, dev: (_rand(t, h, dtype=dt, device=dev), torch.tensor([0.02], device=dev)),
+        ops.static_scaled_fp8_quant,
+        ops.static_scaled_fp8_quant_ref,
+        lambda t, h, s: t * h * (s + 1),
+        exact=True,
+    ),
+    OpSpec(
+        "dynamic_scaled_fp8_quant",
+        lambda t, h, dt, dev: (_rand(t, h, dtype=dt, device=dev),),
+        ops.dynamic_scaled_fp8_quant,
+        ops.dynamic_scaled_fp8_quant_ref,
+        lambda t, h, s: t * h * (s + 1),  # the kernel reads x twice (amax, then quantize); counted once
+        exact=True,
+    ),
+]
+
+
+def _check(spec: OpSpec, out, expected) -> bool:
+    outs = out if isinstance(out, tuple) else (out,)
+    exps = expected if isinstance(expected, tuple) else (expected,)
+    for o, e in zip(outs, exps):
+        if spec.exact or o.dtype == ops.FP8_DTYPE:
+            a, b = (o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == ops.FP8_DTYPE else (o, e)
+            if not torch.equal(a, b):
+                return False
+        elif not torch.allclose(o.float(), e.float(), **TOL.get(e.dtype, TOL[torch.bfloat16])):
+            return False
+    return True
+
+
+def _mark_tokens_dynamic(args: tuple, t: int) -> None:
+    if t < 2:  # size 1 is specialized by Dynamo whatever we mark
+        return
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == t:
+            torch._dynamo.mark_dynamic(a, 0)
+
+
+def run(
+    tokens: list[int],
+    hidden: list[int],
+    names: list[str],
+    device: str,
+    dtype: torch.dtype,
+    on_op_done: Callable[[list, float], None] = lambda rows, copy_gbps: None,
+) -> tuple[list, float]:
+    copy_gbps = common.measure_copy_bandwidth(device=device) if device == "cuda" else common.measure_copy_bandwidth(
+        256 << 20, device=device
+    )
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    rows = []
+    for spec in [s for s in SPECS if s.name in names]:
+        for h in hidden:
+            compiled_ref = torch.compile(spec.ref, fullgraph=True)
+            for t in tokens:
+                torch.manual_seed(0)
+                args = spec.make_args(t, h, dtype, device)
+                _mark_tokens_dynamic(args, t)
+                ok = _check(spec, spec.ours(*args), spec.ref(*args)) and _check(spec, compiled_ref(*args), spec.ref(*args))
+                nbytes = spec.nbytes(t, h, torch.tensor([], dtype=dtype).element_size())
+                n_copies = common.copies_to_exceed_cache(nbytes) if device == "cuda" else 1
+                arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+                times = {}
+                for label, fn in (("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref)):
+                    times[label] = common.bench(
+                        common.rotating(fn, arg_sets), device, cuda_graph=True, graph_iters=GRAPH_ITERS, iters=200
+                    )
+                del arg_sets
+                gbps = nbytes / (times["ours"] * 1e-6) / 1e9
+                row = {
+                    "op": spec.name,
+                    "tokens": t,
+                    "hidden": h,
+                    "MB": round(nbytes / 1e6, 3),
+                    "ours_us": round(times["ours"], 2),
+                    "ours_GBps": round(gbps),
+                    "pct_copy": round(100 * gbps / copy_gbps, 1),
+                    "eager_us": round(times["eager"], 2),
+                    "compile_us": round(times["compile"], 2),
+                    "compile_pct_copy": round(100 * nbytes / (times["compile"] * 1e-6) / 1e9 / copy_gbps, 1),
+                    "x_vs_eager": round(times["eager"] / times["ours"], 2),
+                    "x_vs_compile": round(times["compile"] / times["ours"], 2),
+                    "correct": ok,
+                }
+                rows.append(row)
+                print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            torch._dynamo.reset()
+        on_op_done(rows, copy_gbps)
+    return rows, copy_gbps
+
+
+def targets(rows: list, copy_gbps: float) -> list[str]:
+    """One line per target of the issue, with PASS/MISS and the figure."""
+    lines = []
+    for r in rows:
+        if r["op"] in BANDWIDTH_TARGET_OPS and r["tokens"] >= 4096 and r["hidden"] >= 4096:
+            verdict = "PASS" if r["pct_copy"] >= 100 * BANDWIDTH_TARGET else "MISS"
+            lines.append(
+                f"{verdict} bandwidth {r['op']} {r['tokens']}x{r['hidden']}: {r['ours_GBps']} GB/s = "
+                f"{r['pct_copy']}% of copy (target >= {100 * BANDWIDTH_TARGET:.0f}%)"
+            )
+    for r in rows:
+        if r["tokens"] <= LATENCY_TOKENS:
+            verdict = "PASS" if r["ours_us"] <= r["compile_us"] else "MISS"
+            lines.append(
+                f"{verdict} latency {r['op']} {r['tokens']}x{r['hidden']}: ours {r['ours_us']} us vs compile "
+                f"{r['compile_us']} us"
+            )
+    bad = [f"{r['op']} {r['tokens']}x{r['hidden']}" for r in rows if not r["correct"]]
+    lines.append("PASS correctness: all" if not bad else f"FAIL correctness: {', '.join(bad)}")
+    return lines
+
+
+def sweep(device: str, out_dir: str) -> None:
+    """Time the row kernels over (ROWS, num_warps) at the bandwidth-target sizes, to choose the heuristics."""
+    rms = importlib.import_module("ops.rms_norm")
+    act = importlib.import_module("ops.silu_and_mul")
+    copy_gbps = common.measure_copy_bandwidth(device=device)
+    rows = []
+    for t, h in ((4096, 4096), (32768, 4096)):
+        x, r = torch.randn(t, h, device=device, dtype=torch.bfloat16), torch.randn(t, h, device=device, dtype=torch.bfloat16)
+        w = torch.randn(h, device=device, dtype=torch.bfloat16)
+        x2 = torch.randn(t, 2 * h, device=device, dtype=torch.bfloat16)
+        block = triton_next_pow2(h)
+        kernels = {
+            "rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], None, a[2], EPS, False, cfg), (x, r, w), 2 * t * h * 2),
+            "fused_add_rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg), (x, r, w), 4 * t * h * 2),
+            "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], cfg), (x2,), 3 * t * h * 2),
+        }
+        for name, (launch, args, nbytes) in kernels.items():
+            n_copies = common.copies_to_exceed_cache(nbytes)
+            arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+            default = rms.rms_norm_config(h, 2) if name != "silu_and_mul" else act.act_and_mul_config(h, 2)
+            for rows_per in (1, 2, 4):
+                for warps in (4, 8, 16):
+                    blk = block if name != "silu_and_mul" else min(block, 8192 // rows_per)
+                    if name == "silu_and_mul" and blk * rows_per > 16384:
+                        continue
+                    cfg = (blk, rows_per, warps)
+                    try:
+                        us = common.bench_gpu(
+                            common.rotating(lambda *a, cfg=cfg: launch(cfg, a), arg_sets), cuda_graph=True,
+                            graph_iters=GRAPH_ITERS, iters=200,
+                        )
+                    except Exception as e:  # a config Triton cannot build (too many registers)
+                        print(f"sweep {name} {t}x{h} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    gbps = nbytes / (us * 1e-6) / 1e9
+                    rows.append({"op": name, "tokens": t, "hidden": h, "BLOCK": blk, "ROWS": rows_per, "warps": warps,
+                                 "us": round(us, 2), "pct_copy": round(100 * gbps / copy_gbps, 1),
+                                 "default": cfg == default})
+                    print(rows[-1], flush=True)
+    common.write_results("bench_ops_sweep", rows, title="Row-kernel configs (bf16, CUDA-graph replay)",
+                         notes=[f"copy bandwidth {copy_gbps:.0f} GB/s"], out_dir=out_dir)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--quick", action="store_true", help="small sizes (default when there is no CUDA)")
+    p.add_argument("--sweep", action="store_true", help="only sweep the row kernels' (ROWS, num_warps) (CUDA)")
+    p.add_argument("--ops", default=",".join(s.name for s in SPECS))
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = args.quick or device == "cpu"
+    tokens, hidden = ([1, 16, 256], [2048]) if quick else (TOKENS, HIDDEN)
+    names = [n.strip() for n in args.ops.split(",") if n.strip()]
+    name = "bench_ops" if not quick else f"bench_ops_quick_{device}"
+    print(common.env_header(device), flush=True)
+    if args.sweep:
+        sweep(device, args.out)
+        return
+
+    def save(rows: list, copy_gbps: float) -> None:
+        notes = [
+            f"device copy bandwidth (1 GiB copy, read + write): {copy_gbps:.0f} GB/s; pct_copy = ours GB/s / that",
+            "bf16; MB = bytes the op must move at least (inputs once, outputs once)",
+            f"all columns timed under CUDA-graph replay ({GRAPH_ITERS} calls per graph), inputs rotated over >= 256 MiB"
+            if device == "cuda" else "CPU smoke run: wall clock, ours = the reference through torch.ops",
+            "eager = the fp32 native reference; compile = torch.compile(reference), Inductor, dynamic token dim",
+            f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
+            *targets(rows, copy_gbps),
+        ]
+        # Saved after every op, so a run cut short still leaves its results.
+        common.write_results(name, rows, title="dynamo-once custom ops (bf16)", notes=notes, device=device,
+                             out_dir=args.out)
+        common.plot_panels(name, rows, x="tokens", y="pct_copy", series="op", panel="hidden",
+                           title=f"ours: % of copy bandwidth ({copy_gbps:.0f} GB/s), bf16, {common.env_header(device)}",
+                           ylabel="% of copy bandwidth", logx=True, hlines={"85%": 85.0}, out_dir=args.out)
+
+    run(tokens, hidden, names, device, torch.bfloat16, save)
+
+
+if __name__ == "__main__":
+    main()
