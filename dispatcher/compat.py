@@ -91,8 +91,22 @@ def mark_dynamic(t: torch.Tensor, dims: list[int]) -> None:
     torch._dynamo.mark_dynamic(t, dims)
 
 
+@torch._dynamo.assume_constant_result
+def _tracing_on_this_thread() -> bool:
+    """Whether this thread is inside a Dynamo trace (TracingContext and CompileContext are thread-local)."""
+    from torch._guards import CompileContext, TracingContext
+
+    return TracingContext.try_get() is not None or CompileContext.try_get() is not None
+
+
 def is_compiling() -> bool:
-    return torch.compiler.is_compiling()
+    """``torch.compiler.is_compiling()``, but true only on the thread being traced.
+
+    torch's flag is process-wide: while one thread compiles, another thread's
+    eager call would see it set (seen on torch 2.13) and take the path meant
+    for an outer trace. Dynamo folds both calls to True while tracing.
+    """
+    return torch.compiler.is_compiling() and _tracing_on_this_thread()
 
 
 def bytecode_hooks() -> list[Any]:

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["TorchCompileWrapperWithCustomDispatcher"]
 
 _UNBOUND = object()
+# Serializes traces by dynamo-once instances. Dynamo is not safe for concurrent traces: while one
+# thread traces under FakeTensorMode, a frame arriving on another thread can be marked "skip"
+# for good (torch's global in-a-dispatch-mode flag), and that instance would never be captured.
+_TRACE_LOCK = threading.RLock()
 # Guards the swap of a shared function's __code__ (dispatch_to_code), per function.
 _swap_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _swap_locks_lock = threading.Lock()
@@ -109,7 +113,8 @@ class TorchCompileWrapperWithCustomDispatcher:
         self.compiled_codes: list[types.CodeType] = []
         self.use_custom_dispatcher: bool = level >= CompilationLevel.DYNAMO_ONCE and config.use_bytecode_hook
         self._do_function = function
-        self._do_bound = bound_to
+        # object.__setattr__: an nn.Module would register the module it is bound to (itself) as a child.
+        object.__setattr__(self, "_do_bound", bound_to)
         self._do_name = function.__qualname__
         self._do_signature = inspect.signature(function)
         self._do_dynamic_arg_dims = dynamic_arg_dims
@@ -158,7 +163,10 @@ class TorchCompileWrapperWithCustomDispatcher:
 
     @contextlib.contextmanager
     def _capturing(self) -> Iterator[None]:
-        """Register a bytecode hook for this instance for the duration of one compiled call."""
+        """Register a bytecode hook for this instance for the duration of one compiled call.
+
+        Held by at most one thread at a time (see ``_TRACE_LOCK``).
+        """
         ref = weakref.ref(self)
         thread = threading.get_ident()
         codes = (self._do_traced_code, self.original_code_object)
@@ -171,13 +179,14 @@ class TorchCompileWrapperWithCustomDispatcher:
                 owner.bytecode_hook(old_code, new_code)
             return None
 
-        with compat.compile_lock():
-            handle = compat.register_bytecode_hook(hook)
-        try:
-            yield
-        finally:
+        with _TRACE_LOCK:
             with compat.compile_lock():
-                handle.remove()
+                handle = compat.register_bytecode_hook(hook)
+            try:
+                yield
+            finally:
+                with compat.compile_lock():
+                    handle.remove()
 
     # --------------------------------------------------------- dispatching
     def dispatch_fn(self, index: int) -> Callable[..., Any]:

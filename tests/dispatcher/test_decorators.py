@@ -45,6 +45,15 @@ def test_decorated_class_is_the_same_class_with_the_mixin():
     assert MLP._dynamo_once_dynamic_arg_dims == {"x": [0], "residual": [0]}
 
 
+def test_decorated_module_is_still_an_ordinary_module(level):
+    with level(2):
+        m = MLP()
+    m(torch.randn(4, 16))
+    assert [name for name, _ in m.named_modules()] == ["", "up", "down"]
+    assert set(m.state_dict()) == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    m.to(torch.float64).to(torch.float32)  # walks children: must not recurse into the dispatcher
+
+
 @pytest.mark.parametrize("lvl", [0, 1, 2, 3])
 def test_levels_agree_with_eager(level, lvl):
     with level(lvl):
