@@ -157,10 +157,9 @@ def _check(spec: OpSpec, out, expected) -> bool:
 
 
 def _mark_tokens_dynamic(args: tuple, t: int) -> None:
-    if t < 2:  # size 1 is specialized by Dynamo whatever we mark
-        return
+    """Dim 0 of the token-indexed inputs: 2-d activations and 1-d integer positions (not a weight of size t)."""
     for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == t:
+        if isinstance(a, torch.Tensor) and a.shape[:1] == (t,) and (a.dim() >= 2 or not a.is_floating_point()):
             torch._dynamo.mark_dynamic(a, 0)
 
 
@@ -177,14 +176,17 @@ def run(
     )
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
     rows = []
-    for spec in [s for s in SPECS if s.name in names]:
+    for spec in sorted((s for s in SPECS if s.name in names), key=lambda s: s.name not in BANDWIDTH_TARGET_OPS):
         for h in hidden:
             compiled_ref = torch.compile(spec.ref, fullgraph=True)
             for t in tokens:
                 torch.manual_seed(0)
                 args = spec.make_args(t, h, dtype, device)
                 _mark_tokens_dynamic(args, t)
-                ok = _check(spec, spec.ours(*args), spec.ref(*args)) and _check(spec, compiled_ref(*args), spec.ref(*args))
+                # Ours against the reference (fp8 bit-exact). Inductor's own division is approximate, so the
+                # compiled reference is not held to that.
+                ok = _check(spec, spec.ours(*args), spec.ref(*args))
+                compiled_ref(*args)
                 nbytes = spec.nbytes(t, h, torch.tensor([], dtype=dtype).element_size())
                 n_copies = common.copies_to_exceed_cache(nbytes) if device == "cuda" else 1
                 arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
@@ -297,6 +299,11 @@ def main() -> None:
     quick = args.quick or device == "cpu"
     tokens, hidden = ([1, 16, 256], [2048]) if quick else (TOKENS, HIDDEN)
     names = [n.strip() for n in args.ops.split(",") if n.strip()]
+    # One compile per op and hidden size for every token count, 1 included (Dynamo would specialize size 1).
+    import torch.fx.experimental._config as fx_config
+
+    if hasattr(fx_config, "backed_size_oblivious"):
+        fx_config.backed_size_oblivious = True
     name = "bench_ops" if not quick else f"bench_ops_quick_{device}"
     print(common.env_header(device), flush=True)
     if args.sweep:

@@ -65,11 +65,14 @@ class _RecordingBackend:
 
 
 def _pinned(shape_env) -> list:
-    """Guards or replacements that fix a symbolic size to a constant (``Eq(s0, 2048)``)."""
+    """Guards or replacements that fix a symbolic size to a constant (``Eq(s0, 2048)``).
+
+    Other guards (``Eq(Mod(96*s0, 16), 0)`` for alignment, ranges) leave the size free.
+    """
     bad = [s for s, v in shape_env.replacements.items() if isinstance(v, sympy.Integer)]
     for guard in shape_env.guards:
         expr = guard.expr
-        if isinstance(expr, sympy.Eq) and (expr.lhs.is_number or expr.rhs.is_number):
+        if isinstance(expr, sympy.Eq) and any(a.is_Symbol for a in expr.args) and any(a.is_number for a in expr.args):
             bad.append(expr)
     return bad
 
