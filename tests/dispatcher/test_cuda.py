@@ -1,0 +1,99 @@
+"""CUDA variants of the dispatch-core tests (run on the GPU machine)."""
+
+import threading
+
+import pytest
+import torch
+
+from dispatcher import (
+    InputMismatchError,
+    ShapeGuardError,
+    compilation_counter,
+    compile_once,
+    support_torch_compile,
+)
+
+pytestmark = pytest.mark.cuda
+
+
+@support_torch_compile
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int = 256):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def reference(m, x):
+    return x + m.down(torch.nn.functional.gelu(m.up(m.norm(x))))
+
+
+@pytest.mark.parametrize("lvl", [1, 2, 3, 4])
+@torch.no_grad()
+def test_levels_on_cuda_match_eager(level, lvl):
+    with level(lvl):
+        m = Block().cuda().to(torch.bfloat16)
+    for n in (64, 1, 7, 300):
+        x = torch.randn(n, 256, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(m(x), reference(m, x), rtol=2e-2, atol=2e-2)
+    if lvl >= 2:
+        assert len(m.compiled_codes) == 1
+
+
+@torch.no_grad()
+def test_traced_once_on_cuda(level):
+    with level(3):
+        m = Block().cuda()
+    with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=1, num_dispatched_calls=3):
+        for n in (16, 1, 5, 4096):
+            m(torch.randn(n, 256, device="cuda"))
+
+
+@torch.no_grad()
+def test_device_mismatch_is_named(level):
+    with level(2):
+        m = Block().cuda()
+    m(torch.randn(8, 256, device="cuda"))
+    with pytest.raises(InputMismatchError, match=r"argument 'x' was traced as .* on cuda:0.*tensor on cpu"):
+        m(torch.randn(8, 256))
+
+
+@torch.no_grad()
+def test_debug_shape_guard_on_cuda(level):
+    @compile_once
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.shape[0] > 8 else x * 3
+
+    with level(3, debug=True):
+        torch.testing.assert_close(f(torch.ones(16, 4, device="cuda")), torch.full((16, 4), 2.0, device="cuda"))
+        with pytest.raises(ShapeGuardError):
+            f(torch.ones(4, 4, device="cuda"))
+
+
+@torch.no_grad()
+def test_threads_on_cuda(level):
+    with level(3):
+        ms = [Block().cuda() for _ in range(3)]
+    errors = []
+
+    def work(m, seed):
+        try:
+            with torch.no_grad():
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                for i in range(20):
+                    x = torch.randn(2 + (i * 7 + seed) % 50, 256, device="cuda", generator=g)
+                    torch.testing.assert_close(m(x), reference(m, x), rtol=1e-3, atol=1e-3)
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(ms[i % 3], i)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(len(m.compiled_codes) == 1 for m in ms)
