@@ -118,6 +118,40 @@ class InputChecker:
         self.pos_specs = [specs.get(n) for n in names[: self.n_pos]]
         self.pos_specs = [(i, s) for i, s in enumerate(self.pos_specs) if s is not None]
         self.kw_specs = [(n, specs[n]) for n in kwargs if n in specs]
+        self._fast = self._generate_fast_check()
+
+    def _generate_fast_check(self) -> Callable[[tuple, dict], Any]:
+        """Straight-line code for calls shaped like the traced one: ~0.2 µs a tensor instead of ~1.
+
+        Any doubt (another call shape, a tensor subclass, a mismatch) goes to :meth:`_full_check`,
+        which raises the detailed error.
+        """
+        ns: dict[str, Any] = {"Tensor": torch.Tensor, "full": self._full_check}
+        lines = ["def check(args, kwargs):"]
+        lines.append(f"    if len(args) != {self.n_pos} or " + (
+            f"kwargs.keys() != kw_names:" if self.kw_names else "kwargs:"))
+        lines.append("        return full(args, kwargs)")
+        ns["kw_names"] = self.kw_names
+        items = [(f"args[{i}]", s) for i, s in self.pos_specs] + [(f"kwargs[{n!r}]", s) for n, s in self.kw_specs]
+        for j, (expr, spec) in enumerate(items):
+            v = f"v{j}"
+            lines.append(f"    {v} = {expr}")
+            if isinstance(spec, _TensorSpec):
+                ns[f"dt{j}"], ns[f"dev{j}"] = spec.dtype, spec.device
+                conds = [f"type({v}) is not Tensor", f"{v}.dtype is not dt{j}", f"{v}.device != dev{j}"]
+                lines.append(f"    if {' or '.join(conds)}:")
+                lines.append("        return full(args, kwargs)")
+                lines.append(f"    s = {v}.shape")
+                conds = [f"len(s) != {spec.ndim}"] + [f"s[{i}] != {size}" for i, size in spec.static]
+                lines.append(f"    if {' or '.join(conds)}:")
+                lines.append("        return full(args, kwargs)")
+            else:
+                ns[f"c{j}"], ns[f"t{j}"] = spec.value, type(spec.value)
+                lines.append(f"    if type({v}) is not t{j} or {v} != c{j}:")
+                lines.append("        return full(args, kwargs)")
+        lines.append("    return None")
+        exec("\n".join(lines), ns)  # noqa: S102 - generated from our own specs only
+        return ns["check"]
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         full = (None, *args) if self.skip_first else args
@@ -132,6 +166,9 @@ class InputChecker:
         return out
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._fast(args, kwargs)
+
+    def _full_check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if len(args) == self.n_pos and (kwargs.keys() == self.kw_names if kwargs else not self.kw_names):
             for i, spec in self.pos_specs:
                 spec.check(args[i], self.owner)

@@ -300,7 +300,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         if self.compilation_level >= CompilationLevel.DYNAMO_ONCE and self.compilation_config.check_inputs:
             self._do_input_checker = InputChecker(self._do_name, self._do_signature, skip_first, args, kwargs,
                                                   dynamic)
-            self._do_check = self._do_input_checker
+            self._do_check = self._do_input_checker._fast
         logger.debug("%s: first call at level %s, dynamic dims %s", self._do_name,
                      self.compilation_level.name, dynamic)
 
@@ -312,7 +312,7 @@ class TorchCompileWrapperWithCustomDispatcher:
                 "%s: Dynamo produced no code for forward (it may have skipped the frame); calls keep "
                 "going through torch.compile with its guards", self._do_name)
             return
-        checks = [c for c in (self._do_input_checker,) if c is not None]
+        checks = [self._do_input_checker._fast] if self._do_input_checker is not None else []
         if self.compilation_config.debug:
             checks.append(self._do_shape_guard_check())
         if not checks:
