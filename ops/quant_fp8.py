@@ -44,17 +44,15 @@ _AMAX_BLOCKS = 4
 
 
 @triton.jit
-def _quant_block(x_ptr, q_ptr, scale, n, BLOCK: tl.constexpr):
+def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
+    # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
+    scale = tl.load(scale_ptr).to(tl.float32)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr):
-    _quant_block(x_ptr, q_ptr, tl.load(scale_ptr).to(tl.float32), n, BLOCK)
 
 
 @triton.jit
@@ -74,7 +72,11 @@ def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, min_scale, B
     scale = tl.maximum(tl.div_rn(tl.load(amax_ptr), 448.0), min_scale)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr, scale)
-    _quant_block(x_ptr, q_ptr, scale, n, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -158,6 +160,7 @@ class QuantFP8(CustomOp):
 
 def static_scaled_fp8_quant_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The reference: fp32 ``x / scale``, clamped to +-448, rounded to nearest even."""
+    # scale stays a device tensor (not a Python scalar): a true IEEE division, see below.
     q = (x.float() / scale.float().reshape(())).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE).contiguous()
 
@@ -165,5 +168,7 @@ def static_scaled_fp8_quant_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.T
 def dynamic_scaled_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: the scale from ``amax(|x|)`` (see the module docstring), then the static quant."""
     amax = x.abs().amax().float().reshape(1)
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    # Divide by a tensor on x's device: CUDA computes `tensor / python_scalar` as a multiplication by the
+    # rounded reciprocal, which is 1 ulp off the IEEE quotient for some amax (found on the H200).
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return static_scaled_fp8_quant_ref(x, scale), scale
