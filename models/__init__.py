@@ -1,0 +1,31 @@
+"""Reference models (Llama, Gemma 2), checkpoint loading, the paged-attention op and the ``LLM`` runner."""
+
+from .attention import Attention, attention, attention_native, write_kv_cache
+from .forward_context import AttentionMetadata, ForwardContext, get_forward_context, set_forward_context
+from .kv_cache import KVCache, attention_layers
+from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
+from .loader import CheckpointError, load_model, supported_architectures
+from .registry import BUILTIN_MODELS
+from .runner import LLM, GenerateStats
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "BUILTIN_MODELS",
+    "CheckpointError",
+    "ForwardContext",
+    "GenerateStats",
+    "KVCache",
+    "LLM",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "attention",
+    "attention_layers",
+    "attention_native",
+    "get_forward_context",
+    "load_model",
+    "set_forward_context",
+    "supported_architectures",
+    "write_kv_cache",
+]

@@ -1,0 +1,115 @@
+"""Per-step attention metadata, reaching ``torch.ops.dynamo_once.attention`` outside the graph.
+
+The compiled decoder takes only ``input_ids``, ``positions`` (and optionally
+``inputs_embeds``): anything per batch that the graph took as an input would be
+traced (and, for Python values, specialized). Instead the runner sets a
+:class:`ForwardContext` around each forward; the attention op, opaque to Dynamo
+and Inductor, looks its layer and the step's :class:`AttentionMetadata` up in
+it at run time.
+
+Batch layout (as serving engines use): the step's T tokens are the
+concatenation of its sequences' new tokens, decode sequences (1 new token)
+first, then prefill sequences. Sequence ``i`` owns tokens
+``query_start_loc[i]:query_start_loc[i + 1]``, which are the last
+``query_len`` of its ``seq_lens[i]`` tokens.
+
+KV cache: paged. Each layer has one tensor ``[2, num_blocks, block_size,
+num_kv_heads, head_size]`` (keys, values); a sequence's block ``j`` holds its
+tokens ``j * block_size ... (j + 1) * block_size - 1``, and ``block_table[i,
+j]`` names that block. ``slot_mapping[t] = block * block_size + offset`` is the
+flat slot token ``t`` is written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .attention import Attention
+
+__all__ = ["AttentionMetadata", "ForwardContext", "get_forward_context", "set_forward_context"]
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """What one step's attention needs besides q, k, v; shared by every layer.
+
+    Device tensors are views of persistent buffers sized for the largest batch
+    (so a CUDA graph captured on them stays valid); the ``*_cpu`` lists and ints
+    are host copies for the paths that loop over sequences, so that no kernel
+    path needs ``.item()`` or ``.tolist()``.
+
+    Args:
+        slot_mapping: ``[T]`` int64, flat cache slot of each new token.
+        query_start_loc: ``[B + 1]`` int32, cumulative new-token counts.
+        seq_lens: ``[B]`` int32, tokens of each sequence including this step's.
+        block_table: ``[B, max_blocks_per_seq]`` int32, cache blocks of each sequence.
+        num_decodes: the first ``num_decodes`` sequences have one new token each.
+        query_start_loc_cpu: host copy of ``query_start_loc``.
+        seq_lens_cpu: host copy of ``seq_lens``.
+        max_seq_len: ``max(seq_lens_cpu)``.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_decodes: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """The attention layers of the running model (by ``layer_name``) and this step's metadata.
+
+    ``attn_metadata=None`` is a profile / warm-up run: attention writes no cache
+    and returns zeros, so a model can be traced before its cache exists.
+    """
+
+    layers: dict[str, Attention]
+    attn_metadata: AttentionMetadata | None = None
+
+
+_local = threading.local()
+
+
+def get_forward_context() -> ForwardContext:
+    """The context set by the innermost :func:`set_forward_context` on this thread."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError(
+            "torch.ops.dynamo_once.attention ran outside set_forward_context(...): run the model through "
+            "models.LLM, or wrap the call in `with set_forward_context(ForwardContext(layers, metadata)):`"
+        )
+    return ctx
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` current on this thread for the block (nesting restores the outer one)."""
+    previous = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = previous

@@ -1,0 +1,178 @@
+"""Llama 2/3: GQA, SwiGLU, RMSNorm, RoPE (with Llama-3 frequency scaling), optional tied embeddings.
+
+Tokens are flattened: ``input_ids`` and ``positions`` are ``[T]``, the new
+tokens of every sequence in the batch (T is the one dynamic dim). The decoder
+(:class:`LlamaModel`) is compiled once by ``@support_torch_compile``;
+attention metadata reaches ``torch.ops.dynamo_once.attention`` through the
+forward context, not through the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from dispatcher import support_torch_compile
+from ops import RMSNorm, RotaryEmbedding, SiluAndMul
+
+from .attention import Attention
+from .layers import MergedLinear, rope_from_hf
+
+__all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM"]
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """The fields of an HF Llama ``config.json`` that the model uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        heads = hf["num_attention_heads"]
+        theta, scaling = rope_from_hf(hf)
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+        )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
+                                         bias=config.mlp_bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, prefix: str) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.q_size = config.num_attention_heads * d
+        self.kv_size = config.num_key_value_heads * d
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     ["q_proj", "k_proj", "v_proj"], bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.rotary_emb = rotary
+        self.attn = Attention(config.num_attention_heads, d, d**-0.5, config.num_key_value_heads,
+                              layer_name=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # [T, Hq * D] -> [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: (normed, hidden + residual).
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+@support_torch_compile
+class LlamaModel(nn.Module):
+    """The decoder: embeddings, layers, final norm. Compiled once; T (dim 0 of each input) is dynamic."""
+
+    def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One cos/sin cache for all layers: Llama 3.2's 131072 positions x 64 dims are 32 MiB in fp32.
+        rotary = RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings,
+                                 config.rope_theta, is_neox_style=True, rope_scaling=config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states ``[T, hidden]``; ``compute_logits`` the logits
+    of the rows the runner samples from (the last token of each sequence)."""
+
+    config_class = LlamaConfig
+    model_class = LlamaModel
+    #: checkpoint tensors with no parameter here, skipped by the loader
+    ignored_checkpoint_names = (r"\.rotary_emb\.inv_freq$",)
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_class(config, prefix="model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [B, vocab]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def checkpoint_name(self, name: str) -> str:
+        """The HF tensor name of our parameter ``name`` (after merged projections are split)."""
+        return name

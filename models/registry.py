@@ -1,0 +1,39 @@
+"""Built-in model names: HF-style configs built with random weights (fixed seed), no download.
+
+``tiny-*`` are for tests and the demo (hidden 64, 2 layers, vocab 128); the
+others have real shapes, for benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BUILTIN_MODELS"]
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+             torch_dtype="float32")
+
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(_TINY, architectures=["LlamaForCausalLM"], rope_theta=10000.0),
+    "tiny-gemma2": dict(_TINY, architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, tie_word_embeddings=True, rope_theta=10000.0),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        torch_dtype="bfloat16"),
+    "llama-3-8b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16"),
+    "gemma-2-2b": dict(
+        architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, torch_dtype="bfloat16"),
+}

@@ -1,0 +1,299 @@
+"""``LLM``: batches sequences of different lengths through a model, with a paged KV cache, and samples.
+
+Each step runs one forward over a flat batch: first one token for every
+running (decode) sequence, then whole prompts of waiting sequences while the
+step's token budget (``max_num_tokens``) and the cache allow, so prefill and
+decode sequences share steps. A sequence gets the cache blocks for
+``prompt + max_new_tokens`` when it is admitted (no preemption); prompts longer
+than ``max_num_tokens`` are refused (no chunked prefill).
+
+At construction the runner builds the model under the requested compilation
+level, allocates the cache and makes a warm-up forward of ``max_num_tokens``
+tokens with no attention metadata: at levels >= 1 that is the one trace
+(Dynamo specializes sizes 0 and 1, so the first call must not be a small
+decode batch), and ``compile_time_s`` measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dispatcher import (
+    CompilationConfig,
+    CompilationLevel,
+    TorchCompileWrapperWithCustomDispatcher,
+    get_compilation_config,
+    set_compilation_config,
+)
+
+from .forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from .kv_cache import KVCache, attention_layers
+from .loader import load_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLM", "GenerateStats"]
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    """Timing of the last :meth:`LLM.generate`; a step is one forward + sampling."""
+
+    num_steps: int = 0
+    num_mixed_steps: int = 0
+    """Steps holding both decode and prefill sequences."""
+    step_times_s: list[float] = dataclasses.field(default_factory=list)
+    decode_step_times_s: list[float] = dataclasses.field(default_factory=list)
+    """Steps with decode sequences only."""
+    num_generated: int = 0
+    total_s: float = 0.0
+
+    @property
+    def median_decode_step_s(self) -> float:
+        times = sorted(self.decode_step_times_s or self.step_times_s)
+        return times[len(times) // 2] if times else float("nan")
+
+
+@dataclasses.dataclass
+class _Seq:
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+Chooser = Callable[[list[_Seq], torch.Tensor], list[int]]
+
+
+class LLM:
+    """Run a causal LM over batches of token-id prompts.
+
+    Args:
+        model: a checkpoint directory or built-in name (:func:`models.load_model`), a
+            callable returning a model (called under the compilation config), or a
+            model already built (then ``level`` must be None: its level was read at its construction).
+        level: compilation level; None: ``compilation_config``'s, else the environment's.
+        max_num_tokens: tokens per step (the largest T the model sees), >= 2.
+        max_num_seqs: sequences per step (default ``min(64, max_num_tokens)``).
+        num_cache_tokens: the KV cache's token budget, shared by all sequences
+            (default: ``max(8192, max_num_tokens)``).
+        block_size: tokens per cache block.
+        dtype, device: for loading ``model`` by name and for the cache (default: the model's).
+        compilation_config: base config (default: the current one); ``level`` overrides its level.
+    """
+
+    def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
+                 max_num_tokens: int = 512, max_num_seqs: int | None = None, num_cache_tokens: int | None = None,
+                 block_size: int = 16, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None,
+                 compilation_config: CompilationConfig | None = None) -> None:
+        if max_num_tokens < 2:
+            raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
+        max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
+        if not 1 <= max_num_seqs <= max_num_tokens:
+            raise ValueError(f"LLM: max_num_seqs must be in [1, max_num_tokens={max_num_tokens}]; got {max_num_seqs}")
+        config = (compilation_config or get_compilation_config()).copy()
+        if level is not None:
+            if isinstance(model, nn.Module):
+                raise ValueError("LLM: level applies when the LLM builds the model; a model passed in "
+                                 "already read its level at construction (pass a name, path or factory)")
+            config.level = CompilationLevel.parse(level)
+        t0 = time.perf_counter()
+        with set_compilation_config(config):
+            if isinstance(model, str):
+                self.model = load_model(model, dtype=dtype, device=device)
+            elif isinstance(model, nn.Module):
+                self.model = model
+            elif callable(model):
+                self.model = model()
+            else:
+                raise TypeError(f"LLM: model must be a path, a built-in name, an nn.Module or a factory; "
+                                f"got {type(model).__name__}")
+        self.load_time_s = time.perf_counter() - t0
+        self.model.eval()
+        self.compilation_config = config
+        compiled = [m for m in self.model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)]
+        self.level = compiled[0].compilation_level if compiled else config.level
+        param = next(self.model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.vocab_size: int = self.model.config.vocab_size
+        self.max_model_len: int = self.model.config.max_position_embeddings
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.layers = attention_layers(self.model)
+        self.kv_cache = KVCache(self.layers, num_cache_tokens or max(8192, max_num_tokens), block_size,
+                                dtype=self.dtype, device=self.device)
+        self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
+        # Persistent input and metadata buffers, sized for the largest step: each step's inputs are
+        # views of them, so a CUDA graph captured on them stays valid.
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_num_tokens, dtype=i64, device=dev)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=i64, device=dev)
+        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
+        self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
+        self.stats = GenerateStats()
+        self.compile_time_s = self._warm_up()
+        logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
+                    self.level.name, self.compile_time_s)
+
+    # ------------------------------------------------------------ forward
+    def _warm_up(self) -> float:
+        t0 = time.perf_counter()
+        with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
+            self.model(self.input_ids, self.positions)
+        self._sync()
+        return time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int) -> torch.Tensor:
+        """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token."""
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        bs = self.kv_cache.block_size
+        rows = torch.zeros(len(batch), self.max_blocks_per_seq, dtype=torch.int32)
+        for i, (seq, n) in enumerate(batch):
+            first = seq.num_computed
+            ids += seq.tokens[first:first + n]
+            new_pos = range(first, first + n)
+            pos += new_pos
+            slots += [seq.blocks[p // bs] * bs + p % bs for p in new_pos]
+            starts.append(starts[-1] + n)
+            lens.append(first + n)
+            rows[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        t, b = starts[-1], len(batch)
+        self.input_ids[:t].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:t].copy_(torch.tensor(pos), non_blocking=True)
+        self.slot_mapping[:t].copy_(torch.tensor(slots), non_blocking=True)
+        self.query_start_loc[:b + 1].copy_(torch.tensor(starts), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(lens), non_blocking=True)
+        self.block_table[:b].copy_(rows, non_blocking=True)
+        md = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
+        with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():
+            hidden = self.model(self.input_ids[:t], self.positions[:t])  # [T, hidden]
+            last = torch.tensor(starts[1:], device=self.device) - 1
+            return self.model.compute_logits(hidden[last]).float()  # [B, vocab]
+
+    # ------------------------------------------------------------ generate
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
+                 temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[list[int]]:
+        """Generate up to ``max_new_tokens`` after each prompt; returns the new token ids per prompt.
+
+        Args:
+            prompt_token_ids: one list of token ids per sequence, any lengths.
+            temperature: 0 for greedy (argmax, ties to the lowest id, as ``transformers``);
+                else sample from ``softmax(logits / temperature)``.
+            top_k: sample among the ``top_k`` most likely tokens only.
+            seed: seeds the sampling generator; the same call gives the same tokens.
+            eos_token_id: stop a sequence after this token (None: always ``max_new_tokens``).
+        """
+        if temperature < 0:
+            raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def choose(seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+            if temperature == 0:
+                return logits.argmax(dim=-1).tolist()
+            scaled = logits / temperature
+            if top_k is not None:
+                kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            probs = torch.softmax(scaled, dim=-1)
+            return torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
+
+        return self.run(prompt_token_ids, max_new_tokens, choose, eos_token_id)
+
+    def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
+            eos_token_id: int | None = None) -> list[list[int]]:
+        """The scheduling loop of :meth:`generate` with a custom token chooser.
+
+        ``choose(seqs, logits)`` gets the step's sequences (``seq.index`` is the
+        prompt's index, ``seq.num_generated`` the tokens so far) and their
+        ``[B, vocab]`` fp32 logits, and returns the next token of each.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
+        seqs = [self._new_seq(i, p, max_new_tokens) for i, p in enumerate(prompt_token_ids)]
+        waiting, running = deque(seqs), []
+        self.stats = stats = GenerateStats()
+        t_start = time.perf_counter()
+        while waiting or running:
+            batch = [(s, 1) for s in running]
+            num_decodes = len(batch)
+            budget = self.max_num_tokens - num_decodes
+            while waiting and len(batch) < self.max_num_seqs:
+                seq = waiting[0]
+                need_blocks = self.kv_cache.blocks_for(seq.prompt_len + max_new_tokens)
+                if seq.prompt_len > budget or need_blocks > self.kv_cache.num_free_blocks:
+                    break
+                seq.blocks = self.kv_cache.allocate(seq.prompt_len + max_new_tokens)
+                waiting.popleft()
+                batch.append((seq, seq.prompt_len))
+                budget -= seq.prompt_len
+            if not batch:  # nothing running, and the first waiting one cannot be admitted
+                raise RuntimeError(f"LLM: sequence {waiting[0].index} cannot be scheduled: it needs "
+                                   f"{self.kv_cache.blocks_for(waiting[0].prompt_len + max_new_tokens)} cache "
+                                   f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
+            t0 = time.perf_counter()
+            logits = self._execute(batch, num_decodes)
+            step_seqs = [s for s, _ in batch]
+            tokens = choose(step_seqs, logits)
+            dt = time.perf_counter() - t0  # choose() syncs: its tokens are host ints
+            stats.num_steps += 1
+            stats.step_times_s.append(dt)
+            if num_decodes == len(batch):
+                stats.decode_step_times_s.append(dt)
+            elif num_decodes:
+                stats.num_mixed_steps += 1
+            running = []
+            for (seq, n), tok in zip(batch, tokens):
+                seq.num_computed += n
+                seq.tokens.append(int(tok))
+                stats.num_generated += 1
+                if seq.num_generated >= seq.max_new_tokens or tok == eos_token_id:
+                    self.kv_cache.free(seq.blocks)
+                    seq.blocks = []
+                else:
+                    running.append(seq)
+        stats.total_s = time.perf_counter() - t_start
+        return [s.tokens[s.prompt_len:] for s in seqs]
+
+    def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int) -> _Seq:
+        tokens = [int(t) for t in prompt]
+        where = f"generate: prompt {index}"
+        if not tokens:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        if len(tokens) > self.max_num_tokens:
+            raise ValueError(f"{where} has {len(tokens)} tokens, more than max_num_tokens={self.max_num_tokens} "
+                             "(prompts are not chunked); raise max_num_tokens")
+        if len(tokens) + max_new_tokens > self.max_model_len:
+            raise ValueError(f"{where}: {len(tokens)} + {max_new_tokens} new tokens exceed the model's "
+                             f"max_position_embeddings={self.max_model_len}")
+        if self.kv_cache.blocks_for(len(tokens) + max_new_tokens) > self.kv_cache.num_blocks:
+            raise ValueError(f"{where}: {len(tokens)} + {max_new_tokens} tokens do not fit the KV cache of "
+                             f"{self.kv_cache.num_blocks * self.kv_cache.block_size} tokens; raise num_cache_tokens")
+        return _Seq(index, tokens, len(tokens), max_new_tokens)
