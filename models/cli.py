@@ -26,7 +26,81 @@ def _env(argv: list[str]) -> int:
     return 0
 
 
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-llama",
+                        help="checkpoint directory or built-in name (default tiny-llama; built-in: %(choices)s)"
+                        .replace("%(choices)s", ", ".join(_builtin_names())))
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
+    parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+
+
+def _builtin_names() -> list[str]:
+    from models.registry import BUILTIN_MODELS
+
+    return list(BUILTIN_MODELS)
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _generate(argv: list[str]) -> int:
+    import random
+
+    from models import LLM
+
+    p = argparse.ArgumentParser(prog="dynamo-once generate", description="generate tokens from random prompts")
+    _model_args(p)
+    p.add_argument("--level", default=None, help="compilation level 0-4 (default: DYNAMO_ONCE_COMPILE_LEVEL, else 3)")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=16, help="longest prompt; the others are shorter")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, dtype=args.dtype,
+              device=_device(args.device))
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(llm.vocab_size) for _ in range(max(1, args.prompt_len - 3 * i))]
+               for i in range(args.num_prompts)]
+    out = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    for i, (prompt, new) in enumerate(zip(prompts, out)):
+        print(f"[{i}] prompt ({len(prompt)} tokens) -> {new}")
+    st = llm.stats
+    print(f"\nmodel {args.model} ({type(llm.model).__name__}, {llm.dtype}, {llm.device}), level {int(llm.level)} "
+          f"({llm.level.name})")
+    print(f"load {llm.load_time_s:.2f}s, warm-up (trace + compile) {llm.compile_time_s:.2f}s")
+    print(f"{st.num_steps} steps ({st.num_mixed_steps} mixed prefill+decode), {st.num_generated} tokens in "
+          f"{st.total_s:.3f}s; median decode step {st.median_decode_step_s * 1e3:.2f} ms")
+    return 0
+
+
+def _diagnose(argv: list[str]) -> int:
+    from models.diagnose import diagnose
+
+    p = argparse.ArgumentParser(
+        prog="dynamo-once diagnose",
+        description="run levels 0, 1, 2 (and 3) on the same input and say what their differences mean")
+    _model_args(p)
+    p.add_argument("--levels", default="0,1,2,3", help="comma-separated (default 0,1,2,3)")
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--tolerance", type=float, default=None, help="on max |logits diff| (default 1e-3 fp32, 5e-2 else)")
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    report = diagnose(args.model, levels=levels, max_new_tokens=args.max_new_tokens, tolerance=args.tolerance,
+                      dtype=args.dtype, device=_device(args.device))
+    print(f"diagnose {args.model}: levels {', '.join(map(str, levels))} on one batch of prompts of different "
+          f"lengths (prefill and decode mixed), fed the same tokens\n")
+    print(report.format())
+    return 0
+
+
 COMMANDS = {
+    "generate": (_generate, "generate tokens with a model (built-in name or checkpoint) at a level; prints ids and timing"),
+    "diagnose": (_diagnose, "run levels 0, 1, 2, 3 on the same input; report differences, compile time, step latency"),
     "overhead": (_overhead, "per-call dispatch overhead: stock torch.compile vs dynamo-once (benchmark)"),
     "env": (_env, "list the DYNAMO_ONCE_* variables and the effective compilation config"),
 }

@@ -1,0 +1,50 @@
+"""Shared by tests/models: tiny HF checkpoints and transformers' own outputs as the oracle."""
+
+import pytest
+import torch
+
+
+# Tiny shapes of real configs (Llama 3 8B in comments); initializer_range 0.2 instead of 0.02 makes
+# the logits of a random 2-layer model spread out, so greedy decoding has no near-ties.
+TINY_LLAMA = dict(
+    vocab_size=128,  # 128256
+    hidden_size=64,  # 4096
+    intermediate_size=128,  # 14336
+    num_hidden_layers=2,  # 32
+    num_attention_heads=4,  # 32
+    num_key_value_heads=2,  # 8
+    head_dim=16,  # 128
+    max_position_embeddings=256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+)
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=64)
+PROMPTS = [[3, 17, 91, 4, 55, 23, 8], [100, 2], [7, 7, 31, 64, 12, 90, 41, 33, 5, 19, 77, 120, 1], [42]]
+
+
+def save_hf_llama(path, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompts, max_new_tokens):
+    """transformers' own greedy generate, one prompt at a time (no padding), never stopping at EOS."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def hf_last_logits(model, prompts):
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0, -1].float() for p in prompts]

@@ -1,0 +1,202 @@
+"""torch.ops.dynamo_once.attention: one opaque op, mixed batches, no specialization of T, the CUDA decode kernel."""
+
+import pytest
+import torch
+
+from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
+from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
+from models.attention import attention_native
+
+HEADS, KV_HEADS, HEAD = 4, 2, 16  # Llama 3 8B: 32, 8, 128
+BLOCK = 4  # small blocks: sequences span several, with a partial last one
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def make_batch(layer, seq_specs, device="cpu", dtype=torch.float32, seed=0):
+    """``seq_specs``: (context_len already cached, new tokens) per sequence, decodes first.
+
+    Fills the cache with random context, returns (q, k, v, metadata).
+    """
+    g = torch.Generator().manual_seed(seed)
+    cache = layer.kv_cache
+    blocks_per_seq = max((c + n + BLOCK - 1) // BLOCK for c, n in seq_specs)
+    # Interleave the sequences' blocks so that a wrong block table cannot pass.
+    table = torch.tensor([[b * len(seq_specs) + i for b in range(blocks_per_seq)] for i in range(len(seq_specs))],
+                         dtype=torch.int32)
+    cache.copy_(torch.randn(cache.shape, generator=g).to(dtype))
+    slots, starts, lens = [], [0], []
+    for i, (ctx, new) in enumerate(seq_specs):
+        slots += [int(table[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(ctx, ctx + new)]
+        starts.append(starts[-1] + new)
+        lens.append(ctx + new)
+    t = starts[-1]
+    q = torch.randn(t, HEADS * HEAD, generator=g).to(dtype).to(device)
+    k = torch.randn(t, KV_HEADS * HEAD, generator=g).to(dtype).to(device)
+    v = torch.randn(t, KV_HEADS * HEAD, generator=g).to(dtype).to(device)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_table=table.to(device),
+        num_decodes=next((i for i, (_, n) in enumerate(seq_specs) if n != 1), len(seq_specs)),
+        query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
+    return q, k, v, md
+
+
+def new_layer(name="l0", device="cpu", dtype=torch.float32, num_blocks=64, **kw):
+    layer = Attention(HEADS, HEAD, HEAD**-0.5, KV_HEADS, name, **kw)
+    KVCache({name: layer}, num_blocks * BLOCK, BLOCK, dtype=dtype, device=device)
+    return layer
+
+
+def dense_reference(q, k_all, v_all, scale, window=None, cap=None):
+    """Plain fp64 attention of one sequence's last len(q) positions, q [Lq, H, D], k/v [L, Hkv, D]."""
+    lq, L = q.shape[0], k_all.shape[0]
+    k = k_all.double().repeat_interleave(HEADS // KV_HEADS, 1)
+    v = v_all.double().repeat_interleave(HEADS // KV_HEADS, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    qp = torch.arange(L - lq, L)[:, None]
+    kp = torch.arange(L)[None]
+    ok = kp <= qp
+    if window:
+        ok &= kp > qp - window
+    s = s.masked_fill(~ok, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+SPECS = [(9, 1), (0, 1), (13, 1), (0, 6), (5, 3), (0, 11)]  # three decodes (one at the first token), three prefills
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_mixed_batch_matches_dense_reference_and_each_sequence_alone(kw):
+    layer = new_layer(**kw)
+    q, k, v, md = make_batch(layer, SPECS)
+    cache_before = layer.kv_cache.clone()
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+    for i, (ctx, new) in enumerate(SPECS):
+        s, e = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+        # written where slot_mapping says
+        flat = layer.kv_cache.view(2, -1, KV_HEADS, HEAD)
+        torch.testing.assert_close(flat[0, md.slot_mapping[s:e]], k[s:e].view(-1, KV_HEADS, HEAD), rtol=0, atol=0)
+        rows = md.block_table[i].long()
+        kk = layer.kv_cache[0, rows].flatten(0, 1)[: ctx + new]
+        vv = layer.kv_cache[1, rows].flatten(0, 1)[: ctx + new]
+        ref = dense_reference(q[s:e].view(new, HEADS, HEAD), kk, vv, HEAD**-0.5, kw.get("sliding_window"),
+                              kw.get("logits_soft_cap"))
+        torch.testing.assert_close(out[s:e].view(new, HEADS, HEAD).double(), ref, rtol=1e-5, atol=1e-5)
+        # the same sequence alone in a batch, from the same cache contents
+        alone = new_layer("l1", **kw)
+        alone.kv_cache.copy_(cache_before)
+        md1 = AttentionMetadata(md.slot_mapping[s:e], torch.tensor([0, new], dtype=torch.int32), md.seq_lens[i:i + 1],
+                                md.block_table[i:i + 1], int(new == 1), [0, new], [ctx + new], ctx + new)
+        with set_forward_context(ForwardContext({"l1": alone}, md1)):
+            out1 = torch.ops.dynamo_once.attention(q[s:e], k[s:e], v[s:e], "l1")
+        torch.testing.assert_close(out1, out[s:e], rtol=0, atol=0)
+
+
+def test_opcheck():
+    layer = new_layer()
+    q, k, v, md = make_batch(layer, SPECS)
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        # test_schema would see the cache write as an undeclared mutation of nothing: the cache is no argument.
+        torch.library.opcheck(torch.ops.dynamo_once.attention.default, (q, k, v, "l0"),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_no_context_names_the_fix():
+    q = torch.zeros(2, HEADS * HEAD)
+    with pytest.raises(RuntimeError, match="set_forward_context"):
+        torch.ops.dynamo_once.attention(q, q[:, :32], q[:, :32], "l0")
+
+
+@support_torch_compile
+class OneLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HEADS * HEAD, (HEADS + 2 * KV_HEADS) * HEAD)
+        self.attn = Attention(HEADS, HEAD, HEAD**-0.5, KV_HEADS, "one")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).split([HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
+        return self.attn(q, k, v) * 2
+
+
+@pytest.mark.parametrize("lvl", [1, 2])
+def test_compiled_once_for_three_token_counts(lvl):
+    with set_compilation_config(CompilationConfig(level=lvl)):
+        model = OneLayer()
+    KVCache({"one": model.attn}, 64 * BLOCK, BLOCK)
+    eager = {}
+    with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=1, num_recompiles=0,
+                                    num_dispatched_calls=2 if lvl == 2 else 0):
+        for specs in ([(0, 5), (2, 3)], [(5, 1), (3, 1), (0, 4)], [(9, 1), (0, 2)]):  # T = 8, 6, 3
+            q, _, _, md = make_batch(model.attn, specs)
+            x = torch.randn(q.shape[0], HEADS * HEAD)
+            with set_forward_context(ForwardContext({"one": model.attn}, md)), torch.no_grad():
+                cache = model.attn.kv_cache.clone()
+                out = model(x)
+                model.attn.kv_cache.copy_(cache)
+                eager[len(eager)] = (out, OneLayer.forward(model, x))
+    for out, ref in eager.values():
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    graph = dispatcher_of(model)._do_backend.graphs[0].graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    op = torch.ops.dynamo_once.attention
+    assert sum(t in (op, op.default) for t in targets) == 1  # one opaque node, not traced through
+    # T stayed symbolic: the graph's input has a symbolic first dim
+    x_node = next(n for n in graph.nodes if n.op == "placeholder" and n.name.lower() in ("l_x_", "x"))
+    assert isinstance(x_node.meta["example_value"].shape[0], torch.SymInt)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 37}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+@pytest.mark.parametrize("num_seqs", [1, 7, 64, 256])
+def test_cuda_decode_kernel_matches_native(num_seqs, kw, dtype):
+    gen = torch.Generator().manual_seed(num_seqs)
+    ctx = torch.randint(0, 300, (num_seqs,), generator=gen).tolist()
+    specs = [(c, 1) for c in ctx]
+    n_blocks = num_seqs * ((max(ctx) + 1 + BLOCK - 1) // BLOCK) + 1
+    layer = new_layer(device="cuda", dtype=dtype, num_blocks=n_blocks, **kw)
+    q, k, v, md = make_batch(layer, specs, device="cuda", dtype=dtype)
+    assert md.is_decode_only
+    cache = layer.kv_cache.clone()
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        out = torch.ops.dynamo_once.attention(q, k, v, "l0")  # Triton decode
+    ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5, kw.get("sliding_window"),
+                           kw.get("logits_soft_cap"))
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_mixed_batch_matches_native():
+    layer = new_layer(device="cuda")
+    q, k, v, md = make_batch(layer, SPECS, device="cuda")
+    cache = layer.kv_cache.clone()
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+    ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_decode_captures_in_a_cuda_graph():
+    layer = new_layer(device="cuda", num_blocks=256)
+    q, k, v, md = make_batch(layer, [(40, 1), (3, 1), (100, 1)], device="cuda")
+    ctx = ForwardContext({"l0": layer}, md)
+    with set_forward_context(ctx):
+        expected = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.ops.dynamo_once.attention(q, k, v, "l0")  # warm up Triton's compile off the graph
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
