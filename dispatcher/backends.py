@@ -5,8 +5,8 @@ which counts graphs, keeps the ShapeEnv of the trace (debug mode evaluates its
 guards on dispatched calls) and the FX graph (for dumps), then delegates:
 
 - levels 1-2: ``CompilationConfig.backend``, else the plugin backend, else ``"eager"``;
-- levels 3-4: Inductor on the whole graph, with the plugin and config options
-  (level 4 forces ``max_autotune``).
+- levels 3-4: the piecewise Inductor backend (``dispatcher.piecewise``), with
+  the plugin and config options (level 4 forces ``max_autotune``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ class RecordingBackend:
         self.owner_name = owner_name
         self.backend = resolve_backend(config, level)
         self.options = inductor_options(config, level) if self.backend == "inductor" else {}
+        self.piecewise = None
+        if self.backend == "inductor":
+            from .piecewise import PiecewiseBackend
+
+            self.piecewise = PiecewiseBackend(config, level, self.options, owner_name)
         self.graphs: list[torch.fx.GraphModule] = []
         self.shape_envs: list[Any] = []
 
@@ -81,8 +86,11 @@ class RecordingBackend:
         self.graphs.append(gm)
         self.shape_envs.append(compat.current_shape_env())
         t0 = time.perf_counter()
-        compiled = _compile_with(self.backend, gm, example_inputs, self.options)
-        compilation_counter.add("num_backend_compilations")
+        if self.piecewise is not None:  # counts its own compilations: one per piece and size
+            compiled = self.piecewise(gm, example_inputs)
+        else:
+            compiled = _compile_with(self.backend, gm, example_inputs, self.options)
+            compilation_counter.add("num_backend_compilations")
         logger.debug("%s: backend %s compiled a graph of %d nodes in %.2fs", self.owner_name,
                      getattr(self.backend, "__name__", self.backend), len(gm.graph.nodes),
                      time.perf_counter() - t0)

@@ -77,6 +77,13 @@ class CompilationConfig:
         debug_dump_path: write disassembly, decompiled source and FX graph of
             each captured code here.
         fullgraph: levels >= 2 require one graph; a graph break is an error.
+        splitting_ops: levels 3-4 split the graph at calls of these ops (``"namespace::name"``);
+            they run eagerly between the compiled pieces.
+        compile_sizes: levels 3-4 also compile each piece for these exact token counts.
+        cudagraph_capture_sizes: token counts captured in CUDA graphs (one graph per piece per size).
+        use_cudagraph: capture CUDA graphs at levels 3-4 (default: when CUDA is available).
+        cudagraph_mode: ``"none"``, ``"piecewise"`` or ``"full_and_piecewise"`` (also capture
+            whole decode steps, attention included; default on CUDA).
     """
 
     level: CompilationLevel = CompilationLevel.INDUCTOR
@@ -88,6 +95,12 @@ class CompilationConfig:
     inductor_compile_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     debug_dump_path: str | None = None
     fullgraph: bool = True
+    splitting_ops: list[str] = dataclasses.field(default_factory=lambda: ["dynamo_once::attention"])
+    compile_sizes: list[int] = dataclasses.field(default_factory=list)
+    cudagraph_capture_sizes: list[int] = dataclasses.field(
+        default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+    use_cudagraph: bool | None = None
+    cudagraph_mode: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -109,7 +122,29 @@ class CompilationConfig:
                 "CompilationConfig.inductor_compile_config: expected a dict; "
                 f"got {type(self.inductor_compile_config).__name__}"
             )
-        for name in ("use_bytecode_hook", "check_inputs", "debug", "fullgraph"):
+        for name in ("splitting_ops",):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or not all(isinstance(t, str) and "::" in t for t in v):
+                raise ValueError(f"CompilationConfig.{name}: expected a list of 'namespace::op' names; got {v!r}")
+            setattr(self, name, list(v))
+        for name in ("compile_sizes", "cudagraph_capture_sizes"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v):
+                raise ValueError(f"CompilationConfig.{name}: expected a list of positive ints; got {v!r}")
+            setattr(self, name, sorted(set(v)))
+        if self.use_cudagraph is None:
+            import torch
+
+            self.use_cudagraph = torch.cuda.is_available()
+        if self.cudagraph_mode is None:
+            self.cudagraph_mode = "full_and_piecewise" if self.use_cudagraph else "none"
+        modes = ("none", "piecewise", "full_and_piecewise")
+        if self.cudagraph_mode not in modes:
+            raise ValueError(f"CompilationConfig.cudagraph_mode: expected one of {modes}; got {self.cudagraph_mode!r}")
+        if not self.use_cudagraph:
+            self.cudagraph_mode = "none"
+        for name in ("use_bytecode_hook", "check_inputs", "debug", "fullgraph", "use_cudagraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompilationConfig.{name}: expected a bool; got {getattr(self, name)!r}")
 

@@ -1,0 +1,117 @@
+"""CUDA-graph capture and replay of one compiled piece, per token count.
+
+Inputs of a captured graph must sit at the addresses it was captured with.
+At capture each tensor input is sorted into one of three kinds:
+
+- parameters and buffers that do not move (``nn.Parameter``, or flagged static
+  by the caller): used in place; debug mode checks at every replay that they
+  are still at the captured address (a reassigned ``layer.weight`` is caught);
+- outputs of graphs captured earlier in the same pool (the previous piece):
+  used in place, they are static by construction;
+- anything else (model inputs, the eager splitting op's output): copied into
+  a buffer owned by the graph before each replay, unless it already is that
+  buffer (a runner that writes into persistent inputs pays no copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .counters import compilation_counter
+from .errors import DynamoOnceError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CUDAGraphPool", "CapturedGraph", "CUDAGraphAddressError", "capture_sizes"]
+
+
+class CUDAGraphAddressError(DynamoOnceError):
+    """Debug mode: a static input of a captured CUDA graph is no longer at its captured address."""
+
+
+class CUDAGraphPool:
+    """One memory pool shared by every graph of a model, and the addresses of the graphs' outputs."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self.output_ptrs: set[int] = set()
+
+
+class CapturedGraph:
+    def __init__(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], pool: CUDAGraphPool,
+                 input_names: list[str], static_ptrs: set[int], debug: bool):
+        self.name = name
+        self.debug = debug
+        self.copy_idx: list[int] = []
+        static_args = list(args)
+        self.static_checks: list[tuple[int, int, str]] = []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            ptr = a.data_ptr()
+            if isinstance(a, torch.nn.Parameter) or ptr in static_ptrs:
+                self.static_checks.append((i, ptr, input_names[i] if i < len(input_names) else f"arg{i}"))
+            elif ptr in pool.output_ptrs:
+                pass
+            else:
+                static_args[i] = a.clone()
+                self.copy_idx.append(i)
+        self.static_args = static_args
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool.handle):
+            out = fn(*static_args)
+        self.output = out
+        for t in _tensors(out):
+            pool.output_ptrs.add(t.data_ptr())
+        compilation_counter.add("num_cudagraph_captured")
+
+    def replay(self, args: tuple[Any, ...]) -> Any:
+        static = self.static_args
+        for i in self.copy_idx:
+            a, s = args[i], static[i]
+            if a.data_ptr() != s.data_ptr():
+                s.copy_(a)
+        if self.debug:
+            for i, ptr, name in self.static_checks:
+                if args[i].data_ptr() != ptr:
+                    raise CUDAGraphAddressError(
+                        f"{self.name}: input '{name}' is at address {args[i].data_ptr():#x}, but the CUDA "
+                        f"graph was captured reading it at {ptr:#x}; replaying would read stale memory. "
+                        f"A parameter was replaced after capture (e.g. `layer.weight = new`)? Copy into "
+                        f"it instead (`layer.weight.data.copy_(new)`), or rebuild the model."
+                    )
+        self.graph.replay()
+        return self.output
+
+
+def _tensors(out: Any) -> Iterable[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+
+
+def capture_sizes(run: Callable[[int], Any], sizes: Iterable[int], desc: str = "capturing CUDA graphs") -> float:
+    """Call ``run(size)`` twice per size, largest first (warm-up, then capture); returns seconds taken.
+
+    Largest first: the shared pool is sized by the first capture and smaller
+    graphs reuse its memory.
+    """
+    from tqdm.auto import tqdm
+
+    sizes = sorted(set(sizes), reverse=True)
+    t0 = time.perf_counter()
+    for size in tqdm(sizes, desc=desc, unit="size"):
+        run(size)
+        run(size)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    logger.info("captured CUDA graphs for %d sizes in %.1fs", len(sizes), dt)
+    return dt

@@ -1,0 +1,257 @@
+"""Levels 3-4: split the Dynamo graph at the splitting ops, compile each piece with Inductor.
+
+Each piece between splitting ops is compiled once for a symbolic token count
+and once more, lazily, for each size in ``compile_sizes``; the splitting ops
+(attention) run eagerly between pieces. With CUDA graphs on, each piece is
+captured once per size in ``cudagraph_capture_sizes`` (first call at a size:
+warm-up, second: capture, then replay), all in one memory pool; other sizes
+run the compiled pieces without graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from .config import CompilationConfig, CompilationLevel
+from .counters import compilation_counter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PiecewiseBackend", "split_graph", "SplitItem", "PiecewisePiece"]
+
+
+def _op_name(target: Any) -> str | None:
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    qual = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
+    return qual
+
+
+@dataclass
+class SplitItem:
+    name: str
+    index: int
+    is_splitting_op: bool
+    graph: torch.fx.GraphModule
+
+
+def split_graph(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> tuple[torch.fx.GraphModule, list[SplitItem]]:
+    """Split ``gm`` so that every call of a splitting op is a submodule of its own, in graph order."""
+    from torch.fx.passes.split_module import split_module
+
+    ops = set(splitting_ops)
+    sub_id = 0
+    node_to_sub: dict[torch.fx.Node, int] = {}
+    split_ids: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and _op_name(node.target) in ops:
+            sub_id += 1
+            node_to_sub[node] = sub_id
+            split_ids.add(sub_id)
+            sub_id += 1
+        else:
+            node_to_sub[node] = sub_id
+    split_gm = split_module(gm, None, lambda n: node_to_sub[n], keep_original_order=True)
+    items = []
+    for name, mod in split_gm.named_children():
+        index = int(name.rsplit("_", 1)[1])
+        items.append(SplitItem(name, index, index in split_ids, mod))
+    items.sort(key=lambda it: it.index)
+    return split_gm, items
+
+
+def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    return isinstance(output.args[0], (tuple, list))
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """Inductor-compile one piece; a piece returning a single value keeps returning it unwrapped."""
+    from torch._inductor.compile_fx import compile_fx
+
+    if _returns_tuple(gm):
+        compiled = compile_fx(gm, example_inputs, config_patches=options)
+    else:
+        wrapped = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
+        (output,) = (n for n in wrapped.graph.nodes if n.op == "output")
+        output.args = ((output.args[0],),)
+        wrapped.recompile()
+        inner = compile_fx(wrapped, example_inputs, config_patches=options)
+
+        def compiled(*args: Any) -> Any:
+            return inner(*args)[0]
+
+    compilation_counter.add("num_backend_compilations")
+    return compiled
+
+
+class PiecewisePiece:
+    """Runs one compiled piece: the symbolic-shape compile, per-size compiles, per-size CUDA graphs."""
+
+    def __init__(self, name: str, graph: torch.fx.GraphModule, fake_args: list[Any], size_symbol: Any,
+                 config: CompilationConfig, options: dict[str, Any], pool: Any, static_ptrs: set[int]):
+        self.name = name
+        self.graph = graph
+        self.config = config
+        self.options = options
+        self.pool = pool
+        self.static_ptrs = static_ptrs
+        self.input_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+        t0 = time.perf_counter()
+        self.symbolic = _compile_inductor(graph, fake_args, options)
+        logger.debug("%s: compiled for a symbolic token count in %.2fs", name, time.perf_counter() - t0)
+        # Where the runtime token count is found: a SymInt argument, or a tensor dim of that symbol.
+        self.size_at: tuple[int, int | None] | None = None
+        for i, a in enumerate(fake_args):
+            if isinstance(a, torch.SymInt) and size_symbol is not None and a.node.expr == size_symbol:
+                self.size_at = (i, None)
+                break
+        if self.size_at is None:
+            for i, a in enumerate(fake_args):
+                if isinstance(a, torch.Tensor):
+                    for d, s in enumerate(a.shape):
+                        if isinstance(s, torch.SymInt) and size_symbol is not None and s.node.expr == size_symbol:
+                            self.size_at = (i, d)
+                            break
+                if self.size_at is not None:
+                    break
+        self.compile_sizes = set(config.compile_sizes) if self.size_at is not None else set()
+        self.capture_sizes = (set(config.cudagraph_capture_sizes)
+                              if self.size_at is not None and pool is not None else set())
+        self.by_size: dict[int, Callable[..., Any]] = {}
+        self.graphs: dict[int, Any] = {}
+        self.warmed: set[int] = set()
+
+    def runtime_size(self, args: tuple[Any, ...]) -> int | None:
+        if self.size_at is None:
+            return None
+        i, d = self.size_at
+        return int(args[i]) if d is None else args[i].shape[d]
+
+    def __call__(self, *args: Any) -> Any:
+        size = self.runtime_size(args)
+        if size is None or (size not in self.compile_sizes and size not in self.capture_sizes):
+            return self.symbolic(*args)
+        fn = self.by_size.get(size)
+        if fn is None:
+            if size in self.compile_sizes:
+                t0 = time.perf_counter()
+                fn = _compile_inductor(self.graph, list(args), self.options)
+                logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
+            else:
+                fn = self.symbolic
+            self.by_size[size] = fn
+        if size not in self.capture_sizes:
+            return fn(*args)
+        graph = self.graphs.get(size)
+        if graph is not None:
+            return graph.replay(args)
+        if size not in self.warmed:
+            self.warmed.add(size)
+            return fn(*args)
+        from .cuda_graph import CapturedGraph
+
+        graph = CapturedGraph(f"{self.name}[{size} tokens]", fn, args, self.pool, self.input_names,
+                              self.static_ptrs, self.config.debug)
+        self.graphs[size] = graph
+        return graph.output
+
+
+class _CompileInterpreter(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs; compiles each piece with its (symbolic) fake arguments."""
+
+    def __init__(self, split_gm: torch.fx.GraphModule, make_piece: Callable[[str, list[Any]], Any],
+                 pieces: set[str]):
+        super().__init__(split_gm)
+        self.make_piece = make_piece
+        self.pieces = pieces
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        out = super().call_module(target, args, kwargs)
+        if target in self.pieces:
+            self.module.__dict__[target] = self.make_piece(target, list(args))
+        return out
+
+
+class PiecewiseBackend:
+    """The Dynamo backend of levels 3-4: split, compile the pieces, return the split graph."""
+
+    def __init__(self, config: CompilationConfig, level: CompilationLevel, options: dict[str, Any], owner: str):
+        self.config = config
+        self.level = level
+        self.options = options
+        self.owner = owner
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.items: list[SplitItem] = []
+        self.pieces: dict[str, PiecewisePiece] = {}
+        self.pool = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        t0 = time.perf_counter()
+        split_gm, items = split_graph(gm, self.config.splitting_ops)
+        compilation_counter.add("num_piecewise_graphs_seen", len(items))
+        capturable = {it.name for it in items if not it.is_splitting_op}
+        compilation_counter.add("num_piecewise_capturable_graphs_seen", len(capturable))
+        use_graphs = self.config.use_cudagraph and self.config.cudagraph_mode != "none" and torch.cuda.is_available()
+        if use_graphs and self.pool is None:
+            from .cuda_graph import CUDAGraphPool
+
+            self.pool = CUDAGraphPool()
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        symbols = set()
+        for a in fake_args:
+            if isinstance(a, torch.SymInt):
+                symbols |= a.node.expr.free_symbols
+            elif isinstance(a, torch.Tensor):
+                for s in a.shape:
+                    if isinstance(s, torch.SymInt):
+                        symbols |= s.node.expr.free_symbols
+        size_symbol = next(iter(symbols)) if len(symbols) == 1 else None
+        if len(symbols) > 1:
+            logger.warning("%s: %d dynamic sizes; per-size compiles and CUDA graphs are off (one is supported)",
+                           self.owner, len(symbols))
+        # Parameters and buffers: graph inputs that never move between calls.
+        static_ptrs = {t.data_ptr() for t in example_inputs
+                       if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter)
+                                                           or getattr(t, "_dynamo_static_input_type", None))}
+
+        def make_piece(name: str, args: list[Any]) -> PiecewisePiece:
+            piece = PiecewisePiece(f"{self.owner}:{name}", getattr(split_gm, name), args, size_symbol,
+                                   self.config, self.options, self.pool if use_graphs else None, static_ptrs)
+            self.pieces[name] = piece
+            return piece
+
+        from torch._dispatch.python import enable_python_dispatcher
+
+        with fake_mode, enable_python_dispatcher():
+            _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)
+        self.split_gm, self.items = split_gm, items
+        logger.info("%s: %d pieces (%d compiled) in %.1fs", self.owner, len(items), len(capturable),
+                    time.perf_counter() - t0)
+        if not use_graphs:
+            return split_gm
+        pool = self.pool
+
+        def run(*args: Any) -> Any:
+            out = split_gm(*args)
+            # A graph's outputs are overwritten by its next replay: hand the caller its own copy.
+            if isinstance(out, (tuple, list)):
+                return type(out)(o.clone() if isinstance(o, torch.Tensor) and o.data_ptr() in pool.output_ptrs
+                                 else o for o in out)
+            return out
+
+        return run
