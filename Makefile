@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VENV)/bin/dynamo-once overhead
+	$(VENV)/bin/dynamo-once diagnose --model tiny-llama
 
 test: venv
 	$(PY) -m pytest -n 2 -q tests
