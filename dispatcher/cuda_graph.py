@@ -15,9 +15,11 @@ At capture each tensor input is sorted into one of three kinds:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +29,15 @@ from .errors import DynamoOnceError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CUDAGraphPool", "CapturedGraph", "CUDAGraphAddressError", "capture_sizes"]
+__all__ = ["CUDAGraphPool", "CapturedGraph", "CUDAGraphAddressError", "FullGraphs", "capture_sizes",
+           "capturing_full_graph"]
+
+_full_capture = threading.local()
+
+
+def capturing_full_graph() -> bool:
+    """Whether a whole-step graph is being captured on this thread (pieces then skip their own graphs)."""
+    return getattr(_full_capture, "active", False)
 
 
 class CUDAGraphAddressError(DynamoOnceError):
@@ -115,3 +125,47 @@ def capture_sizes(run: Callable[[int], Any], sizes: Iterable[int], desc: str = "
     dt = time.perf_counter() - t0
     logger.info("captured CUDA graphs for %d sizes in %.1fs", len(sizes), dt)
     return dt
+
+
+class FullGraphs:
+    """Whole-step CUDA graphs, one per key (e.g. a padded decode batch size), attention included.
+
+    ``fn`` must read its inputs from, and leave its outputs in, persistent
+    buffers (the runner's), and launch no host syncs. While a step is
+    captured, piecewise pieces run their compiled code without their own
+    graphs (graphs cannot nest). Captures share one pool.
+    """
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.graphs
+
+    def capture(self, key: Any, fn: Callable[[], Any], warmup: int = 1) -> Any:
+        for _ in range(warmup):
+            with self._bypass_pieces():
+                fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with self._bypass_pieces(), torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.graphs[key] = (graph, out)
+        compilation_counter.add("num_cudagraph_captured")
+        return out
+
+    def replay(self, key: Any) -> Any:
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _bypass_pieces() -> Iterator[None]:
+        previous = capturing_full_graph()
+        _full_capture.active = True
+        try:
+            yield
+        finally:
+            _full_capture.active = previous

@@ -21,6 +21,7 @@ import torch.fx
 
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
+from .cuda_graph import capturing_full_graph
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class PiecewisePiece:
             else:
                 fn = self.symbolic
             self.by_size[size] = fn
-        if size not in self.capture_sizes:
+        if size not in self.capture_sizes or capturing_full_graph():
             return fn(*args)
         graph = self.graphs.get(size)
         if graph is not None:

@@ -140,3 +140,21 @@ def test_debug_mode_catches_parameter_reassigned_after_capture():
     m.layers[1].weight = torch.nn.Parameter(torch.randn(32, 32, device="cuda"))
     with pytest.raises(CUDAGraphAddressError, match="captured reading it at"):
         m(torch.randn(4, 32, device="cuda"))
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_full_graph_captures_whole_step_including_splitting_ops():
+    from dispatcher.cuda_graph import FullGraphs
+
+    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=[4])):
+        m = Toy().cuda()
+    m(torch.randn(8, 32, device="cuda"))
+    buf = torch.randn(4, 32, device="cuda")  # a runner's persistent input buffer
+    graphs = FullGraphs()
+    with compilation_counter.expect(num_cudagraph_captured=1):  # one whole-step graph, no piece graphs
+        out = graphs.capture(4, lambda: m(buf))
+    for _ in range(3):
+        buf.copy_(torch.randn(4, 32, device="cuda"))
+        graphs.replay(4)
+        torch.testing.assert_close(out, eager(m, buf), rtol=1e-3, atol=1e-3)
