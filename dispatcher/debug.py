@@ -111,6 +111,11 @@ class InputChecker:
             elif isinstance(value, _CONST_TYPES):
                 specs[name] = _ConstSpec(name, value)
         self.by_name = specs
+        # One C++ call checks every tensor of a call shaped like the trace (None: check in Python).
+        positional = [n for n in list(bound)[: len(args)]] + [n for n in kwargs]
+        tensor_names = [n for n in positional if isinstance(specs.get(n), _TensorSpec)]
+        self._tensor_guards = compat.tensor_guards(
+            [bound[n] for n in tensor_names], [list(specs[n].dynamic) for n in tensor_names])
         names = list(bound)
         # The common case, a call shaped like the traced one, checks by position.
         self.n_pos = len(args)
@@ -133,8 +138,17 @@ class InputChecker:
         lines.append("        return full(args, kwargs)")
         ns["kw_names"] = self.kw_names
         items = [(f"args[{i}]", s) for i, s in self.pos_specs] + [(f"kwargs[{n!r}]", s) for n, s in self.kw_specs]
+        guards = self._tensor_guards
+        if guards is not None:
+            ns["tensor_guards"] = guards
+            tensor_exprs = [expr for expr, spec in items if isinstance(spec, _TensorSpec)]
+            if tensor_exprs:
+                lines.append(f"    if not tensor_guards({', '.join(tensor_exprs)}):")
+                lines.append("        return full(args, kwargs)")
         for j, (expr, spec) in enumerate(items):
             v = f"v{j}"
+            if isinstance(spec, _TensorSpec) and guards is not None:
+                continue
             lines.append(f"    {v} = {expr}")
             if isinstance(spec, _TensorSpec):
                 ns[f"dt{j}"], ns[f"dev{j}"] = spec.dtype, spec.device

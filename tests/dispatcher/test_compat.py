@@ -64,3 +64,14 @@ def test_is_graph_break():
     else:  # pragma: no cover
         raise AssertionError("print did not break the graph")
     assert not compat.is_graph_break(ValueError("x"))
+
+
+def test_tensor_guards_check_sizes_dtype_device_not_dynamic_dims():
+    x = torch.randn(8, 16)
+    check = compat.tensor_guards([x], [[0]])
+    assert check is not None  # every supported torch has TensorGuards
+    assert check(torch.randn(3, 16)) and check(x)
+    assert not check(torch.randn(3, 17))
+    assert not check(torch.randn(3, 16, dtype=torch.float64))
+    assert not check(torch.randn(3, 16, device="meta"))
+    assert not check(None)
