@@ -221,13 +221,16 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) linear and embedding weights, zero biases, from a fixed seed; norms keep their init."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Normal(0, std) linear and embedding weights, zero biases, from a fixed seed; norms keep their init.
+
+    Drawn on the CPU in fp32 and copied, so a built-in model has the same weights on every device.
+    """
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=gen)
+                w = module.weight
+                w.copy_(torch.empty(w.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
 
