@@ -48,3 +48,33 @@ def hf_greedy(model, prompts, max_new_tokens):
 def hf_last_logits(model, prompts):
     with torch.no_grad():
         return [model(torch.tensor([p])).logits[0, -1].float() for p in prompts]
+
+
+TINY_GEMMA2 = dict(
+    vocab_size=128,  # 256000
+    hidden_size=64,  # 2304
+    intermediate_size=128,  # 9216
+    num_hidden_layers=2,  # 26
+    num_attention_heads=4,  # 8
+    num_key_value_heads=2,  # 4
+    head_dim=16,  # 256
+    max_position_embeddings=256,
+    query_pre_attn_scalar=24,  # 256; not head_dim, so a scale taken from head_dim fails
+    sliding_window=5,  # 4096; shorter than the prompts, so the window matters
+    attn_logit_softcapping=2.0,  # 50; small, so the cap bends these logits
+    final_logit_softcapping=3.0,  # 30
+    initializer_range=0.2,
+)
+
+
+def save_hf_gemma2(path, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**TINY_GEMMA2, **overrides})
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():  # HF initializes the (1 + w) norms at w = 0; make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return model
