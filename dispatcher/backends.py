@@ -71,7 +71,7 @@ class RecordingBackend:
         self.backend = resolve_backend(config, level)
         self.options = inductor_options(config, level) if self.backend == "inductor" else {}
         self.piecewise = None
-        if self.backend == "inductor":
+        if level >= CompilationLevel.INDUCTOR:  # level 1-2 with backend="inductor": stock whole-graph Inductor
             from .piecewise import PiecewiseBackend
 
             self.piecewise = PiecewiseBackend(config, level, self.options, owner_name)

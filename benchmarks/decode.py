@@ -1,0 +1,273 @@
+"""Decode-step latency and prefill throughput of the reference Llama, per compilation mode.
+
+For each model shape (random bf16 weights) and decode batch size B (every
+sequence holding ``--context`` tokens in the paged KV cache, one new token
+each), the µs of one step (decoder + LM head), for:
+
+- ``eager``: level 0;
+- ``level 1``: stock torch.compile with Inductor (one compile, guards every call);
+- ``reduce-overhead``: stock ``torch.compile(mode="reduce-overhead")`` of the whole step, compiled
+  for each batch size separately (its CUDA graphs need static shapes);
+- ``level 3 piecewise``: ours, pieces between attention ops captured per size, attention eager;
+- ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
+- ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
+- ``weight-bandwidth floor``: weight bytes / measured copy bandwidth.
+
+Also prefill throughput (one ``--prefill`` token prompt) per mode and the
+cold start-up of level 3 (trace + compile, then capture of every capture
+size). Usage: ``python -m benchmarks.decode [--models llama-3.2-1b,llama-3-8b]``;
+``--quick`` runs tiny-llama on CPU to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from dispatcher import CompilationConfig, set_compilation_config
+from dispatcher.cuda_graph import FullGraphs
+from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from models.kv_cache import KVCache, attention_layers
+from models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class Harness:
+    """A model with its paged cache and persistent step buffers: sequences of ``context`` cached tokens."""
+
+    def __init__(self, name: str, config: CompilationConfig, max_batch: int, context: int, prefill: int,
+                 device: torch.device, dtype: torch.dtype):
+        t0 = time.perf_counter()
+        with set_compilation_config(config):
+            self.model = load_model(name, dtype=dtype, device=device, progress=False).eval()
+        self.load_s = time.perf_counter() - t0
+        self.device = device
+        self.layers = attention_layers(self.model)
+        self.context = context
+        block = 16
+        per_seq = -(-(context + 1) // block)
+        self.cache = KVCache(self.layers, max(max_batch * per_seq, -(-prefill // block)) * block, block,
+                             dtype=dtype, device=device)
+        self.blocks_per_seq = per_seq
+        max_tokens = max(max_batch, prefill)
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.randint(0, self.model.config.vocab_size, (max_tokens,), device=device)
+        self.positions = torch.zeros(max_tokens, dtype=i64, device=device)
+        self.slot_mapping = torch.zeros(max_tokens, dtype=i64, device=device)
+        self.query_start_loc = torch.zeros(max_tokens + 1, dtype=i32, device=device)
+        self.seq_lens = torch.zeros(max_tokens, dtype=i32, device=device)
+        self.block_table = torch.zeros(max(max_batch, 1), max(per_seq, -(-prefill // block)), dtype=i32,
+                                       device=device)
+        self.logits: torch.Tensor | None = None
+        self.md: AttentionMetadata | None = None
+
+    def first_call(self) -> float:
+        """The trace + compile (warm-up with no cache, as the runner does); seconds."""
+        t0 = time.perf_counter()
+        with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
+            self.model(self.input_ids[:2], self.positions[:2])
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def set_decode(self, batch: int) -> None:
+        """Sequence i: blocks [i * per_seq, (i + 1) * per_seq), ``context`` tokens cached, one new token."""
+        bs, per = self.cache.block_size, self.blocks_per_seq
+        pos = self.context
+        seq = torch.arange(batch, device=self.device)
+        self.positions[:batch] = pos
+        self.slot_mapping[:batch] = (seq * per + pos // bs) * bs + pos % bs
+        self.query_start_loc[: batch + 1] = torch.arange(batch + 1, device=self.device, dtype=torch.int32)
+        self.seq_lens[:batch] = pos + 1
+        self.block_table[:batch, :per] = (seq[:, None] * per + torch.arange(per, device=self.device)).int()
+        self.md = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch], block_table=self.block_table[:batch], num_decodes=batch,
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[pos + 1] * batch, max_seq_len=pos + 1)
+        self.batch = batch
+
+    def set_prefill(self, tokens: int) -> None:
+        bs = self.cache.block_size
+        self.positions[:tokens] = torch.arange(tokens, device=self.device)
+        self.slot_mapping[:tokens] = torch.arange(tokens, device=self.device)  # blocks 0.. in order
+        self.query_start_loc[:2] = torch.tensor([0, tokens], dtype=torch.int32)
+        self.seq_lens[:1] = tokens
+        nblk = -(-tokens // bs)
+        self.block_table[:1, :nblk] = torch.arange(nblk, device=self.device, dtype=torch.int32)
+        self.md = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens], query_start_loc=self.query_start_loc[:2],
+            seq_lens=self.seq_lens[:1], block_table=self.block_table[:1], num_decodes=0,
+            query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens], max_seq_len=tokens)
+        self.batch = tokens
+
+    def step(self, model: Callable[..., Any] | None = None) -> torch.Tensor:
+        t = self.batch
+        fn = model or self.model
+        with set_forward_context(ForwardContext(self.layers, self.md)), torch.inference_mode():
+            hidden = fn(self.input_ids[:t], self.positions[:t])
+            return self.model.compute_logits(hidden[-1:] if self.md.num_decodes == 0 else hidden)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Median µs of ``fn`` (wall clock with a sync each call: a decode step's latency as a server sees it)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
+                dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None) -> tuple[list, list, dict]:
+    rows: list[dict[str, Any]] = []
+    prefill_rows: list[dict[str, Any]] = []
+    startup: dict[str, Any] = {}
+    cuda = device.type == "cuda"
+    max_b = max(batches)
+    floor_us = None
+    for mode in modes:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
+        graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise"}.get(mode, "none")
+        cfg = CompilationConfig(level=level, backend="inductor" if level == 1 else None,
+                                use_cudagraph=cuda and graph_mode != "none",
+                                cudagraph_mode=graph_mode if cuda else "none",
+                                cudagraph_capture_sizes=sorted(set(batches)) if cuda else [1])
+        h = Harness(name, cfg, max_b, context, prefill, device, dtype)
+        if floor_us is None and copy_bw:
+            floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
+        compile_s = h.first_call() if level > 0 else 0.0
+        capture_s = 0.0
+        full = FullGraphs() if cuda and mode in ("level 3", "full-graph floor") else None
+        for b in batches:
+            h.set_decode(b)
+            if mode == "reduce-overhead":
+                torch._dynamo.reset()
+                compiled = torch.compile(h.model, mode="reduce-overhead", dynamic=False)
+                t0 = time.perf_counter()
+                h.step(compiled)
+                h.step(compiled)
+                _sync(device)
+                compile_b = time.perf_counter() - t0
+                us = _time(lambda: h.step(compiled), device, iters)
+                rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
+                                 compile_s=round(compile_b, 1)))
+                continue
+            if full is not None:
+                t0 = time.perf_counter()
+                full.capture(b, h.step)
+                capture_s += time.perf_counter() - t0
+                us = _time(lambda: full.replay(b), device, iters)
+            else:
+                if cuda and graph_mode == "piecewise":
+                    t0 = time.perf_counter()
+                    h.step()
+                    h.step()  # warm-up, capture
+                    capture_s += time.perf_counter() - t0
+                us = _time(h.step, device, iters)
+            rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
+                             compile_s=round(compile_s, 1)))
+        if mode in ("level 3",) or (not cuda and mode == "level 3 piecewise"):
+            startup = dict(model=name, load_s=round(h.load_s, 1), trace_and_compile_s=round(compile_s, 1),
+                           capture_s=round(capture_s, 1), sizes=len(batches))
+        if prefill and mode != "full-graph floor":
+            h.set_prefill(prefill)
+            step = h.step
+            if mode == "reduce-overhead":
+                torch._dynamo.reset()
+                compiled = torch.compile(h.model, mode="reduce-overhead", dynamic=False)
+                step = lambda: h.step(compiled)  # noqa: E731
+            us = _time(step, device, max(3, iters // 10))
+            prefill_rows.append(dict(model=name, mode=mode, tokens=prefill, ms=round(us / 1e3, 2),
+                                     tokens_per_s=round(prefill / (us * 1e-6))))
+        del h
+    if floor_us is not None:
+        for b in batches:
+            rows.append(dict(model=name, mode="weight-bandwidth floor", batch=b, us_per_step=round(floor_us, 1)))
+        for r in rows:
+            r["pct_of_bw_floor"] = round(100 * floor_us / r["us_per_step"], 1) if r["us_per_step"] else ""
+    return rows, prefill_rows, startup
+
+
+MODES = ["eager", "level 1", "reduce-overhead", "level 3 piecewise", "level 3", "full-graph floor"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per decode sequence")
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if a.quick:
+        device, dtype = torch.device("cpu"), torch.float32
+        names, batches, context, prefill = ["tiny-llama"], [2, 4], 32, 64
+        modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3 piecewise")]
+        iters = 5
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        names, batches = a.models.split(","), [int(b) for b in a.batches.split(",")]
+        context, prefill, modes, iters = a.context, a.prefill, a.modes.split(","), a.iters
+    copy_bw = common.measure_copy_bandwidth() if device.type == "cuda" else None
+    rows, prefill_rows, startups = [], [], []
+    for name in names:
+        r, pr, st = bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw)
+        rows += r
+        prefill_rows += pr
+        if st:
+            startups.append(st)
+    suffix = "_quick" if a.quick else ""
+    bw = f"copy bandwidth {copy_bw:.0f} GB/s" if copy_bw else "no bandwidth floor on CPU"
+    common.write_results(f"decode{suffix}", rows, title="Decode step latency (decoder + LM head)",
+                         device=device, out_dir=a.out,
+                         notes=[f"context {context} cached tokens per sequence; {bw}",
+                                "pct_of_bw_floor: weight-bandwidth floor / this step's time"])
+    common.write_results(f"prefill{suffix}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
+                         device=device, out_dir=a.out)
+    if startups:
+        common.write_results(f"startup{suffix}", startups, title="Cold start-up of level 3", device=device,
+                             out_dir=a.out)
+    for name in names:
+        common.plot_lines(f"decode{suffix}_{name}", [r for r in rows if r["model"] == name], x="batch",
+                          y="us_per_step", series="mode", logx=True, logy=True, out_dir=a.out,
+                          title=f"{name}: decode step latency ({common.device_name(device)})",
+                          xlabel="batch (sequences)", ylabel="µs per step")
+
+
+if __name__ == "__main__":
+    main()
