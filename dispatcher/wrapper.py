@@ -146,7 +146,8 @@ class TorchCompileWrapperWithCustomDispatcher:
             return
         with self._do_capture_lock:
             if self.compiled_codes and not self.use_custom_dispatcher:
-                compilation_counter.add("num_recompiles")
+                if self._do_backend is None:  # our backend already counted this trace
+                    compilation_counter.add("num_recompiles")
                 raise RecompileError(
                     f"{self._do_name}: Dynamo is tracing it again after its first trace, but level "
                     f"{self.compilation_level.name} with use_bytecode_hook=False dropped every guard, so "

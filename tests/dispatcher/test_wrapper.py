@@ -313,7 +313,7 @@ def test_guard_filter_mode_stays_in_dynamo_and_refuses_recompiles():
     with compilation_counter.expect(num_graphs_seen=0, num_dispatched_calls=0):
         torch.testing.assert_close(net(torch.randn(3, 16)).shape, torch.Size([3, 16]))
     torch._dynamo.reset()  # drop the cache entry: the next call must trace again, which is refused
-    with pytest.raises(RecompileError, match="Net.forward"):
+    with pytest.raises(RecompileError, match="Net.forward"), compilation_counter.expect(num_recompiles=1):
         net(x)
 
 
