@@ -54,8 +54,15 @@ def _gemma2() -> type[nn.Module]:
     return Gemma2ForCausalLM
 
 
+def _llava() -> type[nn.Module]:
+    from .llava import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration
+
+
 register_architecture("LlamaForCausalLM", _llama)
 register_architecture("Gemma2ForCausalLM", _gemma2)
+register_architecture("LlavaForConditionalGeneration", _llava)
 
 
 def supported_architectures() -> list[str]:
@@ -170,6 +177,9 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
     from tqdm.auto import tqdm
 
     layout = checkpoint_layout(model)
+    # A model whose checkpoints come in several layouts (Llava: transformers 4 and 5 names) maps each
+    # stored name to one; ignored names and the layout use the mapped name.
+    canonical = getattr(model, "canonical_checkpoint_name", lambda n: n)
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_names", ())]
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         ignored.append(re.compile(r"^lm_head\.weight$"))  # some tied checkpoints store the copy anyway
@@ -177,14 +187,15 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
     unexpected, bad_shape, bad_dtype = [], [], []
     for file in files:
         with _open(file) as f:
-            for hf in f.keys():
+            for key in f.keys():
+                hf = canonical(key)
                 if any(p.search(hf) for p in ignored):
                     continue
                 if hf not in layout:
-                    unexpected.append(f"{hf} (in {os.path.basename(file)})")
+                    unexpected.append(f"{key} (in {os.path.basename(file)})")
                     continue
                 found[hf] = file
-                sl = f.get_slice(hf)
+                sl = f.get_slice(key)
                 shape = tuple(sl.get_shape())
                 expected = layout[hf][3]
                 if shape != expected:
@@ -208,12 +219,13 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
                               + "\n  ".join(problems))
     for file in tqdm(files, desc="loading shards", unit="shard", disable=not progress or None):
         with _open(file) as f:
-            for hf in f.keys():
+            for key in f.keys():
+                hf = canonical(key)
                 if hf not in found:
                     continue
                 _, param, row, shape = layout[hf]
                 try:
-                    tensor = f.get_tensor(hf)
+                    tensor = f.get_tensor(key)
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {hf} (truncated file?): {e}") from None
                 with torch.no_grad():

@@ -19,6 +19,12 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "tiny-gemma2": dict(_TINY, architectures=["Gemma2ForCausalLM"], hidden_activation="gelu_pytorch_tanh",
                         query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=50.0,
                         final_logit_softcapping=30.0, tie_word_embeddings=True, rope_theta=10000.0),
+    # Llava 1.5 shrunk: 28-pixel images in 14-pixel patches are 4 image tokens (576 in Llava 1.5).
+    "tiny-llava": dict(
+        architectures=["LlavaForConditionalGeneration"], image_token_index=159, torch_dtype="float32",
+        text_config=dict(_TINY, model_type="llama", vocab_size=160, rope_theta=10000.0),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=28, patch_size=14)),
     "llama-3.2-1b": dict(
         architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,

@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,6 +70,7 @@ class _Seq:
     max_new_tokens: int
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose keys and values are in the cache
+    images: Any = None  # the model's prepare_images() of this prompt's images, used at its prefill
 
     @property
     def num_generated(self) -> int:
@@ -179,6 +181,9 @@ class LLM:
             lens.append(first + n)
             rows[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
         t, b = starts[-1], len(batch)
+        # Prompts with images in this step (whole prompts: no chunked prefill), for embed_multimodal.
+        images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
+                  if seq.images is not None and seq.num_computed == 0]
         self.input_ids[:t].copy_(torch.tensor(ids), non_blocking=True)
         self.positions[:t].copy_(torch.tensor(pos), non_blocking=True)
         self.slot_mapping[:t].copy_(torch.tensor(slots), non_blocking=True)
@@ -190,14 +195,18 @@ class LLM:
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
             query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
         with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():
-            hidden = self.model(self.input_ids[:t], self.positions[:t])  # [T, hidden]
+            if images:
+                embeds = self.model.embed_multimodal(self.input_ids[:t], images)  # [T, hidden]
+                hidden = self.model(self.input_ids[:t], self.positions[:t], embeds)
+            else:
+                hidden = self.model(self.input_ids[:t], self.positions[:t])  # [T, hidden]
             last = torch.tensor(starts[1:], device=self.device) - 1
             return self.model.compute_logits(hidden[last]).float()  # [B, vocab]
 
     # ------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
                  temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[list[int]]:
+                 eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
         """Generate up to ``max_new_tokens`` after each prompt; returns the new token ids per prompt.
 
         Args:
@@ -207,6 +216,8 @@ class LLM:
             top_k: sample among the ``top_k`` most likely tokens only.
             seed: seeds the sampling generator; the same call gives the same tokens.
             eos_token_id: stop a sequence after this token (None: always ``max_new_tokens``).
+            images: for a model that takes images (one with ``prepare_images``, e.g. Llava): one entry
+                per prompt, None or that prompt's images (see the model's ``prepare_images``).
         """
         if temperature < 0:
             raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
@@ -222,10 +233,10 @@ class LLM:
             probs = torch.softmax(scaled, dim=-1)
             return torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
 
-        return self.run(prompt_token_ids, max_new_tokens, choose, eos_token_id)
+        return self.run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images)
 
     def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
-            eos_token_id: int | None = None) -> list[list[int]]:
+            eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
         """The scheduling loop of :meth:`generate` with a custom token chooser.
 
         ``choose(seqs, logits)`` gets the step's sequences (``seq.index`` is the
@@ -234,7 +245,11 @@ class LLM:
         """
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
-        seqs = [self._new_seq(i, p, max_new_tokens) for i, p in enumerate(prompt_token_ids)]
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise ValueError(f"generate: images must have one entry (None or images) per prompt: "
+                             f"{len(prompt_token_ids)} prompts, {len(images)} entries")
+        seqs = [self._new_seq(i, p, max_new_tokens, None if images is None else images[i])
+                for i, p in enumerate(prompt_token_ids)]
         waiting, running = deque(seqs), []
         self.stats = stats = GenerateStats()
         t_start = time.perf_counter()
@@ -279,7 +294,7 @@ class LLM:
         stats.total_s = time.perf_counter() - t_start
         return [s.tokens[s.prompt_len:] for s in seqs]
 
-    def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int) -> _Seq:
+    def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> _Seq:
         tokens = [int(t) for t in prompt]
         where = f"generate: prompt {index}"
         if not tokens:
@@ -296,4 +311,9 @@ class LLM:
         if self.kv_cache.blocks_for(len(tokens) + max_new_tokens) > self.kv_cache.num_blocks:
             raise ValueError(f"{where}: {len(tokens)} + {max_new_tokens} tokens do not fit the KV cache of "
                              f"{self.kv_cache.num_blocks * self.kv_cache.block_size} tokens; raise num_cache_tokens")
-        return _Seq(index, tokens, len(tokens), max_new_tokens)
+        seq = _Seq(index, tokens, len(tokens), max_new_tokens)
+        if images is not None:
+            if not hasattr(self.model, "prepare_images"):
+                raise ValueError(f"{where}: images given, but {type(self.model).__name__} takes no images")
+            seq.images = self.model.prepare_images(tokens, images, where)
+        return seq
