@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
-from ._triton import cdiv, tl, triton, triton_op, use_triton
+from ._triton import cdiv, known_int, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
-from .silu_and_mul import _act_input_2d, act_and_mul_config
+from .silu_and_mul import _act_input_2d, act_and_mul_config, act_needs_int64
 
 __all__ = ["gelu_and_mul", "GeluAndMul", "gelu_and_mul_ref"]
 
@@ -30,8 +30,12 @@ def _gelu_and_mul_kernel(
     TANH: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     in_offs = rows[:, None] * x_row_stride + cols[None, :]
@@ -51,9 +55,18 @@ def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, i
     x2 = _act_input_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
-    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size())
+    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_int(n_rows))
     wrap_triton(_gelu_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
-        x2, out, n_rows, d, x2.stride(0), TANH=approximate == "tanh", BLOCK_D=block_d, ROWS=rows, num_warps=num_warps
+        x2,
+        out,
+        n_rows,
+        d,
+        x2.stride(0),
+        TANH=approximate == "tanh",
+        BLOCK_D=block_d,
+        ROWS=rows,
+        INT64=act_needs_int64(n_rows, x2.stride(0), d),
+        num_warps=num_warps,
     )
     return out
 

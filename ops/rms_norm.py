@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
-from ._triton import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
 __all__ = [
@@ -51,20 +51,35 @@ def _rms_norm_kernel(
     GEMMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
+    INT64: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):
     # A [ROWS, BLOCK_N] tile: several short rows per program keep enough bytes
     # in flight per SM when the hidden size is small.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    # Activations are read once: evict_first keeps the weight (read by every program) in L2.
-    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    # The weight is loaded first, with x: issued after the reduction (which ends in a barrier) it
+    # would be a second, serialized round trip to L2 (~0.3 us of a ~1.5 us call at <= 16 tokens).
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x_offs = rows[:, None] * x_row_stride + cols[None, :]
     out_offs = rows[:, None] * n_cols + cols[None, :]
+    # Activations are read once: evict_first keeps the weight (read by every program) in L2 when x
+    # streams through it; a launch-latency-bound call (<= 512 KiB) has nothing to protect.
+    if EVICT_FIRST:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(
-            res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-        )
+        r_offs = rows[:, None] * res_row_stride + cols[None, :]
+        if EVICT_FIRST:
+            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0)
         # Round the sum to the input dtype before normalizing it (module docstring).
         s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + out_offs, s, mask=mask)
@@ -72,20 +87,28 @@ def _rms_norm_kernel(
     else:
         xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if GEMMA:
         w = 1.0 + w
     y = xf * rstd[:, None] * w[None, :]
     tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_config(n_cols: int, element_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, ROWS, num_warps)`` for a row of ``n_cols`` elements.
+def rms_norm_config(n_cols: int, element_size: int, n_rows: int | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for rows of ``n_cols`` elements.
 
-    Depends on the hidden size only (static under torch.compile), never on the
-    token count, so the choice adds no guard on a symbolic size.
+    ``n_rows`` is the token count when known without a guard (``known_int``), else None: the
+    bandwidth config then depends on the hidden size only (static under torch.compile), so the
+    choice adds no guard on a symbolic size.
     """
     block_n = next_power_of_2(n_cols)
+    if n_rows is not None and n_rows * block_n <= SMALL_ELEMENTS:
+        # Launch-latency bound (<= 16 x 8192): one row per program from 64 columns (16 tokens -> 16
+        # programs, the most a row reduction allows), shorter rows stacked to 512 elements. Up to
+        # four 16-byte vectors per thread, 1-8 warps: 4096 bf16 -> 4 warps, not 8, since the loads of one
+        # thread issue back to back, while every extra warp adds a step to the cross-warp reduction.
+        rows = min(max(1, 512 // block_n), next_power_of_2(n_rows))
+        num_warps = min(max(block_n * rows * element_size // (64 * 32), 1), 8)
+        return block_n, rows, num_warps
     # Rows of >= 2048 columns: one per program. Measured on H200 at 4096 x 4096 bf16, 1 or 2 rows per
     # program with 8 warps both give 84-85% of the copy bandwidth (4 rows: 79%), and one row keeps 16
     # programs for 16 tokens, where launch latency rules. Shorter rows are stacked to ~4 KiB.
@@ -114,7 +137,9 @@ def _launch_rms_norm(
         r2 = residual if residual.dim() == 2 and residual.stride(-1) == 1 else residual.reshape(-1, n_cols).contiguous()
         res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
-    block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size())
+    known_rows = known_int(n_rows)
+    block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
+    small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
     wrap_triton(_rms_norm_kernel)[(cdiv(n_rows, rows),)](
         x2,
         r2,
@@ -130,6 +155,8 @@ def _launch_rms_norm(
         GEMMA=gemma,
         BLOCK_N=block_n,
         ROWS=rows,
+        INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
+        EVICT_FIRST=not small,
         num_warps=num_warps,
     )
     return out, res_out

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
-from ._triton import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
-__all__ = ["silu_and_mul", "SiluAndMul", "silu_and_mul_ref", "act_and_mul_config"]
+__all__ = ["silu_and_mul", "SiluAndMul", "silu_and_mul_ref", "act_and_mul_config", "act_needs_int64"]
 
 
 @triton.jit
@@ -25,9 +25,13 @@ def _silu_and_mul_kernel(
     x_row_stride,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     # Axis 0 walks rows (up to 2**31 programs), axis 1 the column blocks of one row.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     in_offs = rows[:, None] * x_row_stride + cols[None, :]
@@ -37,15 +41,36 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + rows[:, None] * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul_config(d: int, element_size: int) -> tuple[int, int, int]:
-    """``(BLOCK_D, ROWS, num_warps)`` for an output row of ``d`` elements (hidden size only: no guard on tokens)."""
+def act_and_mul_config(d: int, element_size: int, n_rows: int | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_D, ROWS, num_warps)`` for output rows of ``d`` elements.
+
+    ``n_rows`` is the token count when known without a guard (``known_int``), else None: the
+    bandwidth config then depends on the hidden size only, adding no guard on a symbolic size.
+    """
+    vec = max(1, 16 // element_size)  # elements per 16-byte vector: 8 bf16, 4 fp32
+    if n_rows is not None and n_rows * d <= SMALL_ELEMENTS:
+        # Launch-latency bound (<= 16 x 8192 outputs): split rows into column blocks of one 16-byte vector
+        # per thread and operand, with 1-2 warps (as Inductor's pointwise kernels at these sizes). One
+        # 4096-wide row in one 16-warp program streams 16 KiB through a single SM; in blocks of 256-512
+        # it spreads over SMs: 1 x 4096 bf16 -> 16 programs of 1 warp, 16 x 4096 -> 128 programs of
+        # 2 warps (one per SM of the H200's 132), 16 x 8192 -> 256.
+        warps = 2 if n_rows * d >= 16 * 2 * 32 * vec else 1  # 2 warps once that still gives >= 16 programs
+        per_program = warps * 32 * vec
+        block_d = min(next_power_of_2(d), per_program)
+        rows = min(max(1, per_program // block_d), next_power_of_2(n_rows))
+        num_warps = min(max(block_d * rows // (32 * vec), 1), warps)
+        return block_d, rows, num_warps
     # Measured on H200, 4096 x 4096 bf16: one 4096-wide row per program with 16 warps reaches 95% of the
-    # copy bandwidth, 2048-wide blocks x 4 rows 87%. Short rows are stacked up to 1024 outputs per program;
-    # no more, so that 16 tokens still make 16 programs (launch-latency regime).
+    # copy bandwidth, 2048-wide blocks x 4 rows 87%. Short rows are stacked up to 1024 outputs per program.
     block_d = min(next_power_of_2(d), 4096)
     rows = max(1, min(1024 // block_d, 64))
     num_warps = min(max(block_d * rows * element_size // 512, 4), 16)
     return block_d, rows, num_warps
+
+
+def act_needs_int64(n_rows: int, row_stride: int, d: int) -> bool:
+    """Whether the kernels' input offsets (up to ``n_rows * row_stride + 2d``) may overflow int32."""
+    return needs_int64(n_rows * row_stride, 2 * d)
 
 
 def _act_input_2d(x: torch.Tensor) -> torch.Tensor:
@@ -59,9 +84,17 @@ def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = 
     x2 = _act_input_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
-    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size())
+    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_int(n_rows))
     wrap_triton(_silu_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
-        x2, out, n_rows, d, x2.stride(0), BLOCK_D=block_d, ROWS=rows, num_warps=num_warps
+        x2,
+        out,
+        n_rows,
+        d,
+        x2.stride(0),
+        BLOCK_D=block_d,
+        ROWS=rows,
+        INT64=act_needs_int64(n_rows, x2.stride(0), d),
+        num_warps=num_warps,
     )
     return out
 
