@@ -270,3 +270,45 @@ def test_tiny_llava_builtin_and_expand_image_tokens():
     with_image = llm.generate([prompt, prompt], 8, images=[img, None])
     assert all(len(o) == 8 for o in with_image)
     assert llm.generate([prompt], 8, images=[img]) == with_image[:1]  # alone as in a batch
+
+
+# llava-hf/llava-1.5-7b-hf's config.json (transformers 4.36): HF saved only what differs from the defaults.
+LLAVA_15_7B = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu", "tie_word_embeddings": False,
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "torch_dtype": "float16", "vision_config": {
+        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+        "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}
+
+
+def test_llava_15_7b_config_matches_transformers_tensor_for_tensor():
+    """The real config, built on the meta device by both: every HF tensor maps to one of ours of the same shape,
+    except the 24th CLIP layer and post_layernorm, which feature layer -2 never reads."""
+    import re
+
+    from models.loader import build_model, checkpoint_layout
+
+    ours = build_model(LLAVA_15_7B, device="meta")
+    assert ours.config.num_image_tokens == 576 and next(ours.parameters()).dtype == torch.float16
+    with torch.device("meta"):
+        hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(**LLAVA_15_7B))
+    layout = checkpoint_layout(ours)
+    ignored = [re.compile(p) for p in ours.ignored_checkpoint_names]
+    skipped = set()
+    for name, tensor in hf.state_dict().items():
+        mapped = ours.canonical_checkpoint_name(name)
+        if any(p.search(mapped) for p in ignored):
+            skipped.add(re.sub(r"\.(weight|bias)$", "", mapped))
+            continue
+        assert layout.pop(mapped)[3] == tuple(tensor.shape), name
+    assert not layout  # nothing of ours left without an HF tensor
+    assert skipped == {"vision_tower.post_layernorm"} | {
+        f"vision_tower.encoder.layers.23.{m}" for m in
+        ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2", "self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.out_proj")}
