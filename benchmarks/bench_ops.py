@@ -5,8 +5,12 @@ reference: tolerance, fp8 bit-exact), then µs per call of
 
 - ours: ``torch.ops.dynamo_once.<op>`` (the Triton kernel);
 - eager: the native reference (``forward_native``) run eagerly;
-- compile: ``torch.compile`` of that reference (Inductor; token dim dynamic,
-  one compile per op and hidden size, size 1 specialized as Dynamo does);
+- compile: ``torch.compile(dynamic=False)`` of that reference, one compile per
+  tokens x hidden (Inductor specializes its kernels to the shape: the fair
+  baseline, as a model captured per size in CUDA graphs gets);
+- compile_dyn: ``torch.compile`` of the reference with the token dim dynamic
+  (one compile per op and hidden size, ``backed_size_oblivious`` so size 1 is
+  not specialized), the code a symbolic-size compile runs (skip: ``--no-dynamic``);
 
 all three timed the same way: 32 calls captured in one CUDA graph, replays
 timed with CUDA events, inputs rotated through copies totalling >= 256 MiB so
@@ -14,8 +18,10 @@ that reads come from DRAM rather than the 50 MiB L2. GB/s counts the bytes
 each op must move at least (inputs read once, outputs written once), and % of
 copy is against the device-to-device copy bandwidth measured in the same run.
 
-Usage: ``python benchmarks/bench_ops.py [--out DIR] [--quick] [--sweep]``;
-on a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
+Usage: ``python benchmarks/bench_ops.py [--out DIR] [--quick | --targets-only] [--no-dynamic] [--sweep]``;
+``--targets-only`` runs the sizes of the targets only (tokens 1, 16, 4096, 32768
+x hidden 4096, every op; ~2-3 minutes on an H200, mostly Inductor compiles).
+On a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from benchmarks import common  # noqa: E402
 
 TOKENS = [1, 16, 256, 4096, 32768]
 HIDDEN = [2048, 4096, 8192]
+TARGET_TOKENS = [1, 16, 4096, 32768]
+TARGET_HIDDEN = [4096]
 HEAD_SIZE = 128
 EPS = 1e-6
 GRAPH_ITERS = 32
@@ -163,6 +171,13 @@ def _mark_tokens_dynamic(args: tuple, t: int) -> None:
             torch._dynamo.mark_dynamic(a, 0)
 
 
+def _time(fn: Callable, args: tuple, nbytes: int, device: str) -> float:
+    """µs per call of ``fn`` under CUDA-graph replay, rotating over copies of ``args`` that exceed the L2."""
+    n_copies = common.copies_to_exceed_cache(nbytes) if device == "cuda" else 1
+    arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+    return common.bench(common.rotating(fn, arg_sets), device, cuda_graph=True, graph_iters=GRAPH_ITERS, iters=200)
+
+
 def run(
     tokens: list[int],
     hidden: list[int],
@@ -170,32 +185,46 @@ def run(
     device: str,
     dtype: torch.dtype,
     on_op_done: Callable[[list, float], None] = lambda rows, copy_gbps: None,
+    dynamic_column: bool = True,
 ) -> tuple[list, float]:
     copy_gbps = common.measure_copy_bandwidth(device=device) if device == "cuda" else common.measure_copy_bandwidth(
         256 << 20, device=device
     )
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s", flush=True)
+    # One static compile per tokens x hidden of the same function: more than Dynamo's default 8 entries.
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+    elt = torch.tensor([], dtype=dtype).element_size()
     rows = []
     for spec in sorted((s for s in SPECS if s.name in names), key=lambda s: s.name not in BANDWIDTH_TARGET_OPS):
         for h in hidden:
-            compiled_ref = torch.compile(spec.ref, fullgraph=True)
+            # compile_dyn first, for every token count, from one compile; then a reset, so that no
+            # static-shape call below can be served by that symbolic entry (guards do not tell them apart).
+            dyn_times: dict[int, float] = {}
+            if dynamic_column:
+                torch._dynamo.reset()
+                compiled_dyn = torch.compile(spec.ref, fullgraph=True)
+                for t in tokens:
+                    torch.manual_seed(0)
+                    args = spec.make_args(t, h, dtype, device)
+                    _mark_tokens_dynamic(args, t)
+                    compiled_dyn(*args)
+                    dyn_times[t] = _time(compiled_dyn, args, spec.nbytes(t, h, elt), device)
+                    del args
+            torch._dynamo.reset()
             for t in tokens:
                 torch.manual_seed(0)
                 args = spec.make_args(t, h, dtype, device)
-                _mark_tokens_dynamic(args, t)
                 # Ours against the reference (fp8 bit-exact). Inductor's own division is approximate, so the
                 # compiled reference is not held to that.
                 ok = _check(spec, spec.ours(*args), spec.ref(*args))
+                # A fresh static-shape compile for this size: Inductor's best case, specialized kernels.
+                compiled_ref = torch.compile(spec.ref, fullgraph=True, dynamic=False)
                 compiled_ref(*args)
-                nbytes = spec.nbytes(t, h, torch.tensor([], dtype=dtype).element_size())
-                n_copies = common.copies_to_exceed_cache(nbytes) if device == "cuda" else 1
-                arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
-                times = {}
-                for label, fn in (("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref)):
-                    times[label] = common.bench(
-                        common.rotating(fn, arg_sets), device, cuda_graph=True, graph_iters=GRAPH_ITERS, iters=200
-                    )
-                del arg_sets
+                nbytes = spec.nbytes(t, h, elt)
+                times = {label: _time(fn, args, nbytes, device)
+                         for label, fn in (("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref))}
+                del args
                 gbps = nbytes / (times["ours"] * 1e-6) / 1e9
                 row = {
                     "op": spec.name,
@@ -208,6 +237,7 @@ def run(
                     "eager_us": round(times["eager"], 2),
                     "compile_us": round(times["compile"], 2),
                     "compile_pct_copy": round(100 * nbytes / (times["compile"] * 1e-6) / 1e9 / copy_gbps, 1),
+                    "compile_dyn_us": round(dyn_times[t], 2) if t in dyn_times else "",
                     "x_vs_eager": round(times["eager"] / times["ours"], 2),
                     "x_vs_compile": round(times["compile"] / times["ours"], 2),
                     "correct": ok,
@@ -292,14 +322,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="small sizes (default when there is no CUDA)")
+    p.add_argument("--targets-only", action="store_true",
+                   help=f"only the target sizes: tokens {TARGET_TOKENS} x hidden {TARGET_HIDDEN}, every op (~2-3 min)")
+    p.add_argument("--no-dynamic", action="store_true", help="skip the compile_dyn column (one compile per op less)")
     p.add_argument("--sweep", action="store_true", help="only sweep the row kernels' (ROWS, num_warps) (CUDA)")
     p.add_argument("--ops", default=",".join(s.name for s in SPECS))
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     quick = args.quick or device == "cpu"
-    tokens, hidden = ([1, 16, 256], [2048]) if quick else (TOKENS, HIDDEN)
+    if quick:
+        tokens, hidden = [1, 16, 256], [2048]
+    elif args.targets_only:
+        tokens, hidden = TARGET_TOKENS, TARGET_HIDDEN
+    else:
+        tokens, hidden = TOKENS, HIDDEN
     names = [n.strip() for n in args.ops.split(",") if n.strip()]
-    # One compile per op and hidden size for every token count, 1 included (Dynamo would specialize size 1).
+    # compile_dyn: one compile per op and hidden size for every token count, 1 included (Dynamo would
+    # specialize size 1). No effect on the static-shape compiles.
     import torch.fx.experimental._config as fx_config
 
     if hasattr(fx_config, "backed_size_oblivious"):
@@ -316,7 +355,8 @@ def main() -> None:
             "bf16; MB = bytes the op must move at least (inputs once, outputs once)",
             f"all columns timed under CUDA-graph replay ({GRAPH_ITERS} calls per graph), inputs rotated over >= 256 MiB"
             if device == "cuda" else "CPU smoke run: wall clock, ours = the reference through torch.ops",
-            "eager = the fp32 native reference; compile = torch.compile(reference), Inductor, dynamic token dim",
+            "eager = the fp32 native reference; compile = torch.compile(reference, dynamic=False), one Inductor "
+            "compile per tokens x hidden; compile_dyn = one compile per op and hidden with the token dim dynamic",
             f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
             *targets(rows, copy_gbps),
         ]
@@ -327,7 +367,7 @@ def main() -> None:
                            title=f"ours: % of copy bandwidth ({copy_gbps:.0f} GB/s), bf16, {common.env_header(device)}",
                            ylabel="% of copy bandwidth", logx=True, hlines={"85%": 85.0}, out_dir=args.out)
 
-    run(tokens, hidden, names, device, torch.bfloat16, save)
+    run(tokens, hidden, names, device, torch.bfloat16, save, dynamic_column=not args.no_dynamic)
 
 
 if __name__ == "__main__":
