@@ -18,7 +18,7 @@ that reads come from DRAM rather than the 50 MiB L2. GB/s counts the bytes
 each op must move at least (inputs read once, outputs written once), and % of
 copy is against the device-to-device copy bandwidth measured in the same run.
 
-Usage: ``python benchmarks/bench_ops.py [--out DIR] [--quick | --targets-only] [--no-dynamic] [--sweep]``;
+Usage: ``python benchmarks/bench_ops.py [--out DIR] [--quick | --targets-only] [--no-dynamic] [--sweep | --sweep-small]``;
 ``--targets-only`` runs the sizes of the targets only (tokens 1, 16, 4096, 32768
 x hidden 4096, every op; ~2-3 minutes on an H200, mostly Inductor compiles).
 On a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
@@ -314,6 +314,36 @@ def sweep(device: str, out_dir: str) -> None:
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s"], out_dir=out_dir)
 
 
+def sweep_small(device: str, out_dir: str | None) -> None:
+    """Time the row kernels' latency configs at <= 16 tokens (CUDA-graph replay), to check the small-size choices."""
+    rms = importlib.import_module("ops.rms_norm")
+    act = importlib.import_module("ops.silu_and_mul")
+    rows = []
+    for t, h in ((1, 4096), (16, 4096), (16, 2048)):
+        x, r = torch.randn(t, h, device=device, dtype=torch.bfloat16), torch.randn(t, h, device=device, dtype=torch.bfloat16)
+        w = torch.randn(h, device=device, dtype=torch.bfloat16)
+        x2 = torch.randn(t, 2 * h, device=device, dtype=torch.bfloat16)
+        cases = {
+            "rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], None, a[2], EPS, False, cfg), (x, r, w),
+                         [(h, 1, wp) for wp in (1, 2, 4, 8, 16)], rms.rms_norm_config(h, 2, t)),
+            "fused_add_rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg), (x, r, w),
+                                   [(h, 1, wp) for wp in (1, 2, 4, 8, 16)], rms.rms_norm_config(h, 2, t)),
+            "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], cfg), (x2,),
+                             [(b, 1, wp) for b in (256, 512, 1024, min(h, 4096)) for wp in (1, 2, 4, 16)
+                              if b // (32 * wp) in (2, 4, 8)] + [(min(h, 4096), 1, 16)], act.act_and_mul_config(h, 2, t)),
+        }
+        for name, (launch, args, configs, default) in cases.items():
+            arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(15)]
+            for cfg in dict.fromkeys([default, *configs]):
+                us = common.bench_gpu(common.rotating(lambda *a, cfg=cfg: launch(cfg, a), arg_sets), cuda_graph=True,
+                                      graph_iters=GRAPH_ITERS, iters=400)
+                rows.append({"op": name, "tokens": t, "hidden": h, "BLOCK": cfg[0], "ROWS": cfg[1], "warps": cfg[2],
+                             "us": round(us, 2), "default": cfg == default})
+                print(rows[-1], flush=True)
+    common.write_results("bench_ops_sweep_small", rows, title="Row-kernel latency configs (bf16, CUDA-graph replay)",
+                         notes=["default = the config the launcher picks for this known size"], out_dir=out_dir)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -326,6 +356,8 @@ def main() -> None:
                    help=f"only the target sizes: tokens {TARGET_TOKENS} x hidden {TARGET_HIDDEN}, every op (~2-3 min)")
     p.add_argument("--no-dynamic", action="store_true", help="skip the compile_dyn column (one compile per op less)")
     p.add_argument("--sweep", action="store_true", help="only sweep the row kernels' (ROWS, num_warps) (CUDA)")
+    p.add_argument("--sweep-small", action="store_true",
+                   help="only time the latency configs at <= 16 tokens (CUDA, ~20 s): bench_ops_sweep_small.md")
     p.add_argument("--ops", default=",".join(s.name for s in SPECS))
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -347,6 +379,9 @@ def main() -> None:
     print(common.env_header(device), flush=True)
     if args.sweep:
         sweep(device, args.out)
+        return
+    if args.sweep_small:
+        sweep_small(device, args.out)
         return
 
     def save(rows: list, copy_gbps: float) -> None:
