@@ -108,19 +108,17 @@ def _tensors(out: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(o)
 
 
-def capture_sizes(run: Callable[[int], Any], sizes: Iterable[int], desc: str = "capturing CUDA graphs") -> float:
-    """Call ``run(size)`` twice per size, largest first (warm-up, then capture); returns seconds taken.
+def capture_sizes(capture: Callable[[int], Any], sizes: Iterable[int], desc: str = "capturing CUDA graphs") -> float:
+    """Call ``capture(size)`` for each size, largest first, with a progress bar; returns seconds taken.
 
-    Largest first: the shared pool is sized by the first capture and smaller
-    graphs reuse its memory.
+    Largest first: the pool is sized by the first captures and smaller graphs reuse its memory.
     """
     from tqdm.auto import tqdm
 
     sizes = sorted(set(sizes), reverse=True)
     t0 = time.perf_counter()
     for size in tqdm(sizes, desc=desc, unit="size"):
-        run(size)
-        run(size)
+        capture(size)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     logger.info("captured CUDA graphs for %d sizes in %.1fs", len(sizes), dt)

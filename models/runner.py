@@ -34,6 +34,8 @@ from dispatcher import (
     set_compilation_config,
 )
 
+from dispatcher.cuda_graph import FullGraphs, capture_sizes
+
 from .forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from .kv_cache import KVCache, attention_layers
 from .loader import load_model
@@ -78,6 +80,14 @@ class _Seq:
 
 
 Chooser = Callable[[list[_Seq], torch.Tensor], list[int]]
+
+
+def _next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (sorted) that holds ``n``; None if none does."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return None
 
 
 class LLM:
@@ -153,6 +163,7 @@ class LLM:
         self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
                     self.level.name, self.compile_time_s)
+        self.capture_time_s = self._setup_cuda_graphs(compiled[0].compilation_config if compiled else config)
 
     # ------------------------------------------------------------ forward
     def _warm_up(self) -> float:
@@ -161,6 +172,64 @@ class LLM:
             self.model(self.input_ids, self.positions)
         self._sync()
         return time.perf_counter() - t0
+
+    def _setup_cuda_graphs(self, config: CompilationConfig) -> float:
+        """Levels 3-4 on CUDA: capture every capture size at start-up; returns seconds taken.
+
+        Piecewise graphs (one per piece per size, attention eager between them) serve every
+        step of up to the largest capture size, its tokens padded up to the next size. With
+        ``full_and_piecewise``, a decode-only step of up to ``max_num_seqs`` sequences instead
+        replays one whole-step graph (attention included), padded with dummy sequences that
+        attend to, and write into, one reserved cache block.
+        """
+        self.piece_sizes: list[int] = []
+        self.full_sizes: list[int] = []
+        self.full_graphs: FullGraphs | None = None
+        if (self.device.type != "cuda" or self.level < CompilationLevel.INDUCTOR or not config.use_cudagraph
+                or config.cudagraph_mode == "none"):
+            return 0.0
+        sizes = config.cudagraph_capture_sizes
+        self.piece_sizes = [n for n in sizes if n <= self.max_num_tokens]
+        if config.cudagraph_mode == "full_and_piecewise":
+            self.full_sizes = [n for n in sizes if n <= self.max_num_seqs]
+            self.full_graphs = FullGraphs()
+        self.pad_block = self.kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
+        self._full_md: dict[int, AttentionMetadata] = {}
+
+        def capture(n: int) -> None:
+            if n in self.piece_sizes:  # warm-up, then capture; attention (eager between pieces) gets no metadata
+                for _ in range(2):
+                    with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
+                        self.model(self.input_ids[:n], self.positions[:n])
+            if n in self.full_sizes:
+                self._full_md[n] = self._pad_decode(0, n, [0], [])
+                self.full_graphs.capture(n, lambda: self._decode_step(n))
+
+        dt = capture_sizes(capture, sorted(set(self.piece_sizes) | set(self.full_sizes)),
+                           desc=f"capturing CUDA graphs ({config.cudagraph_mode})")
+        logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
+                    len(self.piece_sizes), len(self.full_sizes), dt)
+        return dt
+
+    def _pad_decode(self, b: int, n: int, starts: list[int], lens: list[int]) -> AttentionMetadata:
+        """Dummy decode sequences ``b..n-1`` (one token, position 0, the pad block); metadata for all ``n``."""
+        bs = self.kv_cache.block_size
+        self.input_ids[b:n] = 0
+        self.positions[b:n] = 0
+        self.slot_mapping[b:n] = self.pad_block * bs
+        self.query_start_loc[b + 1:n + 1] = torch.arange(b + 1, n + 1, dtype=torch.int32, device=self.device)
+        self.seq_lens[b:n] = 1
+        self.block_table[b:n, 0] = self.pad_block
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], num_decodes=n,
+            query_start_loc_cpu=starts + list(range(b + 1, n + 1)), seq_lens_cpu=lens + [1] * (n - b),
+            max_seq_len=max(lens + [1]))
+
+    def _decode_step(self, n: int) -> torch.Tensor:
+        """A decode-only step of ``n`` sequences over the persistent buffers: logits ``[n, vocab]``."""
+        with set_forward_context(ForwardContext(self.layers, self._full_md[n])), torch.inference_mode():
+            return self.model.compute_logits(self.model(self.input_ids[:n], self.positions[:n]))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -194,6 +263,22 @@ class LLM:
             slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
             query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
+        if self.piece_sizes and not images:
+            padded = _next_size(self.full_sizes if num_decodes == b else [], b)
+            if padded is not None:  # decode-only: one whole-step graph, padded with dummy sequences
+                self._pad_decode(b, padded, starts, lens)
+                return self.full_graphs.replay(padded)[:b].float()
+            padded = _next_size(self.piece_sizes, t)
+            if padded is not None and num_decodes == b:  # decode-only, piecewise: pad with dummy sequences
+                if padded <= self.max_num_seqs:
+                    md = self._pad_decode(b, padded, starts, lens)
+                    t = padded
+            elif padded is not None:  # padding tokens belong to no sequence; they write the pad block
+                self.input_ids[t:padded] = 0
+                self.positions[t:padded] = 0
+                self.slot_mapping[t:padded] = self.pad_block * bs
+                md = dataclasses.replace(md, slot_mapping=self.slot_mapping[:padded])
+                t = padded
         with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():
             if images:
                 embeds = self.model.embed_multimodal(self.input_ids[:t], images)  # [T, hidden]

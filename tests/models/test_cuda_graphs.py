@@ -1,0 +1,48 @@
+"""Levels 3-4 in the runner: CUDA graphs captured at start-up, padding, whole-step decode graphs."""
+
+import pytest
+import torch
+
+from dispatcher import CompilationConfig, compilation_counter
+from models import LLM
+
+pytestmark = pytest.mark.cuda
+
+SIZES = [1, 2, 4, 8, 16]
+PIECES = 3  # tiny-llama: 2 layers -> 2 attention ops -> 3 compiled pieces
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3] * 13, [42]]
+
+
+def llm(mode, **kw):
+    cfg = CompilationConfig(level=3, use_cudagraph=mode != "none", cudagraph_mode=mode,
+                            cudagraph_capture_sizes=SIZES)
+    return LLM("tiny-llama", max_num_tokens=32, max_num_seqs=8, device="cuda", compilation_config=cfg, **kw)
+
+
+def test_capture_counts_at_start_up():
+    with compilation_counter.expect(num_graphs_seen=1,
+                                    # one graph per piece per size (all 5 sizes <= 32 tokens), plus one
+                                    # whole-step graph per size that a decode batch can have (<= 8 seqs)
+                                    num_cudagraph_captured=PIECES * len(SIZES) + 4):
+        m = llm("full_and_piecewise")
+    assert m.piece_sizes == SIZES and m.full_sizes == [1, 2, 4, 8]
+    with compilation_counter.expect(num_cudagraph_captured=PIECES * len(SIZES)):
+        p = llm("piecewise")
+    assert p.full_graphs is None
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_graphs_give_the_tokens_and_logits_of_eager(mode):
+    ref = LLM("tiny-llama", level=0, max_num_tokens=32, max_num_seqs=8, device="cuda")
+    m = llm(mode)
+    with compilation_counter.expect(num_cudagraph_captured=0, num_graphs_seen=0):
+        # Steps of 4 decodes (padded: none), mixed prefill + decode (T padded to 8, 16 or 32 tokens).
+        assert m.generate(PROMPTS, 12) == ref.generate(PROMPTS, 12)
+        # 3 sequences: decode steps padded to 4 with a dummy sequence.
+        assert m.generate(PROMPTS[:3], 6) == ref.generate(PROMPTS[:3], 6)
+    assert m.stats.decode_step_times_s
+
+
+def test_level_3_without_graphs_matches_with_graphs():
+    a, b = llm("full_and_piecewise"), llm("none")
+    assert a.generate(PROMPTS, 8) == b.generate(PROMPTS, 8)
