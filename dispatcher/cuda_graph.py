@@ -8,6 +8,8 @@ At capture each tensor input is sorted into one of three kinds:
   are still at the captured address (a reassigned ``layer.weight`` is caught);
 - outputs of graphs captured earlier in the same pool (the previous piece):
   used in place, they are static by construction;
+- views of persistent buffers declared with :func:`mark_static_buffers` (a
+  runner's inputs): used in place; every replay checks the address;
 - anything else (model inputs, the eager splitting op's output): copied into
   a buffer owned by the graph before each replay, unless it already is that
   buffer (a runner that writes into persistent inputs pays no copy).
@@ -30,7 +32,7 @@ from .errors import DynamoOnceError
 logger = logging.getLogger(__name__)
 
 __all__ = ["CUDAGraphPool", "CapturedGraph", "CUDAGraphAddressError", "FullGraphs", "capture_sizes",
-           "capturing_full_graph"]
+           "capturing_full_graph", "mark_static_buffers"]
 
 _full_capture = threading.local()
 
@@ -42,6 +44,19 @@ def capturing_full_graph() -> bool:
 
 class CUDAGraphAddressError(DynamoOnceError):
     """Debug mode: a static input of a captured CUDA graph is no longer at its captured address."""
+
+
+_static_storages: set[int] = set()
+
+
+def mark_static_buffers(*tensors: torch.Tensor) -> None:
+    """Declare persistent buffers (a runner's inputs and metadata) that graphs may read in place.
+
+    A graph input that is a view of one is not copied before replay; every replay checks that
+    the view is still at its captured address (a view at another offset would be read stale).
+    """
+    for t in tensors:
+        _static_storages.add(t.untyped_storage().data_ptr())
 
 
 class CUDAGraphPool:
@@ -59,13 +74,17 @@ class CapturedGraph:
         self.debug = debug
         self.copy_idx: list[int] = []
         static_args = list(args)
-        self.static_checks: list[tuple[int, int, str]] = []
+        self.static_checks: list[tuple[int, int, str]] = []  # parameters: checked in debug mode
+        self.buffer_checks: list[tuple[int, int, str]] = []  # views of persistent buffers: always checked
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
             ptr = a.data_ptr()
+            name = input_names[i] if i < len(input_names) else f"arg{i}"
             if isinstance(a, torch.nn.Parameter) or ptr in static_ptrs:
-                self.static_checks.append((i, ptr, input_names[i] if i < len(input_names) else f"arg{i}"))
+                self.static_checks.append((i, ptr, name))
+            elif a.untyped_storage().data_ptr() in _static_storages:
+                self.buffer_checks.append((i, ptr, name))
             elif ptr in pool.output_ptrs:
                 pass
             else:
@@ -87,6 +106,13 @@ class CapturedGraph:
             a, s = args[i], static[i]
             if a.data_ptr() != s.data_ptr():
                 s.copy_(a)
+        for i, ptr, name in self.buffer_checks:
+            if args[i].data_ptr() != ptr:
+                raise CUDAGraphAddressError(
+                    f"{self.name}: input '{name}' is a view of a persistent buffer at {args[i].data_ptr():#x}, "
+                    f"but the CUDA graph was captured reading it at {ptr:#x}; pass views that start where "
+                    f"the captured ones did (e.g. buffer[:n])."
+                )
         if self.debug:
             for i, ptr, name in self.static_checks:
                 if args[i].data_ptr() != ptr:

@@ -34,7 +34,7 @@ from dispatcher import (
     set_compilation_config,
 )
 
-from dispatcher.cuda_graph import FullGraphs, capture_sizes
+from dispatcher.cuda_graph import FullGraphs, capture_sizes, mark_static_buffers
 
 from .forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from .kv_cache import KVCache, attention_layers
@@ -194,6 +194,7 @@ class LLM:
             self.full_sizes = [n for n in sizes if n <= self.max_num_seqs]
             self.full_graphs = FullGraphs()
         self.pad_block = self.kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
+        mark_static_buffers(self.input_ids, self.positions)  # read in place by the graphs: no copy per step
         self._full_md: dict[int, AttentionMetadata] = {}
 
         def capture(n: int) -> None:

@@ -158,3 +158,21 @@ def test_full_graph_captures_whole_step_including_splitting_ops():
         buf.copy_(torch.randn(4, 32, device="cuda"))
         graphs.replay(4)
         torch.testing.assert_close(out, eager(m, buf), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_views_of_static_buffers_are_read_in_place_and_checked():
+    from dispatcher.cuda_graph import mark_static_buffers
+
+    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=[4])):
+        m = Toy().cuda()
+    buf = torch.randn(16, 32, device="cuda")
+    mark_static_buffers(buf)
+    m(buf[:8])
+    for _ in range(2):
+        m(buf[:4])
+    buf[:4] = torch.randn(4, 32, device="cuda")
+    torch.testing.assert_close(m(buf[:4]), eager(m, buf[:4]), rtol=1e-3, atol=1e-3)
+    with pytest.raises(CUDAGraphAddressError, match="view of a persistent buffer"):
+        m(buf[4:8])
