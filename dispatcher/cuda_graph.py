@@ -99,6 +99,9 @@ class CapturedGraph:
         for t in _tensors(out):
             pool.output_ptrs.add(t.data_ptr())
         compilation_counter.add("num_cudagraph_captured")
+        # Capture records kernels without running them: replay once so this call's output is real
+        # (an eager splitting op after this piece reads it right away).
+        self.graph.replay()
 
     def replay(self, args: tuple[Any, ...]) -> Any:
         static = self.static_args
@@ -177,6 +180,7 @@ class FullGraphs:
             out = fn()
         self.graphs[key] = (graph, out)
         compilation_counter.add("num_cudagraph_captured")
+        graph.replay()  # capture ran nothing: make the returned output real
         return out
 
     def replay(self, key: Any) -> Any:

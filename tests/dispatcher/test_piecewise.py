@@ -111,8 +111,9 @@ def test_cuda_graphs_per_piece_per_size():
     with compilation_counter.expect(num_cudagraph_captured=CAPTURABLE * len(SIZES),  # one per piece per size
                                     num_graphs_seen=0):
         for n in SIZES:
-            for _ in range(2):  # warm-up, then capture
-                m(torch.randn(n, 32, device="cuda"))
+            for _ in range(2):  # warm-up, then capture: both calls' outputs are real
+                x = torch.randn(n, 32, device="cuda")
+                torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
     outs = []
     with compilation_counter.expect(num_cudagraph_captured=0, num_backend_compilations=0):
         for n in SIZES + [5, 300]:  # 5 and 300: no graph, compiled pieces
