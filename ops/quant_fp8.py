@@ -45,7 +45,13 @@ _AMAX_BLOCKS = 4
 # Dynamic quant of at most this many elements (16 x 4096) runs as ONE single-program kernel instead of
 # memset + amax + quantize (three CUDA-graph nodes, 4.7-6.6 us on the H200 at 1 token against 1.8-2.7 us
 # for compile): one SM reads 128 KiB of bf16 twice (the second pass from its L1/L2) in ~1-2 us.
-_SINGLE_PROGRAM_MAX = 65536
+# One program (amax + quantize, no memset): only while one SM's bandwidth suffices. Seen on the H200:
+# 1 x 4096 bf16 in 2.5 us, but 16 x 4096 took 13 us (one SM reading 128 KiB twice).
+_SINGLE_PROGRAM_MAX = 8192
+# Up to here: per-block amax into a partials buffer, then a quantization kernel whose every program
+# reduces the (<= 256) partials itself. Two launches, as Inductor's reduction + pointwise, no atomics.
+_PARTIALS_MAX = 1 << 20
+_PARTIALS_BLOCK = 4096
 
 
 @triton.jit
@@ -65,7 +71,7 @@ def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr, IN
 
 @triton.jit
 def _dynamic_fp8_quant_single_kernel(
-    x_ptr, q_ptr, scale_ptr, n, min_scale, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr
+    x_ptr, q_ptr, scale_ptr, n, MIN_S: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr
 ):
     # One program: amax over the whole tensor, the scale, then the quantization; no atomics, no memset.
     # n < 2**31 here (small inputs only): int32 offsets.
@@ -74,7 +80,7 @@ def _dynamic_fp8_quant_single_kernel(
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), min_scale)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), tl.full([], MIN_S, tl.float32))
         q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -83,7 +89,7 @@ def _dynamic_fp8_quant_single_kernel(
             offs = i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(acc, axis=0), 448.0), min_scale)
+        scale = tl.maximum(tl.div_rn(tl.max(acc, axis=0), 448.0), tl.full([], MIN_S, tl.float32))
         for i in tl.static_range(NUM_BLOCKS):
             offs = i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
@@ -91,6 +97,32 @@ def _dynamic_fp8_quant_single_kernel(
             q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
             tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _block_absmax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    # n < 2**20 here: int32 offsets.
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _dynamic_fp8_quant_partials_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, n, num_partials,
+                                       MIN_S: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
+    # Every program reduces all partials (<= 256 floats, from L2) to the scale: no grid-wide sync needed.
+    p_offs = tl.arange(0, P_BLOCK)
+    partials = tl.load(partial_ptr + p_offs, mask=p_offs < num_partials, other=0.0)
+    scale = tl.maximum(tl.div_rn(tl.max(partials, axis=0), 448.0), tl.full([], MIN_S, tl.float32))
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(scale_ptr, scale)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,8 +141,9 @@ def _absmax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, BLOCKS: tl.constexpr
 
 
 @triton.jit
-def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, min_scale, BLOCK: tl.constexpr, INT64: tl.constexpr):
-    scale = tl.maximum(tl.div_rn(tl.load(amax_ptr), 448.0), min_scale)
+def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, MIN_S: tl.constexpr, BLOCK: tl.constexpr,
+                              INT64: tl.constexpr):
+    scale = tl.maximum(tl.div_rn(tl.load(amax_ptr), 448.0), tl.full([], MIN_S, tl.float32))
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(scale_ptr, scale)
@@ -165,7 +198,16 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if known_n is not None and known_n <= _SINGLE_PROGRAM_MAX:
         block, num_blocks, num_warps = dynamic_fp8_quant_single_config(known_n, x.element_size())
         wrap_triton(_dynamic_fp8_quant_single_kernel)[(1,)](
-            x, q, scale, n, MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps
+            x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps
+        )
+        return q, scale
+    if known_n is not None and known_n <= _PARTIALS_MAX:
+        num_partials = cdiv(known_n, _PARTIALS_BLOCK)
+        partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
+        wrap_triton(_block_absmax_kernel)[(num_partials,)](x, partials, n, BLOCK=_PARTIALS_BLOCK, num_warps=4)
+        wrap_triton(_dynamic_fp8_quant_partials_kernel)[(num_partials,)](
+            x, partials, q, scale, n, num_partials, MIN_S=MIN_SCALE, BLOCK=_PARTIALS_BLOCK,
+            P_BLOCK=max(16, next_power_of_2(num_partials)), num_warps=4,
         )
         return q, scale
     # Large or symbolic sizes: per-block amax with one float atomic max per program into a zeroed fp32
@@ -176,7 +218,7 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         x, amax, n, BLOCK=_BLOCK, BLOCKS=_AMAX_BLOCKS, INT64=int64, num_warps=8
     )
     wrap_triton(_dynamic_fp8_quant_kernel)[(cdiv(n, _BLOCK),)](
-        x, amax, q, scale, n, MIN_SCALE, BLOCK=_BLOCK, INT64=int64, num_warps=8
+        x, amax, q, scale, n, MIN_S=MIN_SCALE, BLOCK=_BLOCK, INT64=int64, num_warps=8
     )
     return q, scale
 

@@ -55,17 +55,20 @@ def test_latency_configs():
     assert rms.rms_norm_config(8, BF16, 7) == (8, 8, 1)
     assert quant.static_fp8_quant_config(4096, BF16) == (256, 1)
     assert quant.static_fp8_quant_config(16 * 4096, BF16) == (512, 2)
-    # Single-program dynamic quant: 1 x 4096 in one register-resident block; 16 x 4096 in 8 blocks.
+    # Single-program dynamic quant (n <= 8192): 1 x 4096 bf16 in one register-resident block.
+    assert quant._SINGLE_PROGRAM_MAX == 8192 and quant._PARTIALS_MAX == 1 << 20
     assert quant.dynamic_fp8_quant_single_config(4096, BF16) == (4096, 1, 4)
-    assert quant.dynamic_fp8_quant_single_config(16 * 4096, BF16) == (8192, 8, 8)
-    assert quant.dynamic_fp8_quant_single_config(83 * 769, 4) == (4096, 16, 8)
-    for n in (1, 8, 769, 4096, 65536):
+    assert quant.dynamic_fp8_quant_single_config(8192, BF16) == (8192, 1, 8)
+    assert quant.dynamic_fp8_quant_single_config(8192, 4) == (4096, 2, 8)
+    for n in (1, 8, 769, 4096, 8192):
         block, blocks, warps = quant.dynamic_fp8_quant_single_config(n, BF16)
         assert block * blocks >= n and block & (block - 1) == 0 and 1 <= warps <= 8
 
 
-# Around the boundaries: 16 x 8192 (small) vs 17 x 8192; 65536 elements (one program) vs 65537 (two kernels).
-BOUNDARY = [(1, 4096), (16, 2048), (16, 4096), (16, 8192), (17, 8192), (1, 65536), (1, 65537), (9, 8193)]
+# Around the boundaries: 16 x 8192 (small) vs 17 x 8192; for the dynamic quant 8192 elements (one program)
+# vs 8193 (partials), 2**20 (partials) vs 2**20 + 1 (atomic max).
+BOUNDARY = [(1, 4096), (16, 2048), (16, 4096), (16, 8192), (17, 8192), (1, 8192), (1, 8193), (1, 65536),
+            (9, 8193), (256, 4096), (1, 1 << 20), (1, (1 << 20) + 1)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
