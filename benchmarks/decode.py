@@ -182,6 +182,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                 us = _time(lambda: h.step(compiled), device, iters)
                 rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
                                  compile_s=round(compile_b, 1)))
+                print(rows[-1], flush=True)
                 continue
             if full is not None:
                 t0 = time.perf_counter()
@@ -197,6 +198,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                 us = _time(h.step, device, iters)
             rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
                              compile_s=round(compile_s, 1)))
+            print(rows[-1], flush=True)
         if mode in ("level 3",) or (not cuda and mode == "level 3 piecewise"):
             startup = dict(model=name, load_s=round(h.load_s, 1), trace_and_compile_s=round(compile_s, 1),
                            capture_s=round(capture_s, 1), sizes=len(batches))
@@ -210,6 +212,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             us = _time(step, device, max(3, iters // 10))
             prefill_rows.append(dict(model=name, mode=mode, tokens=prefill, ms=round(us / 1e3, 2),
                                      tokens_per_s=round(prefill / (us * 1e-6))))
+            print(prefill_rows[-1], flush=True)
         del h
     if floor_us is not None:
         for b in batches:

@@ -104,10 +104,11 @@ def _time_all(cases: dict[str, Callable[[], object]], device: torch.device, call
 def measure(n_layers: int, device: torch.device, calls: int, repeats: int) -> dict[str, float]:
     torch.manual_seed(0)
     x = torch.randn(8, HIDDEN, device=device)
-    with set_compilation_config(CompilationConfig(level=3)):
+    # No CUDA graphs: stock torch.compile has none here either; this measures dispatch alone.
+    with set_compilation_config(CompilationConfig(level=3, use_cudagraph=False)):
         ours = Stack(n_layers).to(device)
         swap = SwapStack(n_layers).to(device)
-    with set_compilation_config(CompilationConfig(level=3, check_inputs=False)):
+    with set_compilation_config(CompilationConfig(level=3, check_inputs=False, use_cudagraph=False)):
         ours_nocheck = Stack(n_layers).to(device)
     swap.load_state_dict(ours.state_dict())
     ours_nocheck.load_state_dict(ours.state_dict())
