@@ -109,7 +109,7 @@ class Harness:
 
     def step(self, model: Callable[..., Any] | None = None) -> torch.Tensor:
         t = self.batch
-        fn = model or self.model
+        fn = self.model if model is None else model
         with set_forward_context(ForwardContext(self.layers, self.md)), torch.inference_mode():
             hidden = fn(self.input_ids[:t], self.positions[:t])
             return self.model.compute_logits(hidden[-1:] if self.md.num_decodes == 0 else hidden)
