@@ -154,12 +154,15 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None
 
 def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, *,
                   title: str = "", notes: Sequence[str] = (), device: torch.device | str | None = None,
-                  out_dir: str | None = None) -> str:
-    """Print a Markdown table and save ``<name>.csv`` and ``<name>.md``; returns the Markdown."""
+                  out_dir: str | None = None, header: str | None = None) -> str:
+    """Print a Markdown table and save ``<name>.csv`` and ``<name>.md``; returns the Markdown.
+
+    ``header`` replaces the environment line (for rows measured elsewhere and assembled here).
+    """
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     columns = list(columns or (rows[0].keys() if rows else []))
-    header = env_header(device)
+    header = header or env_header(device)
     md = "\n".join([f"# {title or name}", "", header, "", markdown_table(rows, columns), "",
                     *[f"- {n}" for n in notes]]) + "\n"
     print(md)
