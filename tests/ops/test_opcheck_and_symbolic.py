@@ -40,7 +40,8 @@ def _samples(num_tokens: int, device: str) -> dict:
 
 def test_every_registered_op_is_listed_and_sampled():
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("dynamo_once::")}
-    assert registered == set(ops.TORCH_OP_NAMES) == set(_samples(3, "cpu"))
+    # models/ adds its attention op to the namespace when a test in this worker imported it.
+    assert registered - {"attention"} == set(ops.TORCH_OP_NAMES) == set(_samples(3, "cpu"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
