@@ -134,7 +134,7 @@ class InputChecker:
         ns: dict[str, Any] = {"Tensor": torch.Tensor, "full": self._full_check}
         lines = ["def check(args, kwargs):"]
         lines.append(f"    if len(args) != {self.n_pos} or " + (
-            f"kwargs.keys() != kw_names:" if self.kw_names else "kwargs:"))
+            "kwargs.keys() != kw_names:" if self.kw_names else "kwargs:"))
         lines.append("        return full(args, kwargs)")
         ns["kw_names"] = self.kw_names
         items = [(f"args[{i}]", s) for i, s in self.pos_specs] + [(f"kwargs[{n!r}]", s) for n, s in self.kw_specs]

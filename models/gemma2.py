@@ -17,8 +17,8 @@ from dispatcher import support_torch_compile
 from ops import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
 
 from .attention import Attention
-from .layers import MergedLinear, rope_from_hf
-from .llama import LlamaConfig
+from .layers import MergedLinear
+from .llama import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["Gemma2Config", "Gemma2Model", "Gemma2ForCausalLM"]
 
@@ -134,22 +134,11 @@ class Gemma2Model(nn.Module):
         return hidden
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Llama's head over the Gemma 2 decoder; logits are soft-capped, embeddings scaled by sqrt(hidden)."""
+
     config_class = Gemma2Config
     model_class = Gemma2Model
-    ignored_checkpoint_names = (r"\.rotary_emb\.inv_freq$",)
-
-    def __init__(self, config: Gemma2Config) -> None:
-        super().__init__()
-        self.config = config
-        self.model = self.model_class(config, prefix="model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -160,6 +149,3 @@ class Gemma2ForCausalLM(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.model.normalizer
-
-    def checkpoint_name(self, name: str) -> str:
-        return name

@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from dispatcher import (
-    CompilationConfig,
     TorchCompileWrapperWithCustomDispatcher,
     compilation_counter,
     compile_once,
     dispatcher_of,
-    set_compilation_config,
     support_torch_compile,
 )
 

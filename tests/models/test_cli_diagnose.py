@@ -2,7 +2,6 @@
 
 import torch
 
-from dispatcher import support_torch_compile
 from models import LlamaForCausalLM, LlamaModel, load_model
 from models.cli import COMMANDS, main
 from models.diagnose import diagnose

@@ -1,7 +1,6 @@
 """Levels 3-4 in the runner: CUDA graphs captured at start-up, padding, whole-step decode graphs."""
 
 import pytest
-import torch
 
 from dispatcher import CompilationConfig, compilation_counter
 from models import LLM
