@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device run: CUDA tests, then the GPU benchmarks; everything lands in $OUT/results.tgz.
+# Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
+# lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
+#   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
+# Usage: bash benchmarks/gpu_pass.sh [tests|ops|overhead|decode|decode8b ...]   (default: all but decode8b)
+set -u
+OUT=${OUT:-/tmp/out}
+R=/tmp/dynamo_once_results
+mkdir -p "$R" "$OUT"
+if ls wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+steps=${*:-tests ops overhead decode}
+for step in $steps; do
+  echo "== $step $(date -u +%H:%M:%S)"
+  case $step in
+    tests)    timeout 300 python3 -m pytest -q -p no:cacheprovider -n 6 -m cuda --tb=short -rf tests \
+                > "$R/cuda_tests.log" 2>&1; grep -E "^FAILED|passed|failed" "$R/cuda_tests.log" | tail -20 ;;
+    ops)      timeout 200 python3 benchmarks/bench_ops.py --targets-only --no-dynamic --out "$R" 2>&1 \
+                | grep -E "PASS|MISS" | tail -30 ;;
+    overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
+                | grep -E "fast|floor|stock" ;;
+    decode)   timeout 420 python3 -m benchmarks.decode --models llama-3.2-1b --out "$R" 2>&1 | grep -E "^\{|Error" ;;
+    decode8b) timeout 560 python3 -m benchmarks.decode --models llama-3-8b --out "$R" 2>&1 | grep -E "^\{|Error" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$R" .
