@@ -117,6 +117,17 @@ def test_parity_with_transformers(hf_llava, level):
     assert llm.stats.num_mixed_steps >= 1
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("level", [0, 2, 3])
+def test_cuda_matches_transformers(hf_llava, level):
+    """fp32 on the GPU (Triton decode kernel, custom ops, CUDA graphs at level 3) against transformers on CPU."""
+    path, _, imgs, ref_logits, ref_tokens = hf_llava
+    llm = LLM(path, level=level, max_num_tokens=32, device="cuda")
+    for got, ref in zip(prefill_logits(llm, PROMPTS, imgs), ref_logits):
+        torch.testing.assert_close(got.cpu(), ref, **TOLERANCES[torch.float32])
+    assert llm.generate(PROMPTS, max_new_tokens=16, images=imgs) == ref_tokens
+
+
 def test_images_change_the_output(hf_llava):
     """The parity above is not the text-only model's: the images move the logits a lot."""
     path, hf, imgs, ref_logits, _ = hf_llava
