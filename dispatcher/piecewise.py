@@ -96,6 +96,22 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     return compiled
 
 
+def _find_size(fake_args: list[Any], symbol: Any) -> tuple[int, int | None] | None:
+    """Where a piece's runtime token count is: ``(arg, None)`` for a SymInt argument, ``(arg, dim)`` for a
+    tensor dim of that symbol; None when the piece does not depend on it."""
+    if symbol is None:
+        return None
+    for i, a in enumerate(fake_args):
+        if isinstance(a, torch.SymInt) and a.node.expr == symbol:
+            return i, None
+    for i, a in enumerate(fake_args):
+        if isinstance(a, torch.Tensor):
+            for d, s in enumerate(a.shape):
+                if isinstance(s, torch.SymInt) and s.node.expr == symbol:
+                    return i, d
+    return None
+
+
 class PiecewisePiece:
     """Runs one compiled piece: the symbolic-shape compile, per-size compiles, per-size CUDA graphs."""
 
@@ -111,21 +127,7 @@ class PiecewisePiece:
         t0 = time.perf_counter()
         self.symbolic = _compile_inductor(graph, fake_args, options)
         logger.debug("%s: compiled for a symbolic token count in %.2fs", name, time.perf_counter() - t0)
-        # Where the runtime token count is found: a SymInt argument, or a tensor dim of that symbol.
-        self.size_at: tuple[int, int | None] | None = None
-        for i, a in enumerate(fake_args):
-            if isinstance(a, torch.SymInt) and size_symbol is not None and a.node.expr == size_symbol:
-                self.size_at = (i, None)
-                break
-        if self.size_at is None:
-            for i, a in enumerate(fake_args):
-                if isinstance(a, torch.Tensor):
-                    for d, s in enumerate(a.shape):
-                        if isinstance(s, torch.SymInt) and size_symbol is not None and s.node.expr == size_symbol:
-                            self.size_at = (i, d)
-                            break
-                if self.size_at is not None:
-                    break
+        self.size_at = _find_size(fake_args, size_symbol)
         self.compile_sizes = set(config.compile_sizes) if self.size_at is not None else set()
         self.capture_sizes = (set(config.cudagraph_capture_sizes)
                               if self.size_at is not None and pool is not None else set())
