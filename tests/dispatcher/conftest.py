@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from dispatcher import CompilationConfig, set_compilation_config
 
@@ -11,3 +12,10 @@ def level():
         return set_compilation_config(CompilationConfig(level=n, **kwargs))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _grad_off():
+    """Inference, as the models run: no autograd graph is recorded (it would add guards and graphs)."""
+    with torch.no_grad():
+        yield

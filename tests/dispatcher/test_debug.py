@@ -16,12 +16,6 @@ from dispatcher import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _grad_off():
-    with torch.no_grad():
-        yield
-
-
 @support_torch_compile
 class Branchy(torch.nn.Module):
     """Valid as one graph only for x.shape[0] >= 4 or only for < 4: not capturable for all sizes."""

@@ -15,12 +15,6 @@ from dispatcher import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _grad_off():
-    with torch.no_grad():
-        yield
-
-
 @support_torch_compile
 class MLP(torch.nn.Module):
     def __init__(self, hidden: int = 16):

@@ -34,12 +34,6 @@ def eager(net, x):
     return torch.relu(net.lin(x)) * net.scale
 
 
-@pytest.fixture(autouse=True)
-def _grad_off():
-    with torch.no_grad():
-        yield
-
-
 def test_attributes_and_level_2_dispatch():
     net = Net(2.0, level=2)
     assert net.use_custom_dispatcher and net.compiled_codes == []
