@@ -176,10 +176,7 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     return md
 
 
-def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, title: str = "",
-               xlabel: str = "", ylabel: str = "", logx: bool = False, logy: bool = False,
-               hlines: dict[str, float] | None = None, out_dir: str | None = None) -> str | None:
-    """Save ``<name>.png``: ``y`` against ``x``, one line per value of ``series``; None without matplotlib."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -188,69 +185,58 @@ def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, ser
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'dynamo-once[bench]')")
         return None
-    out_dir = out_dir or RESULTS_DIR
-    fig, ax = plt.subplots(figsize=(8, 5))
+    return plt
+
+
+def _draw(ax: Any, rows: Sequence[dict[str, Any]], x: str, y: str, series: str, logx: bool, logy: bool,
+          hlines: dict[str, float] | None) -> None:
+    """One line per value of ``series`` (rows without ``y`` skipped), dashed ``hlines``, log axes."""
     for s in dict.fromkeys(r[series] for r in rows):
         pts = [(r[x], r[y]) for r in rows if r[series] == s and r[y] not in ("", None)]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(s))
     for label, value in (hlines or {}).items():
         ax.axhline(value, linestyle="--", color="gray")
-        ax.annotate(label, (ax.get_xlim()[0], value), fontsize=8, va="bottom")
+        ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel or x)
-    ax.set_ylabel(ylabel or y)
-    ax.set_title(title or name, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
-def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, panel: str,
+def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, panel: str | None,
                 title: str = "", xlabel: str = "", ylabel: str = "", logx: bool = False, logy: bool = False,
                 hlines: dict[str, float] | None = None, out_dir: str | None = None) -> str | None:
-    """Save ``<name>.png``: one subplot per value of ``panel`` (side by side, shared y), each as :func:`plot_lines`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'dynamo-once[bench]')")
+    """Save ``<name>.png``: one subplot per value of ``panel`` (side by side, shared y; ``None``: one plot),
+    each with ``y`` against ``x``, one line per value of ``series``. None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return None
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
-    panels = list(dict.fromkeys(r[panel] for r in rows))
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4.5), sharey=True,
+    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
+    width = 5 * len(panels) if panel else 8
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5 if panel is None else 4.5), sharey=True,
                              squeeze=False)
     for ax, p in zip(axes[0], panels):
-        prow = [r for r in rows if r[panel] == p]
-        for s in dict.fromkeys(r[series] for r in prow):
-            pts = [(r[x], r[y]) for r in prow if r[series] == s and r[y] not in ("", None)]
-            if pts:
-                ax.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", label=str(s))
-        for label, value in (hlines or {}).items():
-            ax.axhline(value, linestyle="--", color="gray")
-            ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
-        if logx:
-            ax.set_xscale("log", base=2)
-        if logy:
-            ax.set_yscale("log")
-        ax.set_title(f"{panel} = {p}", fontsize=9)
+        _draw(ax, [r for r in rows if panel is None or r[panel] == p], x, y, series, logx, logy, hlines)
+        if panel is not None:
+            ax.set_title(f"{panel} = {p}", fontsize=9)
         ax.set_xlabel(xlabel or x)
-        ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(ylabel or y)
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(title or name, fontsize=10)
+    axes[0][-1].legend(fontsize=8 if panel is None else 7)
+    if panel is None:
+        axes[0][0].set_title(title or name, fontsize=10)
+    else:
+        fig.suptitle(title or name, fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, **kwargs: Any) -> str | None:
+    """Save ``<name>.png``: ``y`` against ``x``, one line per value of ``series`` (one panel of :func:`plot_panels`)."""
+    return plot_panels(name, rows, x=x, y=y, series=series, panel=None, **kwargs)
