@@ -1,9 +1,9 @@
 """CUDA variants of the dispatch-core tests (run on the GPU machine)."""
 
-import threading
 
 import pytest
 import torch
+from threads_testing import run_in_threads
 
 from dispatcher import (
     InputMismatchError,
@@ -78,22 +78,13 @@ def test_debug_shape_guard_on_cuda(level):
 def test_threads_on_cuda(level):
     with level(3):
         ms = [Block().cuda() for _ in range(3)]
-    errors = []
 
     def work(m, seed):
-        try:
-            with torch.no_grad():
-                g = torch.Generator(device="cuda").manual_seed(seed)
-                for i in range(20):
-                    x = torch.randn(2 + (i * 7 + seed) % 50, 256, device="cuda", generator=g)
-                    torch.testing.assert_close(m(x), reference(m, x), rtol=1e-3, atol=1e-3)
-        except Exception as e:  # pragma: no cover
-            errors.append(e)
+        with torch.no_grad():
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            for i in range(20):
+                x = torch.randn(2 + (i * 7 + seed) % 50, 256, device="cuda", generator=g)
+                torch.testing.assert_close(m(x), reference(m, x), rtol=1e-3, atol=1e-3)
 
-    threads = [threading.Thread(target=work, args=(ms[i % 3], i)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(work, [(ms[i % 3], i) for i in range(6)])
     assert all(len(m.compiled_codes) == 1 for m in ms)

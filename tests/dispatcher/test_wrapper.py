@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from threads_testing import run_in_threads
 
 from dispatcher import (
     CompilationConfig,
@@ -183,42 +184,24 @@ def test_threads_calling_several_instances():
     nets = [Net(float(i + 1), level=2) for i in range(4)]
     for n in nets:
         n(torch.randn(4, 16))
-    errors = []
 
     def work(net, seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            for i in range(50):
-                x = torch.randn(1 + (i + seed) % 9, 16, generator=g)
-                torch.testing.assert_close(net(x), eager(net, x))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        g = torch.Generator().manual_seed(seed)
+        for i in range(50):
+            x = torch.randn(1 + (i + seed) % 9, 16, generator=g)
+            torch.testing.assert_close(net(x), eager(net, x))
 
-    threads = [threading.Thread(target=work, args=(nets[i % 4], i)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(work, [(nets[i % 4], i) for i in range(8)])
 
 
 def test_threads_compiling_instances_concurrently():
     nets = [Net(float(i + 1), level=2) for i in range(4)]
-    errors = []
 
     def work(net):
-        try:
-            x = torch.randn(6, 16)
-            torch.testing.assert_close(net(x), eager(net, x))
-        except Exception as e:  # pragma: no cover
-            errors.append(e)
+        x = torch.randn(6, 16)
+        torch.testing.assert_close(net(x), eager(net, x))
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in nets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(work, [(n,) for n in nets])
     assert all(len(n.compiled_codes) == 1 for n in nets)
     assert len({id(n.compiled_codes[0]) for n in nets}) == 4
 
@@ -228,24 +211,15 @@ def test_threads_using_the_swap_contract():
     b = torch.randn(5)
     for m in ms:
         m(torch.randn(3, 5)), m(torch.randn(3, 5), b)
-    errors = []
 
     def work(m, i):
-        try:
-            for j in range(40):
-                x = torch.randn(2 + j % 5, 5)
-                want = x * 2 + b if (i + j) % 2 else x * 2
-                got = m(x, b) if (i + j) % 2 else m(x)
-                torch.testing.assert_close(got, want)
-        except Exception as e:  # pragma: no cover
-            errors.append(e)
+        for j in range(40):
+            x = torch.randn(2 + j % 5, 5)
+            want = x * 2 + b if (i + j) % 2 else x * 2
+            got = m(x, b) if (i + j) % 2 else m(x)
+            torch.testing.assert_close(got, want)
 
-    threads = [threading.Thread(target=work, args=(ms[i % 3], i)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(work, [(ms[i % 3], i) for i in range(6)])
     assert TwoCodes.forward.__code__ is ms[0].original_code_object
 
 
