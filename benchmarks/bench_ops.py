@@ -314,34 +314,86 @@ def sweep(device: str, out_dir: str) -> None:
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s"], out_dir=out_dir)
 
 
-def sweep_small(device: str, out_dir: str | None) -> None:
-    """Time the row kernels' latency configs at <= 16 tokens (CUDA-graph replay), to check the small-size choices."""
+def _latency_configs(t: int, h: int) -> dict[str, list[tuple]]:
+    """Candidate launch configs per op at ``t`` tokens x ``h`` hidden: 4-32 elements per thread."""
+    def per_thread_ok(elems: int, warps: int) -> bool:
+        return 4 <= elems // (32 * warps) <= 32
+
+    act = [(b, r, w) for b in (128, 256, 512, 1024, 2048, 4096) if b <= h for r in sorted({1, 2, t}) if r <= t
+           for w in (1, 2, 4, 8) if per_thread_ok(b * r, w)]
+    rms = [(triton_next_pow2(h), 1, w) for w in (1, 2, 4, 8, 16)]
+    n = t * h
+    static = [(b, w) for b in (256, 512, 1024, 2048, 4096) if b <= n for w in (1, 2, 4, 8) if per_thread_ok(b, w)]
+    single = [(b, -(-n // b), w) for b in (1024, 2048, 4096, 8192) if b <= triton_next_pow2(n)
+              for w in (1, 2, 4, 8, 16) if per_thread_ok(b, w)] if n <= 8192 else []
+    return {"rms_norm": rms, "fused_add_rms_norm": rms, "silu_and_mul": act, "gelu_and_mul": act,
+            "static_scaled_fp8_quant": static, "dynamic_scaled_fp8_quant": single}
+
+
+def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None = None) -> None:
+    """At <= 16 tokens, time each op's launch configs and torch.compile of its reference (CUDA-graph replay).
+
+    The latency target is "no slower than torch.compile": this shows by how much each candidate
+    config wins or loses, and which one the launcher picks (``default``).
+    """
     rms = importlib.import_module("ops.rms_norm")
     act = importlib.import_module("ops.silu_and_mul")
+    gelu = importlib.import_module("ops.gelu_and_mul")
+    fp8 = importlib.import_module("ops.quant_fp8")
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+    by_name = {s.name: s for s in SPECS}
     rows = []
-    for t, h in ((1, 4096), (16, 4096), (16, 2048)):
-        x, r = torch.randn(t, h, device=device, dtype=torch.bfloat16), torch.randn(t, h, device=device, dtype=torch.bfloat16)
-        w = torch.randn(h, device=device, dtype=torch.bfloat16)
-        x2 = torch.randn(t, 2 * h, device=device, dtype=torch.bfloat16)
-        cases = {
-            "rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], None, a[2], EPS, False, cfg), (x, r, w),
-                         [(h, 1, wp) for wp in (1, 2, 4, 8, 16)], rms.rms_norm_config(h, 2, t)),
-            "fused_add_rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg), (x, r, w),
-                                   [(h, 1, wp) for wp in (1, 2, 4, 8, 16)], rms.rms_norm_config(h, 2, t)),
-            "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], cfg), (x2,),
-                             [(b, 1, wp) for b in (256, 512, 1024, min(h, 4096)) for wp in (1, 2, 4, 16)
-                              if b // (32 * wp) in (2, 4, 8)] + [(min(h, 4096), 1, 16)], act.act_and_mul_config(h, 2, t)),
+    for t, h in ((1, 4096), (16, 4096)):
+        launchers = {
+            "rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], None, a[1], EPS, False, cfg),
+                         rms.rms_norm_config(h, 2, t)),
+            "fused_add_rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg),
+                                   rms.rms_norm_config(h, 2, t)),
+            "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], cfg), act.act_and_mul_config(h, 2, t)),
+            "gelu_and_mul": (lambda cfg, a: gelu._launch_gelu_and_mul(a[0], "tanh", cfg),
+                             act.act_and_mul_config(h, 2, t)),
+            "static_scaled_fp8_quant": (lambda cfg, a: fp8._launch_static_fp8_quant(a[0], a[1], cfg),
+                                        fp8.static_fp8_quant_config(t * h, 2)),
+            "dynamic_scaled_fp8_quant": (lambda cfg, a: fp8._launch_dynamic_fp8_quant(a[0], cfg),
+                                         fp8.dynamic_fp8_quant_single_config(t * h, 2) if t * h <= 8192 else None),
         }
-        for name, (launch, args, configs, default) in cases.items():
+        configs = _latency_configs(t, h)
+        for name, (launch, default) in launchers.items():
+            if ops_filter and name not in ops_filter:
+                continue
+            spec = by_name[name]
+            args = spec.make_args(t, h, torch.bfloat16, device)
             arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(15)]
-            for cfg in dict.fromkeys([default, *configs]):
-                us = common.bench_gpu(common.rotating(lambda *a, cfg=cfg: launch(cfg, a), arg_sets), cuda_graph=True,
-                                      graph_iters=GRAPH_ITERS, iters=400)
-                rows.append({"op": name, "tokens": t, "hidden": h, "BLOCK": cfg[0], "ROWS": cfg[1], "warps": cfg[2],
-                             "us": round(us, 2), "default": cfg == default})
+
+            def timed(fn: Callable) -> float:
+                return common.bench_gpu(common.rotating(fn, arg_sets), cuda_graph=True, graph_iters=GRAPH_ITERS,
+                                        iters=400)
+
+            torch._dynamo.reset()
+            compiled = torch.compile(spec.ref, dynamic=False)
+            compile_us = timed(compiled)
+            rows.append({"op": name, "tokens": t, "hidden": h, "config": "torch.compile(ref)", "us": round(compile_us, 2),
+                         "vs_compile": 1.0, "default": False, "correct": True})
+            print(rows[-1], flush=True)
+            expected = spec.ref(*args)
+            candidates = [None] + list(dict.fromkeys(c for c in configs[name] if c != default))
+            for cfg in candidates:
+                try:
+                    ok = _check(spec, launch(cfg, args), expected)
+                    us = timed(lambda *a, cfg=cfg: launch(cfg, a))
+                except Exception as e:  # a config Triton cannot build
+                    print(f"sweep-small {name} {t}x{h} {cfg}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                rows.append({"op": name, "tokens": t, "hidden": h, "config": str(default if cfg is None else cfg),
+                             "us": round(us, 2), "vs_compile": round(compile_us / us, 3), "default": cfg is None,
+                             "correct": ok})
                 print(rows[-1], flush=True)
-    common.write_results("bench_ops_sweep_small", rows, title="Row-kernel latency configs (bf16, CUDA-graph replay)",
-                         notes=["default = the config the launcher picks for this known size"], out_dir=out_dir)
+    common.write_results("bench_ops_sweep_small", rows, title="Launch configs at <= 16 tokens (bf16, CUDA-graph replay)",
+                         notes=["config: rms (BLOCK_N, ROWS, warps); act (BLOCK_D, ROWS, warps); static fp8 (BLOCK, "
+                                "warps); dynamic fp8 single program (BLOCK, NUM_BLOCKS, warps), else the launcher's path",
+                                "vs_compile: torch.compile(ref) us / this config's us (> 1: faster than compile)",
+                                "default: the config the launcher picks for this known size"], out_dir=out_dir)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -381,7 +433,7 @@ def main() -> None:
         sweep(device, args.out)
         return
     if args.sweep_small:
-        sweep_small(device, args.out)
+        sweep_small(device, args.out, [n.strip() for n in args.ops.split(",") if n.strip()])
         return
 
     def save(rows: list, copy_gbps: float) -> None:

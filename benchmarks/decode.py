@@ -57,7 +57,7 @@ class Harness:
         self.cache = KVCache(self.layers, max(max_batch * per_seq, -(-prefill // block)) * block, block,
                              dtype=dtype, device=device)
         self.blocks_per_seq = per_seq
-        max_tokens = max(max_batch, prefill)
+        max_tokens = max(max_batch, prefill, 2)  # the first call (the trace) takes 2 tokens
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.randint(0, self.model.config.vocab_size, (max_tokens,), device=device)
         self.positions = torch.zeros(max_tokens, dtype=i64, device=device)
@@ -222,6 +222,31 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     return rows, prefill_rows, startup
 
 
+def profile_step(name: str, modes: list[str], batch: int, context: int, device: torch.device,
+                 dtype: torch.dtype, rows: int = 15) -> None:
+    """Print where one decode step's host time goes, per mode (torch.profiler, 5 steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in modes:
+        torch._dynamo.reset()
+        level = {"eager": 0, "level 1": 1}.get(mode, 3)
+        cfg = CompilationConfig(level=level, backend="inductor" if level == 1 else None,
+                                use_cudagraph=False, cudagraph_mode="none")
+        h = Harness(name, cfg, batch, context, 0, device, dtype)
+        if level:
+            h.first_call()
+        h.set_decode(batch)
+        us = _time(h.step, device, 20)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                h.step()
+            _sync(device)
+        print(f"== profile {name} {mode} batch {batch}: {us:.0f} us/step", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+        del h
+
+
 MODES = ["eager", "level 1", "reduce-overhead", "level 3 piecewise", "level 3", "full-graph floor"]
 
 
@@ -235,8 +260,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="only print a torch.profiler table of one decode step per mode (eager, level 1, "
+                        "level 3 without graphs) at the first batch size")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if a.profile:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "tiny-llama" if a.quick else a.models.split(",")[0]
+        profile_step(name, ["eager", "level 1", "level 3"], int(a.batches.split(",")[0]), a.context, device,
+                     torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return
     if a.quick:
         device, dtype = torch.device("cpu"), torch.float32
         names, batches, context, prefill = ["tiny-llama"], [2, 4], 32, 64

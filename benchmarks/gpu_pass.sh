@@ -3,7 +3,8 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|ops|overhead|decode|decode8b ...]   (default: all but decode8b)
+# Usage: bash benchmarks/gpu_pass.sh [tests|ops|opsfull|sweepsmall|overhead|profile|decode|decode8b ...]
+# (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/dynamo_once_results
@@ -19,10 +20,15 @@ steps=${*:-tests ops overhead decode}
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests)    timeout 300 python3 -m pytest -q -p no:cacheprovider -n 6 -m cuda --tb=short -rf tests \
+    tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda --tb=short -rf tests \
                 > "$R/cuda_tests.log" 2>&1; grep -E "^FAILED|passed|failed" "$R/cuda_tests.log" | tail -20 ;;
     ops)      timeout 200 python3 benchmarks/bench_ops.py --targets-only --no-dynamic --out "$R" 2>&1 \
                 | grep -E "PASS|MISS" | tail -30 ;;
+    opsfull)  timeout 560 python3 benchmarks/bench_ops.py --no-dynamic --out "$R" 2>&1 | grep -E "PASS|MISS" | tail -40 ;;
+    sweepsmall) timeout 240 python3 benchmarks/bench_ops.py --sweep-small --out "$R" > "$R/sweep_small.log" 2>&1;
+                tail -3 "$R/sweep_small.log" ;;
+    profile)  timeout 200 python3 -m benchmarks.decode --profile --models llama-3.2-1b --batches 1 \
+                > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
     decode)   timeout 420 python3 -m benchmarks.decode --models llama-3.2-1b --out "$R" 2>&1 | grep -E "^\{|Error" ;;

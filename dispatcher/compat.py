@@ -24,6 +24,7 @@ __all__ = [
     "is_graph_break",
     "mark_dynamic",
     "is_compiling",
+    "tracing_on_this_thread",
 ]
 
 
@@ -92,7 +93,7 @@ def mark_dynamic(t: torch.Tensor, dims: list[int]) -> None:
 
 
 @torch._dynamo.assume_constant_result
-def _tracing_on_this_thread() -> bool:
+def tracing_on_this_thread() -> bool:
     """Whether this thread is inside a Dynamo trace (TracingContext and CompileContext are thread-local)."""
     from torch._guards import CompileContext, TracingContext
 
@@ -106,7 +107,7 @@ def is_compiling() -> bool:
     eager call would see it set (seen on torch 2.13) and take the path meant
     for an outer trace. Dynamo folds both calls to True while tracing.
     """
-    return torch.compiler.is_compiling() and _tracing_on_this_thread()
+    return torch.compiler.is_compiling() and tracing_on_this_thread()
 
 
 def bytecode_hooks() -> list[Any]:

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["TorchCompileWrapperWithCustomDispatcher"]
 
 _UNBOUND = object()
+# Bound once: the fast path calls torch's flag directly (Dynamo folds it to True while tracing) and
+# only then pays for the per-thread check of compat.is_compiling (one Python frame less per call).
+_torch_is_compiling = torch.compiler.is_compiling
+_tracing_on_this_thread = compat.tracing_on_this_thread
 # Serializes traces by dynamo-once instances. Dynamo is not safe for concurrent traces: while one
 # thread traces under FakeTensorMode, a frame arriving on another thread can be marked "skip"
 # for good (torch's global in-a-dispatch-mode flag), and that instance would never be captured.
@@ -216,7 +220,7 @@ class TorchCompileWrapperWithCustomDispatcher:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fast = self._do_fast
-        if fast is not None and not compat.is_compiling():
+        if fast is not None and not (_torch_is_compiling() and _tracing_on_this_thread()):
             check = self._do_check
             if check is not None:
                 check(args, kwargs)

@@ -178,25 +178,28 @@ def dynamic_fp8_quant_single_config(n: int, element_size: int) -> tuple[int, int
     return block, cdiv(n, block), num_warps
 
 
-def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor,
+                             config: tuple[int, int] | None = None) -> torch.Tensor:
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     n = x.numel()
-    block, num_warps = static_fp8_quant_config(known_int(n), x.element_size())
+    block, num_warps = config or static_fp8_quant_config(known_int(n), x.element_size())
     wrap_triton(_static_fp8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block), num_warps=num_warps
     )
     return q
 
 
-def _launch_dynamic_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_dynamic_fp8_quant(x: torch.Tensor, single_config: tuple[int, int, int] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``single_config``: force the single-program kernel with this ``(BLOCK, NUM_BLOCKS, num_warps)``."""
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
     known_n = known_int(n)
-    if known_n is not None and known_n <= _SINGLE_PROGRAM_MAX:
-        block, num_blocks, num_warps = dynamic_fp8_quant_single_config(known_n, x.element_size())
+    if single_config is not None or (known_n is not None and known_n <= _SINGLE_PROGRAM_MAX):
+        block, num_blocks, num_warps = single_config or dynamic_fp8_quant_single_config(known_n, x.element_size())
         wrap_triton(_dynamic_fp8_quant_single_kernel)[(1,)](
             x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps
         )
