@@ -13,7 +13,7 @@ from torch.library import wrap_triton
 
 from ._triton import cdiv, known_int, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
-from .silu_and_mul import _act_input_2d, act_and_mul_config, act_needs_int64
+from .silu_and_mul import _act_input_2d, act_and_mul_config, act_needs_int64, act_tiles_even
 
 __all__ = ["gelu_and_mul", "GeluAndMul", "gelu_and_mul_ref"]
 
@@ -31,23 +31,34 @@ def _gelu_and_mul_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     INT64: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
+    # As _silu_and_mul_kernel (EVEN: exact tiling, no masks).
     pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     in_offs = rows[:, None] * x_row_stride + cols[None, :]
-    a = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + in_offs + d, mask=mask, other=0.0).to(tl.float32)
+    out_offs = rows[:, None] * d + cols[None, :]
+    if EVEN:
+        a = tl.load(x_ptr + in_offs).to(tl.float32)
+        b = tl.load(x_ptr + in_offs + d).to(tl.float32)
+    else:
+        mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
+        a = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + in_offs + d, mask=mask, other=0.0).to(tl.float32)
     if TANH:
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation near u = 0, no tanh intrinsic needed.
         u = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2/pi)
         g = a * tl.sigmoid(2.0 * u)
     else:
         g = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))  # 1/sqrt(2)
-    tl.store(out_ptr + rows[:, None] * d + cols[None, :], (g * b).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (g * b).to(out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptr + out_offs, y)
+    else:
+        tl.store(out_ptr + out_offs, y, mask=mask)
 
 
 def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -55,7 +66,8 @@ def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, i
     x2 = _act_input_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
-    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_int(n_rows))
+    known_rows = known_int(n_rows)
+    block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
     wrap_triton(_gelu_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
         x2,
         out,
@@ -66,6 +78,7 @@ def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, i
         BLOCK_D=block_d,
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
+        EVEN=act_tiles_even(known_rows, d, rows, block_d),
         num_warps=num_warps,
     )
     return out

@@ -103,11 +103,11 @@ def rms_norm_config(n_cols: int, element_size: int, n_rows: int | None = None) -
     block_n = next_power_of_2(n_cols)
     if n_rows is not None and n_rows * block_n <= SMALL_ELEMENTS:
         # Launch-latency bound (<= 16 x 8192): one row per program from 64 columns (16 tokens -> 16
-        # programs, the most a row reduction allows), shorter rows stacked to 512 elements. Up to
-        # four 16-byte vectors per thread, 1-8 warps: 4096 bf16 -> 4 warps, not 8, since the loads of one
-        # thread issue back to back, while every extra warp adds a step to the cross-warp reduction.
+        # programs, the most a row reduction allows), shorter rows stacked to 512 elements. Two 16-byte
+        # vectors per thread, 1-16 warps. Swept on the H200 (bench_ops --sweep-small), 4096 bf16 at 1 and
+        # 16 tokens: 8 warps 1.63 / 1.71 us, 4 warps 1.65 / 1.79, 16 warps 1.73 / 1.83, compile 1.66 / 1.88.
         rows = min(max(1, 512 // block_n), next_power_of_2(n_rows))
-        num_warps = min(max(block_n * rows * element_size // (64 * 32), 1), 8)
+        num_warps = min(max(block_n * rows * element_size // (32 * 32), 1), 16)
         return block_n, rows, num_warps
     # Rows of >= 2048 columns: one per program. Measured on H200 at 4096 x 4096 bf16, 1 or 2 rows per
     # program with 8 warps both give 84-85% of the copy bandwidth (4 rows: 79%), and one row keeps 16
