@@ -247,7 +247,49 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
         del h
 
 
-MODES = ["eager", "level 1", "reduce-overhead", "level 3 piecewise", "level 3", "full-graph floor"]
+def startup_child(name: str) -> None:
+    """In a fresh process: build ``models.LLM`` at level 3 with every default capture size; print JSON timings."""
+    import json
+
+    from models.runner import LLM
+
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    llm = LLM(name, level=3, max_num_tokens=512, max_num_seqs=256, dtype=torch.bfloat16 if cuda else torch.float32,
+              device="cuda" if cuda else "cpu")
+    total = time.perf_counter() - t0
+    print(json.dumps({"model": name, "load_s": round(llm.load_time_s, 1),
+                      "trace_and_compile_s": round(llm.compile_time_s, 1), "capture_s": round(llm.capture_time_s, 1),
+                      "compile_and_capture_s": round(llm.compile_time_s + llm.capture_time_s, 1),
+                      "total_s": round(total, 1), "piecewise_sizes": len(llm.piece_sizes),
+                      "full_graph_sizes": len(llm.full_sizes)}), flush=True)
+
+
+def measure_startup(name: str) -> list[dict[str, Any]]:
+    """Level-3 start-up in a subprocess with empty Inductor and Triton caches (cold), then again (warm)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        for kind in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--startup-child", name], env=env,
+                                 capture_output=True, text=True, check=False)
+            line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
+            if out.returncode != 0 or line is None:
+                raise RuntimeError(f"start-up of {name} failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+            rows.append({"caches": kind, **json.loads(line)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+MODES = ["eager", "level 1", "reduce-overhead", "level 3", "full-graph floor"]
+# Also available: "level 3 piecewise" (attention eager between captured pieces, no whole-step graphs).
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,8 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="only print a torch.profiler table of one decode step per mode (eager, level 1, "
                         "level 3 without graphs) at the first batch size")
+    p.add_argument("--startup", action="store_true",
+                   help="also measure level-3 start-up with every default capture size, cold and warm caches")
+    p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if a.startup_child:
+        startup_child(a.startup_child)
+        return
     if a.profile:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         name = "tiny-llama" if a.quick else a.models.split(",")[0]
@@ -274,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         device, dtype = torch.device("cpu"), torch.float32
         names, batches, context, prefill = ["tiny-llama"], [2, 4], 32, 64
-        modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3 piecewise")]
+        modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3", "level 3 piecewise")]
         iters = 5
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
@@ -282,7 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         context, prefill, modes, iters = a.context, a.prefill, a.modes.split(","), a.iters
     copy_bw = common.measure_copy_bandwidth() if device.type == "cuda" else None
     rows, prefill_rows, startups = [], [], []
+    cold_starts: list[dict[str, Any]] = []
     for name in names:
+        if a.startup and device.type == "cuda":
+            cold_starts += measure_startup(name)
         r, pr, st = bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw)
         rows += r
         prefill_rows += pr
@@ -297,8 +348,15 @@ def main(argv: list[str] | None = None) -> None:
     common.write_results(f"prefill{suffix}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
                          device=device, out_dir=a.out)
     if startups:
-        common.write_results(f"startup{suffix}", startups, title="Cold start-up of level 3", device=device,
-                             out_dir=a.out)
+        common.write_results(f"startup{suffix}", startups, title="Start-up of level 3 for the benchmarked sizes",
+                             device=device, out_dir=a.out)
+    if cold_starts:
+        common.write_results("startup_all_sizes", cold_starts, device=device, out_dir=a.out,
+                             title="Level-3 start-up of models.LLM with every default capture size",
+                             notes=["fresh process each; cold: empty Inductor and Triton caches; warm: the same "
+                                    "caches again", "max_num_tokens 512, max_num_seqs 256: piecewise and "
+                                    "full graphs for sizes 1, 2, 4, 8, ..., 256",
+                                    "load_s: random bf16 weights built on the GPU (no checkpoint read)"])
     for name in names:
         common.plot_lines(f"decode{suffix}_{name}", [r for r in rows if r["model"] == name], x="batch",
                           y="us_per_step", series="mode", logx=True, logy=True, out_dir=a.out,

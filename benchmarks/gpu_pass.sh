@@ -7,10 +7,12 @@
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
-R=/tmp/dynamo_once_results
+R=${R:-/tmp/dynamo_once_results}   # two passes at once (one per GPU): give each its own R and TAR
+TAR=${TAR:-results.tgz}
 mkdir -p "$R" "$OUT"
 if ls wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site wheels/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -20,8 +22,9 @@ steps=${*:-tests ops overhead decode}
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda --tb=short -rf tests \
-                > "$R/cuda_tests.log" 2>&1; grep -E "^FAILED|passed|failed" "$R/cuda_tests.log" | tail -20 ;;
+    tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -n ${TEST_WORKERS:-8} -m cuda \
+                --tb=short -rf tests > "$R/cuda_tests.log" 2>&1
+              grep -E "FAILED|ERROR" "$R/cuda_tests.log" | head -20; tail -1 "$R/cuda_tests.log" ;;
     ops)      timeout 200 python3 benchmarks/bench_ops.py --targets-only --no-dynamic --out "$R" 2>&1 \
                 | grep -E "PASS|MISS" | tail -30 ;;
     opsfull)  timeout 560 python3 benchmarks/bench_ops.py --no-dynamic --out "$R" 2>&1 | grep -E "PASS|MISS" | tail -40 ;;
@@ -31,9 +34,11 @@ for step in $steps; do
                 > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
-    decode)   timeout 420 python3 -m benchmarks.decode --models llama-3.2-1b --out "$R" 2>&1 | grep -E "^\{|Error" ;;
-    decode8b) timeout 560 python3 -m benchmarks.decode --models llama-3-8b --out "$R" 2>&1 | grep -E "^\{|Error" ;;
+    decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode --startup --models llama-3.2-1b \
+                --out "$R/llama-3.2-1b" 2>&1 | grep -E "^\{|Error" ;;
+    decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup --models llama-3-8b \
+                --out "$R/llama-3-8b" 2>&1 | grep -E "^\{|Error" ;;
     *) echo "unknown step $step" ;;
   esac
 done
-tar czf "$OUT/results.tgz" -C "$R" .
+tar czf "$OUT/$TAR" -C "$R" .

@@ -200,3 +200,21 @@ def test_cuda_decode_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_cuda_cache_write_kernel_equals_index_copy(num_tokens):
+    """The one-launch cache write: k and v as column slices of one qkv tensor, slots in any order."""
+    from models.attention import write_kv_cache, write_kv_cache_triton
+
+    g = torch.Generator().manual_seed(num_tokens)
+    cache = torch.randn(2, 128, BLOCK, KV_HEADS, HEAD, generator=g).to(torch.bfloat16).cuda()
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD, generator=g).to(torch.bfloat16).cuda()
+    k = qkv[:, HEADS * HEAD:(HEADS + KV_HEADS) * HEAD]
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD:]
+    slots = torch.randperm(128 * BLOCK, generator=g)[:num_tokens].cuda()
+    expected = cache.clone()
+    write_kv_cache(expected, k, v, slots)
+    write_kv_cache_triton(cache, k, v, slots)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
