@@ -152,7 +152,12 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     cuda = device.type == "cuda"
     max_b = max(batches)
     floor_us = None
+    # The floor replays level 1's compiled step in one CUDA graph: measured on level 1's harness when
+    # both are asked for (one model build and compile less).
+    floor_with_level1 = cuda and "level 1" in modes and "full-graph floor" in modes
     for mode in modes:
+        if mode == "full-graph floor" and floor_with_level1:
+            continue
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -169,6 +174,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         compile_s = h.first_call() if level > 0 else 0.0
         capture_s = 0.0
         full = FullGraphs() if cuda and mode in ("level 3", "full-graph floor") else None
+        floor_graphs = FullGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)
             if mode == "reduce-overhead":
@@ -199,6 +205,12 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
                              compile_s=round(compile_s, 1)))
             print(rows[-1], flush=True)
+            if floor_graphs is not None:
+                floor_graphs.capture(b, h.step)
+                us = _time(lambda: floor_graphs.replay(b), device, iters)  # noqa: B023 - called right here
+                rows.append(dict(model=name, mode="full-graph floor", batch=b, us_per_step=round(us, 1),
+                                 compile_s=round(compile_s, 1)))
+                print(rows[-1], flush=True)
         if mode in ("level 3",) or (not cuda and mode == "level 3 piecewise"):
             startup = dict(model=name, load_s=round(h.load_s, 1), trace_and_compile_s=round(compile_s, 1),
                            capture_s=round(capture_s, 1), sizes=len(batches))
@@ -265,7 +277,7 @@ def startup_child(name: str) -> None:
                       "full_graph_sizes": len(llm.full_sizes)}), flush=True)
 
 
-def measure_startup(name: str) -> list[dict[str, Any]]:
+def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> list[dict[str, Any]]:
     """Level-3 start-up in a subprocess with empty Inductor and Triton caches (cold), then again (warm)."""
     import json
     import os
@@ -277,7 +289,7 @@ def measure_startup(name: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-        for kind in ("cold", "warm"):
+        for kind in kinds:
             out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--startup-child", name], env=env,
                                  capture_output=True, text=True, check=False)
             line = next((ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{")), None)
@@ -305,8 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true",
                    help="only print a torch.profiler table of one decode step per mode (eager, level 1, "
                         "level 3 without graphs) at the first batch size")
-    p.add_argument("--startup", action="store_true",
-                   help="also measure level-3 start-up with every default capture size, cold and warm caches")
+    p.add_argument("--startup", nargs="?", const="cold,warm", default=None,
+                   help="also measure level-3 start-up with every default capture size: cold (empty Inductor and "
+                        "Triton caches) and/or warm (default: both)")
     p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -333,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     cold_starts: list[dict[str, Any]] = []
     for name in names:
         if a.startup and device.type == "cuda":
-            cold_starts += measure_startup(name)
+            cold_starts += measure_startup(name, tuple(a.startup.split(",")))
         r, pr, st = bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw)
         rows += r
         prefill_rows += pr

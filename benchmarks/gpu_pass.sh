@@ -22,22 +22,25 @@ steps=${*:-tests ops overhead decode}
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
+    failed)   timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
+                tests/models/test_llava.py tests/ops/test_size_configs.py > "$R/failed_tests.log" 2>&1
+              grep -E "^E |FAILED|passed|failed" "$R/failed_tests.log" | head -30 ;;
     tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -n ${TEST_WORKERS:-8} -m cuda \
                 --tb=short -rf tests > "$R/cuda_tests.log" 2>&1
               grep -E "FAILED|ERROR" "$R/cuda_tests.log" | head -20; tail -1 "$R/cuda_tests.log" ;;
     ops)      timeout 200 python3 benchmarks/bench_ops.py --targets-only --no-dynamic --out "$R" 2>&1 \
                 | grep -E "PASS|MISS" | tail -30 ;;
-    opsfull)  timeout 560 python3 benchmarks/bench_ops.py --no-dynamic --out "$R" 2>&1 | grep -E "PASS|MISS" | tail -40 ;;
+    opsfull)  timeout ${OPS_TIMEOUT:-560} python3 benchmarks/bench_ops.py --no-dynamic --out "$R" 2>&1 | grep -E "PASS|MISS" | tail -40 ;;
     sweepsmall) timeout 240 python3 benchmarks/bench_ops.py --sweep-small --out "$R" > "$R/sweep_small.log" 2>&1;
                 tail -3 "$R/sweep_small.log" ;;
     profile)  timeout 200 python3 -m benchmarks.decode --profile --models llama-3.2-1b --batches 1 \
                 > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
-    decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode --startup --models llama-3.2-1b \
-                --out "$R/llama-3.2-1b" 2>&1 | grep -E "^\{|Error" ;;
-    decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup --models llama-3-8b \
-                --out "$R/llama-3-8b" 2>&1 | grep -E "^\{|Error" ;;
+    decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} \
+                --models llama-3.2-1b --out "$R/llama-3.2-1b" 2>&1 | tee "$R/decode1b.log" | grep -E "^\{|Error" ;;
+    decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --iters 30 --models llama-3-8b \
+                --out "$R/llama-3-8b" 2>&1 | tee "$R/decode8b.log" | grep -E "^\{|Error" ;;
     *) echo "unknown step $step" ;;
   esac
 done

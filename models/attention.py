@@ -60,6 +60,12 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """One sequence. q: [Lq, Hq, D] (the last Lq of L positions); k, v: [L, Hkv, D] -> [Lq, Hq, D]."""
     lq, hq, _ = q.shape
     seq_len, hkv, _ = k.shape
+    if lq == seq_len and sliding_window is None and logits_soft_cap is None:
+        # A whole prompt: plain causal attention, no mask tensor, so SDPA may pick its flash kernel
+        # (an explicit mask rules it out: ~3 ms instead of ~0.2 per layer for 2048 tokens on the H200).
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        return out.transpose(0, 1)
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # [Lq, L]

@@ -162,16 +162,26 @@ def _launch_rms_norm(
     return out, res_out
 
 
+#: The kernel holds a whole row in one program; Triton tensors hold at most 2**20 elements, and rows
+#: beyond this (no model's hidden size comes near) run the reference instead.
+MAX_KERNEL_COLS = 65536
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    """Triton for CUDA rows of up to ``MAX_KERNEL_COLS`` (the hidden size is static: no guard on tokens)."""
+    return use_triton(x) and x.shape[-1] <= MAX_KERNEL_COLS
+
+
 @triton_op("dynamo_once::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not use_triton(x):
+    if not _use_kernel(x):
         return rms_norm_ref(x, weight, eps)
     return _launch_rms_norm(x, None, weight, eps, gemma=False)[0]
 
 
 @triton_op("dynamo_once::gemma_rms_norm", mutates_args=())
 def _gemma_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not use_triton(x):
+    if not _use_kernel(x):
         return rms_norm_ref(x, weight, eps, gemma=True)
     return _launch_rms_norm(x, None, weight, eps, gemma=True)[0]
 
@@ -180,7 +190,7 @@ def _gemma_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def _fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
+    if not _use_kernel(x):
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     return _launch_rms_norm(x, residual, weight, eps, gemma=False)  # type: ignore[return-value]
 
@@ -189,7 +199,7 @@ def _fused_add_rms_norm_op(
 def _gemma_fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
+    if not _use_kernel(x):
         return fused_add_rms_norm_ref(x, residual, weight, eps, gemma=True)
     return _launch_rms_norm(x, residual, weight, eps, gemma=True)  # type: ignore[return-value]
 

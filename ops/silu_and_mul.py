@@ -59,14 +59,14 @@ def act_and_mul_config(d: int, element_size: int, n_rows: int | None = None) -> 
     """
     vec = max(1, 16 // element_size)  # elements per 16-byte vector: 8 bf16, 4 fp32
     if n_rows is not None and n_rows * d <= SMALL_ELEMENTS:
-        # Launch-latency bound (<= 16 x 8192 outputs): one row per program in 256-wide column blocks, 2 warps
-        # (4 outputs per thread). Swept on the H200 (bench_ops --sweep-small), d = 4096 bf16, silu / gelu:
-        # 1 token 1.29 / 1.37 us, 16 tokens 1.42 / 1.42 us, against compile 1.29 / 1.42 and 1.43 / 1.54;
-        # the 512-wide blocks this replaced took 1.51 us at 16 tokens.
-        # Rows shorter than 256 are stacked up to 256 outputs per program.
-        block_d = min(next_power_of_2(d), 256)
-        rows = min(max(1, 256 // block_d), next_power_of_2(n_rows))
-        return block_d, rows, max(1, min(2, block_d * rows // 128))
+        # Launch-latency bound (<= 16 x 8192 outputs): 512-wide column blocks on 4 warps, two rows per
+        # program from 8 tokens; shorter rows stacked to the same tile. Two sweeps on the H200 (bench_ops
+        # --sweep-small, d = 4096 bf16; differences under ~0.05 us are run-to-run noise): at 1 token
+        # (512, 1, 4) was within 0.02 us of the best for silu and gelu in both, at 16 tokens (512, 2, 4)
+        # or (512, 2, 8) led in the second; all within 0.1 us of compile (1.3-1.6 us).
+        block_d = min(next_power_of_2(d), 512)
+        rows = min((2 if n_rows >= 8 else 1) * max(1, 512 // block_d), next_power_of_2(n_rows))
+        return block_d, rows, max(1, min(4, block_d * rows // 128))
     # Measured on H200, 4096 x 4096 bf16: one 4096-wide row per program with 16 warps reaches 95% of the
     # copy bandwidth, 2048-wide blocks x 4 rows 87%. Short rows are stacked up to 1024 outputs per program.
     block_d = min(next_power_of_2(d), 4096)

@@ -43,12 +43,12 @@ def test_bandwidth_configs_are_the_swept_ones():
 
 def test_latency_configs():
     """Known sizes <= 16 x 8192 elements get the configs that beat torch.compile in the H200 sweep."""
-    # act_and_mul: 256-wide column blocks on 2 warps (4 outputs per thread), short rows stacked to 256.
-    assert act.act_and_mul_config(4096, BF16, 1) == (256, 1, 2)  # 16 programs
-    assert act.act_and_mul_config(4096, BF16, 16) == (256, 1, 2)  # 256 programs
-    assert act.act_and_mul_config(8192, BF16, 16) == (256, 1, 2)  # 16 x 8192 == SMALL_ELEMENTS: still small
+    # act_and_mul: 512-wide column blocks on 4 warps, 2 rows per program from 8 tokens, short rows stacked.
+    assert act.act_and_mul_config(4096, BF16, 1) == (512, 1, 4)  # 8 programs
+    assert act.act_and_mul_config(4096, BF16, 16) == (512, 2, 4)  # 64 programs
+    assert act.act_and_mul_config(8192, BF16, 16) == (512, 2, 4)  # 16 x 8192 == SMALL_ELEMENTS: still small
     assert act.act_and_mul_config(8, BF16, 7) == (8, 8, 1)  # short rows stacked, no more than the rows
-    assert act.act_and_mul_config(4096, 4, 1) == (256, 1, 2)
+    assert act.act_and_mul_config(4096, 4, 1) == (512, 1, 4)
     # rms_norm: one row per program, two 16-byte vectors per thread.
     assert rms.rms_norm_config(2048, BF16, 16) == (2048, 1, 4)
     assert rms.rms_norm_config(4096, BF16, 1) == (4096, 1, 8)
