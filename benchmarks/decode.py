@@ -145,7 +145,10 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
-                dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None) -> tuple[list, list, dict]:
+                dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None,
+                save: Callable[[list, list, dict], None] = lambda rows, prefill_rows, startup: None,
+                ) -> tuple[list, list, dict]:
+    """Every mode at every batch size, then prefill; ``save(rows, prefill_rows, startup)`` after each mode."""
     rows: list[dict[str, Any]] = []
     prefill_rows: list[dict[str, Any]] = []
     startup: dict[str, Any] = {}
@@ -226,12 +229,20 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                                      tokens_per_s=round(prefill / (us * 1e-6))))
             print(prefill_rows[-1], flush=True)
         del h
-    if floor_us is not None:
-        for b in batches:
-            rows.append(dict(model=name, mode="weight-bandwidth floor", batch=b, us_per_step=round(floor_us, 1)))
-        for r in rows:
-            r["pct_of_bw_floor"] = round(100 * floor_us / r["us_per_step"], 1) if r["us_per_step"] else ""
+        save(_with_floor(rows, floor_us, name, batches), prefill_rows, startup)
+    rows = _with_floor(rows, floor_us, name, batches)
     return rows, prefill_rows, startup
+
+
+def _with_floor(rows: list[dict[str, Any]], floor_us: float | None, name: str, batches: list[int]) -> list:
+    """``rows`` plus the weight-bandwidth floor per batch, each with its % of that floor (copies)."""
+    if floor_us is None:
+        return list(rows)
+    out = [dict(r) for r in rows] + [dict(model=name, mode="weight-bandwidth floor", batch=b,
+                                          us_per_step=round(floor_us, 1)) for b in batches]
+    for r in out:
+        r["pct_of_bw_floor"] = round(100 * floor_us / r["us_per_step"], 1) if r["us_per_step"] else ""
+    return out
 
 
 def profile_step(name: str, modes: list[str], batch: int, context: int, device: torch.device,
@@ -342,39 +353,35 @@ def main(argv: list[str] | None = None) -> None:
         names, batches = a.models.split(","), [int(b) for b in a.batches.split(",")]
         context, prefill, modes, iters = a.context, a.prefill, a.modes.split(","), a.iters
     copy_bw = common.measure_copy_bandwidth() if device.type == "cuda" else None
-    rows, prefill_rows, startups = [], [], []
-    cold_starts: list[dict[str, Any]] = []
-    for name in names:
-        if a.startup and device.type == "cuda":
-            cold_starts += measure_startup(name, tuple(a.startup.split(",")))
-        r, pr, st = bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw)
-        rows += r
-        prefill_rows += pr
-        if st:
-            startups.append(st)
     suffix = "_quick" if a.quick else ""
     bw = f"copy bandwidth {copy_bw:.0f} GB/s" if copy_bw else "no bandwidth floor on CPU"
-    common.write_results(f"decode{suffix}", rows, title="Decode step latency (decoder + LM head)",
-                         device=device, out_dir=a.out,
-                         notes=[f"context {context} cached tokens per sequence; {bw}",
-                                "pct_of_bw_floor: weight-bandwidth floor / this step's time"])
-    common.write_results(f"prefill{suffix}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
-                         device=device, out_dir=a.out)
-    if startups:
-        common.write_results(f"startup{suffix}", startups, title="Start-up of level 3 for the benchmarked sizes",
-                             device=device, out_dir=a.out)
-    if cold_starts:
-        common.write_results("startup_all_sizes", cold_starts, device=device, out_dir=a.out,
-                             title="Level-3 start-up of models.LLM with every default capture size",
-                             notes=["fresh process each; cold: empty Inductor and Triton caches; warm: the same "
-                                    "caches again", "max_num_tokens 512, max_num_seqs 256: piecewise and "
-                                    "full graphs for sizes 1, 2, 4, 8, ..., 256",
-                                    "load_s: random bf16 weights built on the GPU (no checkpoint read)"])
     for name in names:
-        common.plot_lines(f"decode{suffix}_{name}", [r for r in rows if r["model"] == name], x="batch",
-                          y="us_per_step", series="mode", logx=True, logy=True, out_dir=a.out,
-                          title=f"{name}: decode step latency ({common.device_name(device)})",
-                          xlabel="batch (sequences)", ylabel="µs per step")
+        tag = f"{suffix}_{name}"
+        if a.startup and device.type == "cuda":
+            common.write_results(
+                f"startup_all_sizes{tag}", measure_startup(name, tuple(a.startup.split(","))), device=device,
+                out_dir=a.out, title="Level-3 start-up of models.LLM with every default capture size",
+                notes=["fresh process each; cold: empty Inductor and Triton caches; warm: the same caches again",
+                       "max_num_tokens 512, max_num_seqs 256: piecewise and full graphs for sizes 1, 2, 4, 8, ..., 256",
+                       "load_s: built-in random weights (drawn on the CPU in fp32, then copied; no checkpoint read)"])
+
+        def save(rows: list, prefill_rows: list, startup: dict, tag: str = tag, name: str = name) -> None:
+            """After every mode, so that a run cut short keeps what it measured."""
+            common.write_results(f"decode{tag}", rows, title="Decode step latency (decoder + LM head)",
+                                 device=device, out_dir=a.out,
+                                 notes=[f"context {context} cached tokens per sequence; {bw}",
+                                        "pct_of_bw_floor: weight-bandwidth floor / this step's time"])
+            common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
+                                 device=device, out_dir=a.out)
+            if startup:
+                common.write_results(f"startup{tag}", [startup], device=device, out_dir=a.out,
+                                     title="Start-up of level 3 for the benchmarked sizes")
+            common.plot_lines(f"decode{tag}", rows, x="batch", y="us_per_step", series="mode", logx=True,
+                              logy=True, out_dir=a.out,
+                              title=f"{name}: decode step latency ({common.device_name(device)})",
+                              xlabel="batch (sequences)", ylabel="µs per step")
+
+        bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw, save)
 
 
 if __name__ == "__main__":

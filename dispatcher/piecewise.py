@@ -211,6 +211,13 @@ class PiecewiseBackend:
         capturable = {it.name for it in items if not it.is_splitting_op}
         compilation_counter.add("num_piecewise_capturable_graphs_seen", len(capturable))
         use_graphs = self.config.use_cudagraph and self.config.cudagraph_mode != "none" and torch.cuda.is_available()
+        if len(items) == 1 and not items[0].is_splitting_op and not use_graphs and not self.config.compile_sizes:
+            # No split point and nothing per size: one Inductor compile of the whole graph, called
+            # directly (no split module around it: one frame and one pass of every argument less a call).
+            self.split_gm, self.items = split_gm, items
+            compiled = _compile_inductor(gm, example_inputs, self.options)
+            logger.info("%s: 1 piece (no splitting op) in %.1fs", self.owner, time.perf_counter() - t0)
+            return compiled
         if use_graphs and self.pool is None:
             from .cuda_graph import CUDAGraphPool
 
