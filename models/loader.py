@@ -232,17 +232,27 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
                     param.data[row:row + shape[0]].copy_(tensor)
 
 
+#: Models up to this many parameters draw their random weights on the CPU (same weights on every device:
+#: tests compare a CPU and a GPU build); larger ones on their own device (8B on the CPU took ~60 s).
+CPU_INIT_MAX_PARAMS = 1 << 28
+
+
 def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Normal(0, std) linear and embedding weights, zero biases, from a fixed seed; norms keep their init.
 
-    Drawn on the CPU in fp32 and copied, so a built-in model has the same weights on every device.
+    Up to :data:`CPU_INIT_MAX_PARAMS` parameters, drawn on the CPU in fp32 and copied, so such a model has
+    the same weights on every device; larger models draw on their device (fixed per device type).
     """
-    gen = torch.Generator().manual_seed(seed)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    on_cpu = device.type == "cpu" or sum(p.numel() for p in params) <= CPU_INIT_MAX_PARAMS
+    draw_on = torch.device("cpu") if on_cpu else device
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 w = module.weight
-                w.copy_(torch.empty(w.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+                w.copy_(torch.empty(w.shape, dtype=torch.float32, device=draw_on).normal_(0.0, std, generator=gen))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
 

@@ -70,6 +70,21 @@ def test_builtin_names_are_seeded():
     assert {"tiny-llama", "llama-3.2-1b", "llama-3-8b", "gemma-2-2b"} <= set(BUILTIN_MODELS)
 
 
+@pytest.mark.cuda
+def test_large_builtins_draw_on_their_device_and_stay_seeded(monkeypatch):
+    """Above CPU_INIT_MAX_PARAMS the weights are drawn on the GPU: still the same for the same seed."""
+    import models.loader as loader
+
+    small = load_model("tiny-llama", device="cuda")
+    cpu = load_model("tiny-llama")
+    assert torch.equal(small.lm_head.weight.cpu(), cpu.lm_head.weight)  # small: the CPU draw everywhere
+    monkeypatch.setattr(loader, "CPU_INIT_MAX_PARAMS", 0)
+    a, b = load_model("tiny-llama", device="cuda"), load_model("tiny-llama", device="cuda")
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert not torch.equal(a.lm_head.weight.cpu(), cpu.lm_head.weight)
+    assert abs(a.lm_head.weight.float().std().item() - 0.02) < 2e-3
+
+
 def test_unsupported_architecture_lists_supported(ckpt, tmp_path):
     path = copy_ckpt(ckpt, tmp_path / "c")
     cfg = json.load(open(os.path.join(path, "config.json")))
