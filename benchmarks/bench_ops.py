@@ -31,6 +31,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -222,7 +223,10 @@ def run(
                 ok = _check(spec, spec.ours(*args), spec.ref(*args))
                 # A fresh static-shape compile for this size: Inductor's best case, specialized kernels.
                 compiled_ref = torch.compile(spec.ref, fullgraph=True, dynamic=False)
-                compiled_ref(*args)
+                # Bit-exact ops: is the compiled reference itself exact? (Triton's fp32 `/` is div.full.f32,
+                # approximate; ours pays for the correctly rounded division.)
+                compile_exact = _check(dataclasses.replace(spec, exact=True), compiled_ref(*args), spec.ref(*args)) \
+                    if spec.exact else ""
                 nbytes = spec.nbytes(t, h, elt)
                 times = {label: _time(fn, args, nbytes, device)
                          for label, fn in (("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref))}
@@ -243,6 +247,7 @@ def run(
                     "x_vs_eager": round(times["eager"] / times["ours"], 2),
                     "x_vs_compile": round(times["compile"] / times["ours"], 2),
                     "correct": ok,
+                    "compile_exact": compile_exact,
                 }
                 rows.append(row)
                 print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
@@ -447,6 +452,8 @@ def main() -> None:
             "eager = the fp32 native reference; compile = torch.compile(reference, dynamic=False), one Inductor "
             "compile per tokens x hidden; compile_dyn = one compile per op and hidden with the token dim dynamic",
             f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
+            "compile_exact (fp8 ops): torch.compile's output equals the reference bit for bit (ours must: "
+            "correct); Triton's fp32 `/` is the approximate div.full.f32, ours the correctly rounded div_rn",
             *targets(rows, copy_gbps),
         ]
         # Saved after every op, so a run cut short still leaves its results.
