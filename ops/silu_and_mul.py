@@ -13,21 +13,30 @@ from torch.library import wrap_triton
 from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
-__all__ = ["silu_and_mul", "SiluAndMul", "silu_and_mul_ref", "act_and_mul_config", "act_needs_int64", "act_tiles_even"]
+__all__ = [
+    "silu_and_mul", "SiluAndMul", "silu_and_mul_ref", "act_and_mul_config", "act_needs_int64", "act_tiles_even",
+    "launch_act_and_mul", "SILU", "GELU", "GELU_TANH",
+]
+
+
+#: ``ACT`` of :func:`_act_and_mul_kernel`.
+SILU, GELU, GELU_TANH = 0, 1, 2
 
 
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
     n_rows,
     d,
     x_row_stride,
+    ACT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     INT64: tl.constexpr,
     EVEN: tl.constexpr,
 ):
+    # act(x[:, :d]) * x[:, d:] for SiLU and both GELUs (ACT): one kernel, the activation a constexpr branch.
     # Axis 0 walks rows (up to 2**31 programs), axis 1 the column blocks of one row.
     # EVEN: the tiles cover the tensor exactly (known sizes only), so no masks.
     pid = tl.program_id(0)
@@ -44,7 +53,15 @@ def _silu_and_mul_kernel(
         mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
         a = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(x_ptr + in_offs + d, mask=mask, other=0.0).to(tl.float32)
-    y = (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty)
+    if ACT == 0:
+        g = a * tl.sigmoid(a)
+    elif ACT == 1:
+        g = 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))  # 1/sqrt(2)
+    else:
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation near u = 0, no tanh intrinsic needed.
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2/pi)
+        g = a * tl.sigmoid(2.0 * u)
+    y = (g * b).to(out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptr + out_offs, y)
     else:
@@ -57,7 +74,6 @@ def act_and_mul_config(d: int, element_size: int, n_rows: int | None = None) -> 
     ``n_rows`` is the token count when known without a guard (``known_int``), else None: the
     bandwidth config then depends on the hidden size only, adding no guard on a symbolic size.
     """
-    vec = max(1, 16 // element_size)  # elements per 16-byte vector: 8 bf16, 4 fp32
     if n_rows is not None and n_rows * d <= SMALL_ELEMENTS:
         # Launch-latency bound (<= 16 x 8192 outputs): 512-wide column blocks on 4 warps, two rows per
         # program from 8 tokens; shorter rows stacked to the same tile. Two sweeps on the H200 (bench_ops
@@ -91,19 +107,21 @@ def _act_input_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``act(x[..., :d]) * x[..., d:]`` with the Triton kernel; ``act`` one of SILU, GELU, GELU_TANH."""
     d = x.shape[-1] // 2
     x2 = _act_input_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
     block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
-    wrap_triton(_silu_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
+    wrap_triton(_act_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
         x2,
         out,
         n_rows,
         d,
         x2.stride(0),
+        ACT=act,
         BLOCK_D=block_d,
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
@@ -111,6 +129,10 @@ def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = 
         num_warps=num_warps,
     )
     return out
+
+
+def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, SILU, config)
 
 
 @triton_op("dynamo_once::silu_and_mul", mutates_args=())
