@@ -240,8 +240,12 @@ class LLM:
         """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token."""
         ids, pos, slots, starts, lens = [], [], [], [0], []
         bs = self.kv_cache.block_size
-        rows = torch.zeros(len(batch), self.max_blocks_per_seq, dtype=torch.int32)
-        for i, (seq, n) in enumerate(batch):
+        # Block-table rows only as wide as this step's longest block list (the kernels read no further),
+        # built as one host tensor: a max_model_len-wide row per sequence, filled one by one, took 1.2 ms
+        # of host time a step at batch 128 on the CPU machine (model stubbed); this takes ~0.4.
+        width = max(len(seq.blocks) for seq, _ in batch)
+        table: list[int] = []
+        for seq, n in batch:
             first = seq.num_computed
             ids += seq.tokens[first:first + n]
             new_pos = range(first, first + n)
@@ -249,8 +253,10 @@ class LLM:
             slots += [seq.blocks[p // bs] * bs + p % bs for p in new_pos]
             starts.append(starts[-1] + n)
             lens.append(first + n)
-            rows[i, :len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+            table += seq.blocks
+            table += [0] * (width - len(seq.blocks))
         t, b = starts[-1], len(batch)
+        rows = torch.tensor(table, dtype=torch.int32).view(b, width)
         # Prompts with images in this step (whole prompts: no chunked prefill), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
                   if seq.images is not None and seq.num_computed == 0]
@@ -259,7 +265,7 @@ class LLM:
         self.slot_mapping[:t].copy_(torch.tensor(slots), non_blocking=True)
         self.query_start_loc[:b + 1].copy_(torch.tensor(starts), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(lens), non_blocking=True)
-        self.block_table[:b].copy_(rows, non_blocking=True)
+        self.block_table[:b, :width].copy_(rows, non_blocking=True)
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
