@@ -270,6 +270,28 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
         del h
 
 
+def bench_generate(name: str, batches: list[int], device: torch.device, dtype: torch.dtype,
+                   new_tokens: int = 64, prompt_len: int = 16) -> list[dict[str, Any]]:
+    """End to end: the median decode step of ``models.LLM.generate`` at level 3 (host scheduling, input
+    copies, graph replay, greedy sampling with its host sync), one LLM for every batch size."""
+    from models.runner import LLM
+
+    max_b = max(batches)
+    llm = LLM(name, level=3, max_num_tokens=max(512, max_b), max_num_seqs=max_b, dtype=dtype, device=device,
+              num_cache_tokens=max_b * (prompt_len + new_tokens + 16))
+    rows = []
+    for b in batches:
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(b)]
+        llm.generate(prompts, 4)  # warm-up
+        llm.generate(prompts, new_tokens)
+        rows.append(dict(model=name, mode="LLM.generate, level 3", batch=b,
+                         us_per_step=round(llm.stats.median_decode_step_s * 1e6, 1),
+                         compile_s=round(llm.compile_time_s + llm.capture_time_s, 1)))
+        print(rows[-1], flush=True)
+    del llm
+    return rows
+
+
 def startup_child(name: str) -> None:
     """In a fresh process: build ``models.LLM`` at level 3 with every default capture size; print JSON timings."""
     import json
@@ -333,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also measure level-3 start-up with every default capture size: cold (empty Inductor and "
                         "Triton caches) and/or warm (default: both)")
     p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--generate", action="store_true",
+                   help="also time a decode step of models.LLM.generate end to end (level 3; 16-token prompts, "
+                        "64 new tokens)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if a.startup_child:
@@ -382,7 +407,15 @@ def main(argv: list[str] | None = None) -> None:
                               title=f"{name}: decode step latency ({common.device_name(device)})",
                               xlabel="batch (sequences)", ylabel="µs per step")
 
-        bench_model(name, batches, context, prefill, device, dtype, modes, iters, copy_bw, save)
+        rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
+                                                  copy_bw, save)
+        if a.generate:
+            floor = next((r["us_per_step"] for r in rows if r["mode"] == "weight-bandwidth floor"), None)
+            for r in bench_generate(name, batches, device, dtype):
+                if floor:
+                    r["pct_of_bw_floor"] = round(100 * floor / r["us_per_step"], 1)
+                rows.append(r)
+            save(rows, prefill_rows, startup)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ for step in $steps; do
                 > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
-    decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} \
+    decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} --generate \
                 --models llama-3.2-1b --out "$R/llama-3.2-1b" 2>&1 | tee "$R/decode1b.log" | grep -E "^\{|Error" ;;
-    decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --iters 30 --models llama-3-8b \
+    decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --generate --iters 30 --models llama-3-8b \
                 --out "$R/llama-3-8b" 2>&1 | tee "$R/decode8b.log" | grep -E "^\{|Error" ;;
     *) echo "unknown step $step" ;;
   esac
