@@ -245,6 +245,8 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
     """
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
+    if device.type == "meta":  # shapes only: nothing to draw
+        return
     on_cpu = device.type == "cpu" or sum(p.numel() for p in params) <= CPU_INIT_MAX_PARAMS
     draw_on = torch.device("cpu") if on_cpu else device
     gen = torch.Generator(device=draw_on).manual_seed(seed)
