@@ -1,0 +1,63 @@
+"""The benchmark harnesses run end to end on the CPU and leave the table, CSV and plot they promise.
+
+Timings on 2 shared CPU cores say nothing, so nothing here compares them; what is checked is that each
+script measures every mode it names, checks its results where it claims to, and writes its files.
+"""
+
+import csv
+import os
+
+import pytest
+import torch
+
+from benchmarks import common, decode, guard_overhead
+
+
+def read_csv(path):
+    with open(path) as f:
+        lines = [ln for ln in f if not ln.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def test_results_state_device_torch_and_date(tmp_path):
+    md = common.write_results("t", [{"a": 1, "b": 2.5}], title="T", out_dir=str(tmp_path))
+    header = md.splitlines()[2]
+    assert f"torch {torch.__version__}" in header and "UTC" in header
+    with open(tmp_path / "t.csv") as f:
+        assert f.readline().startswith("# ") and f.readline().strip() == "a,b"
+
+
+@pytest.mark.slow
+def test_guard_overhead_measures_every_mechanism(tmp_path):
+    rows = guard_overhead.run("cpu", [1], calls=20, repeats=2, out_dir=str(tmp_path))
+    assert {r["mechanism"] for r in rows} == set(guard_overhead.MECHANISMS)
+    floor = next(r for r in rows if r["mechanism"] == "floor")
+    assert floor["overhead_over_floor_us"] == 0.0
+    assert all(r["us_per_call"] > 0 for r in rows)
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"guard_overhead_cpu.{ext}").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_decode_quick_writes_every_mode_and_the_end_to_end_step(tmp_path):
+    decode.main(["--quick", "--generate", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "decode_quick_tiny-llama.csv")
+    modes = {r["mode"] for r in rows}
+    assert {"eager", "level 1", "level 3", "LLM.generate, level 3"} <= modes
+    assert {int(r["batch"]) for r in rows} == {2, 4}
+    assert all(float(r["us_per_step"]) > 0 for r in rows)
+    prefill = read_csv(tmp_path / "prefill_quick_tiny-llama.csv")
+    assert {r["mode"] for r in prefill} == {"eager", "level 1", "level 3"}
+    assert os.path.getsize(tmp_path / "decode_quick_tiny-llama.png") > 0
+
+
+@pytest.mark.slow
+def test_bench_ops_checks_ours_against_the_reference(tmp_path):
+    from benchmarks import bench_ops
+
+    rows, _ = bench_ops.run([1, 16], [256], ["rms_norm", "static_scaled_fp8_quant"], "cpu", torch.bfloat16,
+                            dynamic_column=False)
+    assert len(rows) == 4 and all(r["correct"] for r in rows)
+    fp8 = [r for r in rows if r["op"] == "static_scaled_fp8_quant"]
+    assert all(r["compile_exact"] is True for r in fp8)  # Inductor's C++ division on the CPU is exact
+    assert all(r["compile_exact"] == "" for r in rows if r["op"] == "rms_norm")
