@@ -165,6 +165,21 @@ def _check(spec: OpSpec, out, expected) -> bool:
     return True
 
 
+def division_rounding_option() -> dict[str, bool]:
+    """The Inductor option that makes its fp32 division correctly rounded (``div_rn``), as eager's.
+
+    By default Inductor's Triton code divides with the approximate ``div.full.f32``; this option is the
+    fair comparator for ops that must be bit-exact. Spelled ``emulate_divison_rounding`` up to torch
+    2.12 and ``eager_numerics.division_rounding`` from 2.13; empty where neither exists.
+    """
+    cfg = torch._inductor.config
+    if hasattr(cfg, "emulate_divison_rounding"):
+        return {"emulate_divison_rounding": True}
+    if hasattr(getattr(cfg, "eager_numerics", None), "division_rounding"):
+        return {"eager_numerics.division_rounding": True}
+    return {}
+
+
 def _mark_tokens_dynamic(args: tuple, t: int) -> None:
     """Dim 0 of the token-indexed inputs: 2-d activations and 1-d integer positions (not a weight of size t)."""
     for a in args:
@@ -228,8 +243,15 @@ def run(
                 compile_exact = _check(dataclasses.replace(spec, exact=True), compiled_ref(*args), spec.ref(*args)) \
                     if spec.exact else ""
                 nbytes = spec.nbytes(t, h, elt)
-                times = {label: _time(fn, args, nbytes, device)
-                         for label, fn in (("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref))}
+                timed = [("ours", spec.ours), ("eager", spec.ref), ("compile", compiled_ref)]
+                compile_rn_exact = ""
+                if spec.exact and division_rounding_option():
+                    # The bit-exact comparator: Inductor with correctly rounded division, as ours.
+                    compiled_rn = torch.compile(spec.ref, fullgraph=True, dynamic=False,
+                                                options=division_rounding_option())
+                    compile_rn_exact = _check(spec, compiled_rn(*args), spec.ref(*args))
+                    timed.append(("compile_rn", compiled_rn))
+                times = {label: _time(fn, args, nbytes, device) for label, fn in timed}
                 del args
                 gbps = nbytes / (times["ours"] * 1e-6) / 1e9
                 row = {
@@ -248,6 +270,8 @@ def run(
                     "x_vs_compile": round(times["compile"] / times["ours"], 2),
                     "correct": ok,
                     "compile_exact": compile_exact,
+                    "compile_rn_us": round(times["compile_rn"], 2) if "compile_rn" in times else "",
+                    "compile_rn_exact": compile_rn_exact,
                 }
                 rows.append(row)
                 print(", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
@@ -269,9 +293,13 @@ def targets(rows: list, copy_gbps: float) -> list[str]:
     for r in rows:
         if r["tokens"] <= LATENCY_TOKENS:
             verdict = "PASS" if r["ours_us"] <= r["compile_us"] else "MISS"
+            exact = ""
+            if r.get("compile_rn_us") not in ("", None):
+                exact = (f"; vs compile with correctly rounded division {r['compile_rn_us']} us "
+                         f"({'PASS' if r['ours_us'] <= r['compile_rn_us'] else 'MISS'})")
             lines.append(
                 f"{verdict} latency {r['op']} {r['tokens']}x{r['hidden']}: ours {r['ours_us']} us vs compile "
-                f"{r['compile_us']} us"
+                f"{r['compile_us']} us{exact}"
             )
     bad = [f"{r['op']} {r['tokens']}x{r['hidden']}" for r in rows if not r["correct"]]
     lines.append("PASS correctness: all" if not bad else f"FAIL correctness: {', '.join(bad)}")
@@ -454,6 +482,8 @@ def main() -> None:
             f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
             "compile_exact (fp8 ops): torch.compile's output equals the reference bit for bit (ours must: "
             "correct); Triton's fp32 `/` is the approximate div.full.f32, ours the correctly rounded div_rn",
+            "compile_rn (fp8 ops): torch.compile with Inductor's correctly rounded division option "
+            f"({', '.join(division_rounding_option()) or 'not in this torch'}), the bit-exact comparator",
             *targets(rows, copy_gbps),
         ]
         # Saved after every op, so a run cut short still leaves its results.

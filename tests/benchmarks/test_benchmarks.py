@@ -61,3 +61,8 @@ def test_bench_ops_checks_ours_against_the_reference(tmp_path):
     fp8 = [r for r in rows if r["op"] == "static_scaled_fp8_quant"]
     assert all(r["compile_exact"] is True for r in fp8)  # Inductor's C++ division on the CPU is exact
     assert all(r["compile_exact"] == "" for r in rows if r["op"] == "rms_norm")
+    if bench_ops.division_rounding_option():  # the exact comparator, timed and checked
+        assert all(r["compile_rn_exact"] is True and r["compile_rn_us"] > 0 for r in fp8)
+    lines = bench_ops.targets(rows, copy_gbps=1.0)
+    assert sum(ln.startswith(("PASS latency", "MISS latency")) for ln in lines) == 4
+    assert lines[-1] == "PASS correctness: all"
