@@ -1,11 +1,14 @@
 """``LLM``: batches sequences of different lengths through a model, with a paged KV cache, and samples.
 
 Each step runs one forward over a flat batch: first one token for every
-running (decode) sequence, then whole prompts of waiting sequences while the
-step's token budget (``max_num_tokens``) and the cache allow, so prefill and
-decode sequences share steps. A sequence gets the cache blocks for
-``prompt + max_new_tokens`` when it is admitted (no preemption); prompts longer
-than ``max_num_tokens`` are refused (no chunked prefill).
+running (decode) sequence, then prompt tokens while the step's token budget
+(``max_num_tokens``) and the cache allow, so prefill and decode sequences
+share steps. With ``chunked_prefill`` (default) a prompt that does not fit the
+budget left in a step is prefilled in chunks over several steps, each chunk
+attending to the cached earlier ones, so prompts may be longer than
+``max_num_tokens``; prompts with images are always prefilled whole. A sequence
+gets the cache blocks for ``prompt + max_new_tokens`` when it is admitted (no
+preemption).
 
 At construction the runner builds the model under the requested compilation
 level, allocates the cache and makes a warm-up forward of ``max_num_tokens``
@@ -105,13 +108,16 @@ class LLM:
         block_size: tokens per cache block.
         dtype, device: for loading ``model`` by name and for the cache (default: the model's).
         compilation_config: base config (default: the current one); ``level`` overrides its level.
+        chunked_prefill: split prompts over steps to fill each step's token budget (False: whole
+            prompts only, and a prompt longer than ``max_num_tokens`` is refused).
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
                  max_num_tokens: int = 512, max_num_seqs: int | None = None, num_cache_tokens: int | None = None,
                  block_size: int = 16, dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None,
-                 compilation_config: CompilationConfig | None = None) -> None:
+                 compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True) -> None:
+        self.chunked_prefill = chunked_prefill
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
@@ -257,7 +263,7 @@ class LLM:
             table += [0] * (width - len(seq.blocks))
         t, b = starts[-1], len(batch)
         rows = torch.tensor(table, dtype=torch.int32).view(b, width)
-        # Prompts with images in this step (whole prompts: no chunked prefill), for embed_multimodal.
+        # Prompts with images in this step (always prefilled whole), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
                   if seq.images is not None and seq.num_computed == 0]
         self.input_ids[:t].copy_(torch.tensor(ids), non_blocking=True)
@@ -346,26 +352,40 @@ class LLM:
         self.stats = stats = GenerateStats()
         t_start = time.perf_counter()
         while waiting or running:
-            batch = [(s, 1) for s in running]
+            # Decodes first (one token each: the last sampled one), then prompt chunks of the sequences
+            # already prefilling, then newly admitted prompts, while the token budget lasts.
+            batch = [(s, 1) for s in running if s.num_computed >= s.prompt_len]
             num_decodes = len(batch)
             budget = self.max_num_tokens - num_decodes
-            while waiting and len(batch) < self.max_num_seqs:
+            for s in running:
+                if s.num_computed < s.prompt_len and budget > 0:
+                    n = min(s.prompt_len - s.num_computed, budget)
+                    batch.append((s, n))
+                    budget -= n
+            admitted = []
+            while waiting and len(batch) < self.max_num_seqs and budget > 0:
                 seq = waiting[0]
                 need_blocks = self.kv_cache.blocks_for(seq.prompt_len + max_new_tokens)
-                if seq.prompt_len > budget or need_blocks > self.kv_cache.num_free_blocks:
+                whole = not self.chunked_prefill or seq.images is not None
+                if (whole and seq.prompt_len > budget) or need_blocks > self.kv_cache.num_free_blocks:
                     break
                 seq.blocks = self.kv_cache.allocate(seq.prompt_len + max_new_tokens)
                 waiting.popleft()
-                batch.append((seq, seq.prompt_len))
-                budget -= seq.prompt_len
+                n = min(seq.prompt_len, budget)
+                batch.append((seq, n))
+                admitted.append(seq)
+                budget -= n
             if not batch:  # nothing running, and the first waiting one cannot be admitted
                 raise RuntimeError(f"LLM: sequence {waiting[0].index} cannot be scheduled: it needs "
                                    f"{self.kv_cache.blocks_for(waiting[0].prompt_len + max_new_tokens)} cache "
                                    f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
             t0 = time.perf_counter()
             logits = self._execute(batch, num_decodes)
-            step_seqs = [s for s, _ in batch]
-            tokens = choose(step_seqs, logits)
+            # Sample only for the sequences whose known tokens are now all computed (decodes, and prompts
+            # whose last chunk this was): a partial chunk's logits are not a next-token distribution.
+            ready = [i for i, (seq, n) in enumerate(batch) if seq.num_computed + n == len(seq.tokens)]
+            ready_seqs = [batch[i][0] for i in ready]
+            tokens = choose(ready_seqs, logits if len(ready) == len(batch) else logits[ready]) if ready else []
             dt = time.perf_counter() - t0  # choose() syncs: its tokens are host ints
             stats.num_steps += 1
             stats.step_times_s.append(dt)
@@ -373,16 +393,15 @@ class LLM:
                 stats.decode_step_times_s.append(dt)
             elif num_decodes:
                 stats.num_mixed_steps += 1
-            running = []
-            for (seq, n), tok in zip(batch, tokens):
+            for seq, n in batch:
                 seq.num_computed += n
+            for seq, tok in zip(ready_seqs, tokens):
                 seq.tokens.append(int(tok))
                 stats.num_generated += 1
                 if seq.num_generated >= seq.max_new_tokens or tok == eos_token_id:
                     self.kv_cache.free(seq.blocks)
                     seq.blocks = []
-                else:
-                    running.append(seq)
+            running = [s for s in running + admitted if s.blocks]
         stats.total_s = time.perf_counter() - t_start
         return [s.tokens[s.prompt_len:] for s in seqs]
 
@@ -394,9 +413,10 @@ class LLM:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        if len(tokens) > self.max_num_tokens:
+        if len(tokens) > self.max_num_tokens and (not self.chunked_prefill or images is not None):
+            why = "prompts with images are prefilled whole" if images is not None else "chunked_prefill=False"
             raise ValueError(f"{where} has {len(tokens)} tokens, more than max_num_tokens={self.max_num_tokens} "
-                             "(prompts are not chunked); raise max_num_tokens")
+                             f"({why}); raise max_num_tokens")
         if len(tokens) + max_new_tokens > self.max_model_len:
             raise ValueError(f"{where}: {len(tokens)} + {max_new_tokens} new tokens exceed the model's "
                              f"max_position_embeddings={self.max_model_len}")

@@ -83,12 +83,41 @@ def test_kv_cache_budget_and_prompt_errors():
     # 4 blocks: the sequences take turns, each holding its blocks until done, and all finish.
     out = llm.generate([[1] * 10, [2] * 12, [3] * 9], max_new_tokens=8)
     assert [len(o) for o in out] == [8, 8, 8] and llm.kv_cache.num_free_blocks == 4
-    with pytest.raises(ValueError, match="max_num_tokens=16"):
-        llm.generate([[1] * 17])
+    whole = LLM("tiny-llama", level=0, max_num_tokens=16, num_cache_tokens=64, block_size=16, chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"17 tokens, more than max_num_tokens=16 \(chunked_prefill=False\)"):
+        whole.generate([[1] * 17])
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 128\)"):
         llm.generate([[1, 500]])
     with pytest.raises(ValueError, match="KV cache of 64 tokens"):
         llm.generate([[1] * 10], max_new_tokens=60)
+
+
+@pytest.mark.parametrize("level", [0, 2, 3])
+def test_chunked_prefill_matches_transformers(hf_reference, level):
+    """A step budget of 5 tokens: every prompt longer than that is prefilled over several steps, each
+    chunk attending to the cached ones, sharing steps with decodes; logits and tokens as transformers."""
+    path, ref_logits, ref_tokens = hf_reference
+    assert max(len(p) for p in PROMPTS) > 5
+    llm = LLM(path, level=level, max_num_tokens=5, max_num_seqs=4)
+    for got, ref in zip(prefill_logits(llm, PROMPTS), ref_logits):
+        torch.testing.assert_close(got, ref, **TOLERANCES[torch.float32])
+    assert llm.generate(PROMPTS, max_new_tokens=16) == ref_tokens
+    assert llm.stats.num_mixed_steps >= 1
+
+
+def test_chunked_prefill_steps_and_sampling_rng():
+    """A 40-token prompt in steps of 16: chunks of 16, 16 and 8, then its first token. Partial chunks draw
+    no sample: with both prompts ready in the same step either way (the 7-token one joins the last
+    chunk), seeded sampling draws the same numbers as with the whole prompt in one step."""
+    chunked = LLM("tiny-llama", level=0, max_num_tokens=16)
+    whole = LLM("tiny-llama", level=0, max_num_tokens=64)
+    prompt = [(5 * i) % 128 for i in range(40)]
+    out = chunked.generate([prompt], max_new_tokens=4)
+    assert chunked.stats.num_steps == 3 + 3  # 3 prefill chunks (the last also samples), 3 decodes
+    assert out == whole.generate([prompt], max_new_tokens=4)
+    a = chunked.generate([prompt, prompt[:7]], max_new_tokens=6, temperature=1.0, seed=5)
+    b = whole.generate([prompt, prompt[:7]], max_new_tokens=6, temperature=1.0, seed=5)
+    assert a == b
 
 
 @pytest.mark.cuda

@@ -130,6 +130,19 @@ def test_cuda_matches_transformers(hf_llava, level, monkeypatch):
     assert llm.generate(PROMPTS, max_new_tokens=16, images=imgs) == ref_tokens
 
 
+def test_image_prompts_are_prefilled_whole_while_text_is_chunked(hf_llava):
+    """Budget 12: the 19-token image prompt is refused (its image features enter in one step); the same
+    LLM chunks a 19-token text prompt and still matches a whole-prompt run."""
+    path, _, imgs, _, _ = hf_llava
+    llm = LLM(path, level=0, max_num_tokens=12)
+    with pytest.raises(ValueError, match="more than max_num_tokens=12 \\(prompts with images are prefilled whole\\)"):
+        llm.generate([PROMPTS[2]], images=[imgs[2]])
+    text = [t if t != IMAGE else 3 for t in PROMPTS[2]]
+    whole = LLM(path, level=0, max_num_tokens=32)
+    assert llm.generate([text, PROMPTS[1]], 6, images=[None, imgs[1]]) == \
+        whole.generate([text, PROMPTS[1]], 6, images=[None, imgs[1]])
+
+
 def test_images_change_the_output(hf_llava):
     """The parity above is not the text-only model's: the images move the logits a lot."""
     path, hf, imgs, ref_logits, _ = hf_llava
