@@ -36,6 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ops._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton
 
@@ -60,15 +61,21 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """One sequence. q: [Lq, Hq, D] (the last Lq of L positions); k, v: [L, Hkv, D] -> [Lq, Hq, D]."""
     lq, hq, _ = q.shape
     seq_len, hkv, _ = k.shape
-    if lq == seq_len and sliding_window is None and logits_soft_cap is None:
-        # A whole prompt: plain causal attention with no mask tensor and K, V repeated to Hq heads, so
-        # that SDPA may pick its flash kernel (an explicit mask, or enable_gqa, sends it to the math
-        # kernel: ~3 ms per layer for 2048 tokens on the H200, which dominated the prefill step).
+    if sliding_window is None and logits_soft_cap is None:
+        # Causal attention with no mask tensor and K, V repeated to Hq heads, so that SDPA may pick a
+        # fused kernel: an explicit boolean mask, or enable_gqa, sends it to the math kernel (~3 ms a
+        # layer for 2048 tokens on the H200, which dominated the prefill step). A whole prompt is
+        # is_causal; a chunk after cached tokens (chunked prefill) is causal aligned to the bottom
+        # right, which SDPA's CausalBias expresses without materializing the mask.
+        # Fused kernels take 4-d inputs only (3-d ones always run the math kernel): [1, H, L, D].
         k = k.repeat_interleave(hq // hkv, dim=1) if hq != hkv else k
         v = v.repeat_interleave(hq // hkv, dim=1) if hq != hkv else v
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=scale)
-        return out.transpose(0, 1)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if lq == seq_len:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(lq, seq_len), scale=scale)
+        return out[0].transpose(0, 1)
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # [Lq, L]
