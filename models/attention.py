@@ -105,13 +105,23 @@ def _gather_seq(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 
 def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                   first_seq: int, num_heads: int, head_size: int, scale: float,
-                  sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """Sequences ``first_seq..`` one by one, from the cache (host metadata: no sync)."""
+                  sliding_window: int | None, logits_soft_cap: float | None,
+                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> None:
+    """Sequences ``first_seq..`` one by one, from the cache (host metadata: no sync).
+
+    ``k_new``, ``v_new`` (this step's keys and values, in the cache's dtype): a whole prompt (no cached
+    tokens before it) attends to them directly instead of gathering the same values back from the cache.
+    """
+    num_kv_heads = kv_cache.shape[-2]
     for i in range(first_seq, md.num_seqs):
         start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
         seq_len = md.seq_lens_cpu[i]
-        k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
-        v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
+        if k_new is not None and seq_len == end - start:
+            k = k_new[start:end].view(seq_len, num_kv_heads, head_size)
+            v = v_new[start:end].view(seq_len, num_kv_heads, head_size)
+        else:
+            k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
+            v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
         qi = q[start:end].view(end - start, num_heads, head_size)
         out[start:end] = _attend_one(qi, k, v, scale, sliding_window, logits_soft_cap).reshape(end - start, -1)
 
@@ -329,14 +339,16 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     else:
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     nd = md.num_decodes
-    if md.is_decode_only:
-        return paged_decode_triton(q, kv_cache, md.block_table[:nd], md.seq_lens[:nd], num_heads, head_size,
+    if md.is_decode_only:  # the metadata's tensors hold exactly the decodes: no slicing
+        return paged_decode_triton(q, kv_cache, md.block_table, md.seq_lens, num_heads, head_size,
                                    scale, sliding_window, logits_soft_cap)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = paged_decode_triton(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], num_heads,
                                        head_size, scale, sliding_window, logits_soft_cap)
-    _prefill_loop(out, q, kv_cache, md, nd, num_heads, head_size, scale, sliding_window, logits_soft_cap)
+    same = k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype
+    _prefill_loop(out, q, kv_cache, md, nd, num_heads, head_size, scale, sliding_window, logits_soft_cap,
+                  k if same else None, v if same else None)
     return out
 
 

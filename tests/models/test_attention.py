@@ -5,7 +5,7 @@ import torch
 
 from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
-from models.attention import attention_native
+from models.attention import _prefill_loop, attention_native, write_kv_cache
 
 HEADS, KV_HEADS, HEAD = 4, 2, 16  # Llama 3 8B: 32, 8, 128
 BLOCK = 4  # small blocks: sequences span several, with a partial last one
@@ -206,7 +206,7 @@ def test_cuda_decode_captures_in_a_cuda_graph():
 @pytest.mark.parametrize("num_tokens", [1, 5, 300])
 def test_cuda_cache_write_kernel_equals_index_copy(num_tokens):
     """The one-launch cache write: k and v as column slices of one qkv tensor, slots in any order."""
-    from models.attention import write_kv_cache, write_kv_cache_triton
+    from models.attention import write_kv_cache_triton
 
     g = torch.Generator().manual_seed(num_tokens)
     cache = torch.randn(2, 128, BLOCK, KV_HEADS, HEAD, generator=g).to(torch.bfloat16).cuda()
@@ -218,3 +218,18 @@ def test_cuda_cache_write_kernel_equals_index_copy(num_tokens):
     write_kv_cache(expected, k, v, slots)
     write_kv_cache_triton(cache, k, v, slots)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}], ids=["plain", "window"])
+def test_whole_prompts_attend_to_this_steps_keys_as_to_the_cache(kw):
+    """The CUDA path's shortcut: a prompt with nothing cached before it reads this step's k, v directly."""
+    layer = new_layer(**kw)
+    specs = [(5, 1), (0, 6), (3, 4), (0, 9)]  # a decode, whole prompts and chunks after cached tokens
+    q, k, v, md = make_batch(layer, specs)
+    write_kv_cache(layer.kv_cache, k, v, md.slot_mapping)
+    args = (layer.kv_cache, md, md.num_decodes, HEADS, HEAD, HEAD**-0.5, kw.get("sliding_window"), None)
+    from_cache, direct = torch.zeros_like(q), torch.zeros_like(q)
+    _prefill_loop(from_cache, q, *args)
+    _prefill_loop(direct, q, *args, k, v)
+    torch.testing.assert_close(direct, from_cache, rtol=0, atol=0)
+    assert direct[md.num_decodes:].abs().sum() > 0
