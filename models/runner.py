@@ -158,12 +158,17 @@ class LLM:
         self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
         # Persistent input and metadata buffers, sized for the largest step: each step's inputs are
         # views of them, so a CUDA graph captured on them stays valid.
+        # Per-token and per-sequence buffers are rows of one tensor each, filled from one (pinned, on
+        # CUDA) host staging tensor: two host-to-device copies a step instead of five.
         dev, i32, i64 = self.device, torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=dev)
-        self.positions = torch.zeros(max_num_tokens, dtype=i64, device=dev)
-        self.slot_mapping = torch.zeros(max_num_tokens, dtype=i64, device=dev)
-        self.query_start_loc = torch.zeros(max_num_seqs + 1, dtype=i32, device=dev)
-        self.seq_lens = torch.zeros(max_num_seqs, dtype=i32, device=dev)
+        pin = dev.type == "cuda"
+        self._tok = torch.zeros(3, max_num_tokens, dtype=i64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self._tok.unbind(0)
+        self._seq = torch.zeros(2, max_num_seqs + 1, dtype=i32, device=dev)
+        self.query_start_loc, self.seq_lens = self._seq[0], self._seq[1, :max_num_seqs]
+        self._tok_host = torch.zeros(3, max_num_tokens, dtype=i64, pin_memory=pin)
+        self._seq_host = torch.zeros(2, max_num_seqs + 1, dtype=i32, pin_memory=pin)
+        self._staged: torch.cuda.Event | None = None  # the last step's copies out of the staging tensors
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
         self.stats = GenerateStats()
         self.compile_time_s = self._warm_up()
@@ -263,15 +268,20 @@ class LLM:
             table += [0] * (width - len(seq.blocks))
         t, b = starts[-1], len(batch)
         rows = torch.tensor(table, dtype=torch.int32).view(b, width)
+        if self._staged is not None:  # the pinned staging tensors may still be read by the last step's copies
+            self._staged.synchronize()
         # Prompts with images in this step (always prefilled whole), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
                   if seq.images is not None and seq.num_computed == 0]
-        self.input_ids[:t].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:t].copy_(torch.tensor(pos), non_blocking=True)
-        self.slot_mapping[:t].copy_(torch.tensor(slots), non_blocking=True)
-        self.query_start_loc[:b + 1].copy_(torch.tensor(starts), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(lens), non_blocking=True)
+        self._tok_host[:, :t] = torch.tensor([ids, pos, slots])
+        self._seq_host[0, :b + 1] = torch.tensor(starts, dtype=torch.int32)
+        self._seq_host[1, :b] = torch.tensor(lens, dtype=torch.int32)
+        self._tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
+        self._seq[:, :b + 1].copy_(self._seq_host[:, :b + 1], non_blocking=True)
         self.block_table[:b, :width].copy_(rows, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
             seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
