@@ -21,7 +21,8 @@ CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz bash benchmarks/gpu_pass.sh ov
 ) > /tmp/gpu1.out 2>&1 &
 pid=$!
 for step in $1; do
-  CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz OPS_TIMEOUT=$(($(left) - 5)) bash benchmarks/gpu_pass.sh "$step"
+  CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz OPS_TIMEOUT=$(($(left) - 5)) TESTS_TIMEOUT=$(($(left) - 5)) \
+    TEST_WORKERS=${TEST_WORKERS:-12} bash benchmarks/gpu_pass.sh "$step"
 done
 wait $pid
 cat /tmp/gpu1.out
