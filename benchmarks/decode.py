@@ -145,6 +145,23 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = True) -> CompilationConfig:
+    """The compilation config a benchmark mode builds its model under.
+
+    The stock baselines (level 1, reduce-overhead, the full-graph floor) see the model as stock
+    torch.compile would: native PyTorch for every op but attention (``custom_ops=none``), so Inductor can
+    fuse it; with dynamo-once's ops on (the default at levels 0-2) it would get our Triton kernels as
+    opaque user kernels instead. ``graphs=False``: no CUDA graphs whatever the mode.
+    """
+    level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
+    graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise"}.get(mode, "none")
+    graph_mode = graph_mode if cuda and graphs else "none"
+    return CompilationConfig(level=level, backend="inductor" if level == 1 else None,
+                             custom_ops=["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor") else [],
+                             use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
+                             cudagraph_capture_sizes=sorted(set(capture_sizes)) if cuda else [1])
+
+
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                 dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None,
                 save: Callable[[list, list, dict], None] = lambda rows, prefill_rows, startup: None,
@@ -166,17 +183,8 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         if cuda:
             torch.cuda.empty_cache()
         torch._dynamo.reset()
-        level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
-        graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise"}.get(mode, "none")
-        # The stock baselines see the model as stock torch.compile would: native PyTorch for every op but
-        # attention (custom_ops "none"), so Inductor can fuse it. With dynamo-once's ops on (the default at
-        # levels 0-2) it would get our Triton kernels as opaque user kernels instead.
-        stock = mode in ("level 1", "reduce-overhead", "full-graph floor")
-        cfg = CompilationConfig(level=level, backend="inductor" if level == 1 else None,
-                                custom_ops=["none"] if stock else [],
-                                use_cudagraph=cuda and graph_mode != "none",
-                                cudagraph_mode=graph_mode if cuda else "none",
-                                cudagraph_capture_sizes=sorted(set(batches)) if cuda else [1])
+        cfg = mode_config(mode, cuda, batches)
+        level, graph_mode = cfg.level, cfg.cudagraph_mode
         h = Harness(name, cfg, max_b, context, prefill, device, dtype)
         if floor_us is None and copy_bw:
             floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
@@ -258,11 +266,9 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
 
     for mode in modes:
         torch._dynamo.reset()
-        level = {"eager": 0, "level 1": 1}.get(mode, 3)
-        cfg = CompilationConfig(level=level, backend="inductor" if level == 1 else None,
-                                use_cudagraph=False, cudagraph_mode="none")
+        cfg = mode_config(mode, device.type == "cuda", [batch], graphs=False)
         h = Harness(name, cfg, batch, context, 0, device, dtype)
-        if level:
+        if cfg.level:
             h.first_call()
         h.set_decode(batch)
         us = _time(h.step, device, 20)

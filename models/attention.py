@@ -61,30 +61,26 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """One sequence. q: [Lq, Hq, D] (the last Lq of L positions); k, v: [L, Hkv, D] -> [Lq, Hq, D]."""
     lq, hq, _ = q.shape
     seq_len, hkv, _ = k.shape
+    # GQA: query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv. Heads first: [H, L, D].
+    # Repeated rather than SDPA's enable_gqa, which keeps SDPA off its fused kernels.
+    q = q.transpose(0, 1)
+    k = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
     if sliding_window is None and logits_soft_cap is None:
-        # Causal attention with no mask tensor and K, V repeated to Hq heads, so that SDPA may pick a
-        # fused kernel: an explicit boolean mask, or enable_gqa, sends it to the math kernel (~3 ms a
-        # layer for 2048 tokens on the H200, which dominated the prefill step). A whole prompt is
-        # is_causal; a chunk after cached tokens (chunked prefill) is causal aligned to the bottom
-        # right, which SDPA's CausalBias expresses without materializing the mask.
+        # Causal attention with no mask tensor, so that SDPA may pick a fused kernel (a boolean mask
+        # sends it to the math kernel: ~3 ms a layer for 2048 tokens on the H200, which dominated the
+        # prefill step). A whole prompt is is_causal; a chunk after cached tokens (chunked prefill) is
+        # causal aligned to the bottom right, which SDPA's CausalBias expresses without a mask tensor.
         # Fused kernels take 4-d inputs only (3-d ones always run the math kernel): [1, H, L, D].
-        k = k.repeat_interleave(hq // hkv, dim=1) if hq != hkv else k
-        v = v.repeat_interleave(hq // hkv, dim=1) if hq != hkv else v
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        if lq == seq_len:
-            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
-        else:
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(lq, seq_len), scale=scale)
-        return out[0].transpose(0, 1)
+        mask = None if lq == seq_len else causal_lower_right(lq, seq_len)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                             scale=scale)[0]
+        return out.transpose(0, 1)
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # [Lq, L]
     if sliding_window is not None:
         allowed = allowed & (k_pos > q_pos - sliding_window)
-    # GQA: query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv.
-    k = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D]
-    v = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    q = q.transpose(0, 1)  # [Hq, Lq, D]
     if logits_soft_cap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     else:

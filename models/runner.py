@@ -168,7 +168,8 @@ class LLM:
         self.query_start_loc, self.seq_lens = self._seq[0], self._seq[1, :max_num_seqs]
         self._tok_host = torch.zeros(3, max_num_tokens, dtype=i64, pin_memory=pin)
         self._seq_host = torch.zeros(2, max_num_seqs + 1, dtype=i32, pin_memory=pin)
-        self._staged: torch.cuda.Event | None = None  # the last step's copies out of the staging tensors
+        # Recorded after each step's copies out of the staging tensors (CUDA: they are asynchronous).
+        self._staged = torch.cuda.Event() if pin else None
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
         self.stats = GenerateStats()
         self.compile_time_s = self._warm_up()
@@ -268,7 +269,7 @@ class LLM:
             table += [0] * (width - len(seq.blocks))
         t, b = starts[-1], len(batch)
         rows = torch.tensor(table, dtype=torch.int32).view(b, width)
-        if self._staged is not None:  # the pinned staging tensors may still be read by the last step's copies
+        if self._staged is not None:  # the last step's copies may still be reading the staging tensors
             self._staged.synchronize()
         # Prompts with images in this step (always prefilled whole), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
@@ -279,8 +280,7 @@ class LLM:
         self._tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
         self._seq[:, :b + 1].copy_(self._seq_host[:, :b + 1], non_blocking=True)
         self.block_table[:b, :width].copy_(rows, non_blocking=True)
-        if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
+        if self._staged is not None:
             self._staged.record()
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
