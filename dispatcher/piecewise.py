@@ -199,6 +199,7 @@ class PiecewiseBackend:
         self.split_gm: torch.fx.GraphModule | None = None
         self.items: list[SplitItem] = []
         self.pieces: dict[str, PiecewisePiece] = {}
+        self.size_symbol: Any = None  # the one dynamic size (token count) of the traced graph, if there is one
         self.pool = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -224,15 +225,17 @@ class PiecewiseBackend:
             self.pool = CUDAGraphPool()
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        # The dynamic sizes are the symbols of tensor shapes. Not of storage offsets: a view at a
+        # nonzero offset (the runner's input_ids and positions are rows of one buffer) gets a symbolic
+        # offset as soon as one of its dims is dynamic, and Dynamo passes it as a SymInt argument.
         symbols = set()
         for a in fake_args:
-            if isinstance(a, torch.SymInt):
-                symbols |= a.node.expr.free_symbols
-            elif isinstance(a, torch.Tensor):
+            if isinstance(a, torch.Tensor):
                 for s in a.shape:
                     if isinstance(s, torch.SymInt):
                         symbols |= s.node.expr.free_symbols
         size_symbol = next(iter(symbols)) if len(symbols) == 1 else None
+        self.size_symbol = size_symbol
         if len(symbols) > 1:
             logger.warning("%s: %d dynamic sizes; per-size compiles and CUDA graphs are off (one is supported)",
                            self.owner, len(symbols))

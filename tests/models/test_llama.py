@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dispatcher import compilation_counter
+from dispatcher import CompilationConfig, compilation_counter
 from models import LLM, LlamaForCausalLM, load_model
 
 from models_testing import PROMPTS, hf_greedy, hf_last_logits, save_hf_llama
@@ -66,6 +66,21 @@ def test_level2_runs_captured_code_for_every_step(hf_reference):
         before = compilation_counter.num_dispatched_calls
         llm.generate(PROMPTS, max_new_tokens=4)
     assert compilation_counter.num_dispatched_calls - before == llm.stats.num_steps
+
+
+def test_level3_runner_compiles_per_size(hf_reference):
+    """The runner's inputs are views of one buffer (symbolic storage offsets): still one dynamic size,
+    so a step of a compile size gets its own Inductor compile of each piece, once."""
+    path, _, ref_tokens = hf_reference
+    cfg = CompilationConfig(level=3, use_cudagraph=False, compile_sizes=[1])
+    llm = LLM(path, max_num_tokens=32, compilation_config=cfg)
+    backend = next(m for m in llm.model.modules() if hasattr(m, "_do_backend"))._do_backend.piecewise
+    assert backend.size_symbol is not None
+    pieces = [p for p in backend.pieces.values() if p.size_at is not None]
+    assert len(pieces) == 3  # tiny-llama: 2 attention ops between 3 compiled pieces
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=3):  # batch-1 decodes: size 1
+        assert llm.generate(PROMPTS[:1], max_new_tokens=16) == ref_tokens[:1]
+    assert all(1 in p.by_size for p in pieces)
 
 
 def test_sampling_is_reproducible_and_seeded():
