@@ -308,6 +308,7 @@ def startup_child(name: str) -> None:
     """In a fresh process: build ``models.LLM`` at level 3 with every default capture size; print JSON timings."""
     import json
 
+    from dispatcher import compilation_counter
     from models.runner import LLM
 
     t0 = time.perf_counter()
@@ -319,7 +320,8 @@ def startup_child(name: str) -> None:
                       "trace_and_compile_s": round(llm.compile_time_s, 1), "capture_s": round(llm.capture_time_s, 1),
                       "compile_and_capture_s": round(llm.compile_time_s + llm.capture_time_s, 1),
                       "total_s": round(total, 1), "piecewise_sizes": len(llm.piece_sizes),
-                      "full_graph_sizes": len(llm.full_sizes)}), flush=True)
+                      "full_graph_sizes": len(llm.full_sizes),
+                      "cuda_graphs_captured": compilation_counter.num_cudagraph_captured}), flush=True)
 
 
 def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> list[dict[str, Any]]:

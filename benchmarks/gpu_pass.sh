@@ -23,7 +23,7 @@ for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
     failed)   timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
-                tests/models/test_llava.py tests/ops/test_size_configs.py > "$R/failed_tests.log" 2>&1
+                ${FAILED_TESTS:-tests/models/test_llava.py tests/ops/test_size_configs.py} > "$R/failed_tests.log" 2>&1
               grep -E "^E |FAILED|passed|failed" "$R/failed_tests.log" | head -30 ;;
     tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -n ${TEST_WORKERS:-8} -m cuda --durations=30 \
                 --tb=short -rf tests > "$R/cuda_tests.log" 2>&1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two GPUs, one device call (kind nvidia-h200-x2), everything inside a deadline (default 575 s):
-#   GPU 0: guard overhead first, alone (host-bound µs), then the given GPU-0 steps;
+#   GPU 0: guard overhead first, alone (host-bound µs; SKIP_OVERHEAD=1 skips it), then the given GPU-0 steps;
 #   GPU 1: after the overhead run, the given GPU-1 steps.
 # Usage: bash benchmarks/gpu_pass_x2.sh "failed opsfull" "decode8b decode"
 set -u
@@ -11,7 +11,7 @@ export OUT=${OUT:-/tmp/out}
 if ls wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site wheels/*.whl
 fi
-CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz bash benchmarks/gpu_pass.sh overhead
+[ -n "${SKIP_OVERHEAD:-}" ] || CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz bash benchmarks/gpu_pass.sh overhead
 (
   for step in $2; do
     CUDA_VISIBLE_DEVICES=1 R=/tmp/r_gpu1 TAR=gpu1.tgz DECODE_TIMEOUT=$(($(left) - 5)) DECODE_STARTUP=${DECODE_STARTUP_1---startup} \
@@ -21,7 +21,7 @@ CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz bash benchmarks/gpu_pass.sh ov
 ) > /tmp/gpu1.out 2>&1 &
 pid=$!
 for step in $1; do
-  CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz OPS_TIMEOUT=$(($(left) - 5)) TESTS_TIMEOUT=$(($(left) - 5)) \
+  CUDA_VISIBLE_DEVICES=0 R=/tmp/r_gpu0 TAR=gpu0.tgz OPS_TIMEOUT=$(($(left) - 5)) TESTS_TIMEOUT=$(($(left) - 5)) DECODE_TIMEOUT=$(($(left) - 5)) \
     TEST_WORKERS=${TEST_WORKERS:-12} bash benchmarks/gpu_pass.sh "$step"
 done
 wait $pid
