@@ -260,25 +260,30 @@ def _with_floor(rows: list[dict[str, Any]], floor_us: float | None, name: str, b
 
 
 def profile_step(name: str, modes: list[str], batch: int, context: int, device: torch.device,
-                 dtype: torch.dtype, rows: int = 15) -> None:
-    """Print where one decode step's host time goes, per mode (torch.profiler, 5 steps)."""
+                 dtype: torch.dtype, rows: int = 15, prefill: int = 0) -> None:
+    """Print where one decode step's (``prefill``: one prompt's) time goes, per mode (torch.profiler, 5 steps):
+    host time by op, and on CUDA also device time by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
+    what = f"prefill {prefill}" if prefill else f"batch {batch}"
     for mode in modes:
         torch._dynamo.reset()
         cfg = mode_config(mode, device.type == "cuda", [batch], graphs=False)
-        h = Harness(name, cfg, batch, context, 0, device, dtype)
+        h = Harness(name, cfg, batch, context, prefill, device, dtype)
         if cfg.level:
             h.first_call()
-        h.set_decode(batch)
-        us = _time(h.step, device, 20)
+        h.set_prefill(prefill) if prefill else h.set_decode(batch)
+        us = _time(h.step, device, 5 if prefill else 20)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(5):
                 h.step()
             _sync(device)
-        print(f"== profile {name} {mode} batch {batch}: {us:.0f} us/step", flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+        print(f"== profile {name} {mode} {what}: {us:.0f} us/step", flush=True)
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+        if device.type == "cuda":
+            print(table.table(sort_by="self_device_time_total", row_limit=rows), flush=True)
         del h
 
 
@@ -362,9 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", action="store_true",
-                   help="only print a torch.profiler table of one decode step per mode (eager, level 1, "
-                        "level 3 without graphs) at the first batch size")
+    p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
+                   help="only print torch.profiler tables of one decode step (or with `prefill`, of one --prefill "
+                        "token prompt) per mode (default eager, level 1, level 3; no CUDA graphs) at the first batch size")
     p.add_argument("--startup", nargs="?", const="cold,warm", default=None,
                    help="also measure level-3 start-up with every default capture size: cold (empty Inductor and "
                         "Triton caches) and/or warm (default: both)")
@@ -380,8 +385,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.profile:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         name = "tiny-llama" if a.quick else a.models.split(",")[0]
-        profile_step(name, ["eager", "level 1", "level 3"], int(a.batches.split(",")[0]), a.context, device,
-                     torch.bfloat16 if device.type == "cuda" else torch.float32)
+        profile_step(name, a.modes.split(",") if a.modes != ",".join(MODES) else ["eager", "level 1", "level 3"],
+                     int(a.batches.split(",")[0]), a.context, device,
+                     torch.bfloat16 if device.type == "cuda" else torch.float32,
+                     prefill=(64 if a.quick else a.prefill) if a.profile == "prefill" else 0)
         return
     if a.quick:
         device, dtype = torch.device("cpu"), torch.float32

@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|ops|opsfull|sweepsmall|overhead|profile|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -35,6 +35,8 @@ for step in $steps; do
                 tail -3 "$R/sweep_small.log" ;;
     profile)  timeout 200 python3 -m benchmarks.decode --profile --models llama-3.2-1b --batches 1 \
                 > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
+    profileprefill) timeout 300 python3 -m benchmarks.decode --profile prefill --models llama-3.2-1b --batches 1 \
+                > "$R/profile_prefill_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_prefill_llama-3.2-1b.log" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
     decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} --generate \
