@@ -263,6 +263,9 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
                  dtype: torch.dtype, rows: int = 15, prefill: int = 0) -> None:
     """Print where one decode step's (``prefill``: one prompt's) time goes, per mode (torch.profiler, 5 steps):
     host time by op, and on CUDA also device time by kernel."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     what = f"prefill {prefill}" if prefill else f"batch {batch}"
@@ -279,7 +282,23 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
             for _ in range(5):
                 h.step()
             _sync(device)
-        print(f"== profile {name} {mode} {what}: {us:.0f} us/step", flush=True)
+        # Host time to enqueue one step (no sync inside it): above the step's time, the step is host-bound.
+        enqueue = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            h.step()
+            enqueue.append((time.perf_counter() - t0) * 1e6)
+        _sync(device)
+        print(f"== profile {name} {mode} {what}: {us:.0f} us/step, host enqueue {sorted(enqueue)[2]:.0f} us",
+              flush=True)
+        stats = cProfile.Profile()
+        stats.enable()
+        for _ in range(5):
+            h.step()
+        _sync(device)
+        stats.disable()
+        pstats.Stats(stats).sort_stats("tottime").print_stats(rows)
         table = prof.key_averages()
         print(table.table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
         if device.type == "cuda":
