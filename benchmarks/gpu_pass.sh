@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -39,6 +39,12 @@ for step in $steps; do
                 > "$R/profile_prefill_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_prefill_llama-3.2-1b.log" ;;
     prefill1b) timeout 300 python3 -m benchmarks.decode --models llama-3.2-1b --batches 1 --iters 20 \
                 --modes "level 3,reduce-overhead,level 1,eager" --out "$R/prefill1b" 2>&1 | tee "$R/prefill1b.log" | grep -E "^\{|Error" ;;
+    clean)    # level 3 against reduce-overhead alone on the machine (no concurrent compiles: they slow the
+              # host side of reduce-overhead's replays); no prefill
+              for m in llama-3-8b llama-3.2-1b; do
+                timeout ${CLEAN_TIMEOUT:-220} python3 -m benchmarks.decode --models $m --prefill 0 --iters 30 \
+                  --modes "level 3,reduce-overhead" --out "$R/clean_$m" 2>&1 | tee "$R/clean_$m.log" | grep -E "^\{|Error"
+              done ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
     decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} --generate \
