@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
                 out_dir=a.out, title="Level-3 start-up of models.LLM with every default capture size",
                 notes=["fresh process each; cold: empty Inductor and Triton caches; warm: the same caches again",
                        "max_num_tokens 512, max_num_seqs 256: piecewise and full graphs for sizes 1, 2, 4, 8, ..., 256",
-                       "load_s: built-in random weights (drawn on the CPU in fp32, then copied; no checkpoint read)"])
+                       "load_s: built-in random weights, no checkpoint read (models over 2^28 parameters draw them on the GPU)"])
 
         def save(rows: list, prefill_rows: list, startup: dict, tag: str = tag, name: str = name) -> None:
             """After every mode, so that a run cut short keeps what it measured."""
