@@ -154,10 +154,12 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
     opaque user kernels instead. ``graphs=False``: no CUDA graphs whatever the mode.
     """
     level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
-    graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise"}.get(mode, "none")
+    graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise",
+                  "level 3 +ops": "full_and_piecewise"}.get(mode, "none")
     graph_mode = graph_mode if cuda and graphs else "none"
     return CompilationConfig(level=level, backend="inductor" if level == 1 else None,
-                             custom_ops=["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor") else [],
+                             custom_ops=(["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor")
+                                         else ["all"] if mode == "level 3 +ops" else []),
                              use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
                              cudagraph_capture_sizes=sorted(set(capture_sizes)) if cuda else [1])
 
@@ -190,7 +192,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
         compile_s = h.first_call() if level > 0 else 0.0
         capture_s = 0.0
-        full = FullGraphs() if cuda and mode in ("level 3", "full-graph floor") else None
+        full = FullGraphs() if cuda and mode in ("level 3", "level 3 +ops", "full-graph floor") else None
         floor_graphs = FullGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)
@@ -373,7 +375,8 @@ def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> lis
 
 # Most important first: results are saved after every mode, so a run cut short keeps these.
 MODES = ["level 3", "reduce-overhead", "level 1", "full-graph floor", "eager"]
-# Also available: "level 3 piecewise" (attention eager between captured pieces, no whole-step graphs).
+# Also available: "level 3 piecewise" (attention eager between captured pieces, no whole-step graphs) and
+# "level 3 +ops" (level 3 with every dynamo-once Triton op on instead of Inductor's fusion of the native ops).
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -412,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         device, dtype = torch.device("cpu"), torch.float32
         names, batches, context, prefill = ["tiny-llama"], [2, 4], 32, 64
-        modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3", "level 3 piecewise")]
+        modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3", "level 3 piecewise",
+                                                        "level 3 +ops")]
         iters = 5
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16

@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -45,6 +45,11 @@ for step in $steps; do
                 timeout ${CLEAN_TIMEOUT:-220} python3 -m benchmarks.decode --models $m --prefill 0 --iters 30 \
                   --modes "level 3,reduce-overhead" --out "$R/clean_$m" 2>&1 | tee "$R/clean_$m.log" | grep -E "^\{|Error"
               done ;;
+    ops3)     # level 3 with the default ops (Inductor fuses native code) against level 3 with every Triton op on
+              timeout ${OPS3_TIMEOUT_1B:-80} python3 -m benchmarks.decode --models llama-3.2-1b --iters 30 \
+                --modes "level 3,level 3 +ops" --out "$R/ops3_1b" 2>&1 | tee "$R/ops3_1b.log" | grep -E "^\{|Error"
+              timeout ${OPS3_TIMEOUT_8B:-100} python3 -m benchmarks.decode --models llama-3-8b --iters 30 \
+                --modes "level 3,level 3 +ops" --out "$R/ops3_8b" 2>&1 | tee "$R/ops3_8b.log" | grep -E "^\{|Error" ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
     decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} --generate \
