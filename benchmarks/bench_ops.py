@@ -350,15 +350,21 @@ def sweep(device: str, out_dir: str) -> None:
 
 
 def _latency_configs(t: int, h: int) -> dict[str, list[tuple]]:
-    """Candidate launch configs per op at ``t`` tokens x ``h`` hidden: 4-32 elements per thread."""
-    def per_thread_ok(elems: int, warps: int) -> bool:
-        return 4 <= elems // (32 * warps) <= 32
+    """Candidate launch configs per op at ``t`` tokens x ``h`` hidden: 4-32 elements per thread, and for the
+    elementwise ops also the many-small-programs end (1-2 elements a thread in 64-256-wide blocks): at one
+    token, Inductor's autotuned pointwise kernels pick between 256 elements on 1 warp and 128 on 2."""
+    def per_thread_ok(elems: int, warps: int, least: int = 4) -> bool:
+        return least <= elems // (32 * warps) <= 32
 
-    act = [(b, r, w) for b in (128, 256, 512, 1024, 2048, 4096) if b <= h for r in sorted({1, 2, t}) if r <= t
-           for w in (1, 2, 4, 8) if per_thread_ok(b * r, w)]
+    def small_ok(b: int, elems: int, warps: int) -> bool:
+        return per_thread_ok(elems, warps) or (b <= 256 and per_thread_ok(elems, warps, least=1))
+
+    act = [(b, r, w) for b in (64, 128, 256, 512, 1024, 2048, 4096) if b <= h for r in sorted({1, 2, t}) if r <= t
+           for w in (1, 2, 4, 8) if small_ok(b, b * r, w)]
     rms = [(triton_next_pow2(h), 1, w) for w in (1, 2, 4, 8, 16)]
     n = t * h
-    static = [(b, w) for b in (256, 512, 1024, 2048, 4096) if b <= n for w in (1, 2, 4, 8) if per_thread_ok(b, w)]
+    static = [(b, w) for b in (64, 128, 256, 512, 1024, 2048, 4096) if b <= n for w in (1, 2, 4, 8)
+              if small_ok(b, b, w)]
     single = [(b, -(-n // b), w) for b in (1024, 2048, 4096, 8192) if b <= triton_next_pow2(n)
               for w in (1, 2, 4, 8, 16) if per_thread_ok(b, w)] if n <= 8192 else []
     return {"rms_norm": rms, "fused_add_rms_norm": rms, "silu_and_mul": act, "gelu_and_mul": act,

@@ -31,7 +31,8 @@ for step in $steps; do
     ops)      timeout 200 python3 benchmarks/bench_ops.py --targets-only --no-dynamic --out "$R" 2>&1 \
                 | grep -E "PASS|MISS" | tail -30 ;;
     opsfull)  timeout ${OPS_TIMEOUT:-560} python3 benchmarks/bench_ops.py --no-dynamic --out "$R" 2>&1 | grep -E "PASS|MISS" | tail -40 ;;
-    sweepsmall) timeout 240 python3 benchmarks/bench_ops.py --sweep-small --out "$R" > "$R/sweep_small.log" 2>&1;
+    sweepsmall) timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/bench_ops.py --sweep-small \
+                  --ops "${SWEEP_OPS:-silu_and_mul,gelu_and_mul,static_scaled_fp8_quant}" --out "$R" > "$R/sweep_small.log" 2>&1;
                 tail -3 "$R/sweep_small.log" ;;
     profile)  timeout 200 python3 -m benchmarks.decode --profile --models llama-3.2-1b --batches 1 \
                 > "$R/profile_llama-3.2-1b.log" 2>&1; grep -E "^== profile|Error" "$R/profile_llama-3.2-1b.log" ;;
