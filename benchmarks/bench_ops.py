@@ -351,8 +351,9 @@ def sweep(device: str, out_dir: str) -> None:
 
 def _latency_configs(t: int, h: int) -> dict[str, list[tuple]]:
     """Candidate launch configs per op at ``t`` tokens x ``h`` hidden: 4-32 elements per thread, and for the
-    elementwise ops also the many-small-programs end (1-2 elements a thread in 64-256-wide blocks): at one
-    token, Inductor's autotuned pointwise kernels pick between 256 elements on 1 warp and 128 on 2."""
+    elementwise ops also the many-small-programs end (1-2 elements a thread in 64-256-wide blocks): up to
+    32768 elements, Inductor's pointwise autotuning (torch 2.13 heuristics) picks between 256- and 128-wide
+    blocks on 4 warps, which the 4-element floor left out."""
     def per_thread_ok(elems: int, warps: int, least: int = 4) -> bool:
         return least <= elems // (32 * warps) <= 32
 
