@@ -175,6 +175,7 @@ class LLM:
         self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
                     self.level.name, self.compile_time_s)
+        self._check_one_dynamic_size(compiled)
         self.capture_time_s = self._setup_cuda_graphs(compiled[0].compilation_config if compiled else config)
 
     # ------------------------------------------------------------ forward
@@ -184,6 +185,18 @@ class LLM:
             self.model(self.input_ids, self.positions)
         self._sync()
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _check_one_dynamic_size(compiled: list[TorchCompileWrapperWithCustomDispatcher]) -> None:
+        """Levels 3-4: the traced step must have one dynamic size (the token count); with two, the
+        piecewise backend would run without per-size compiles and CUDA graphs, only logging a warning.
+        The runner's inputs are built for one, so a second is a bug here, not a model's choice."""
+        for wrapper in compiled:
+            backend = getattr(getattr(wrapper, "_do_backend", None), "piecewise", None)
+            if backend is not None and backend.pieces and backend.size_symbol is None:
+                raise RuntimeError(f"LLM: {backend.owner} was traced with more than one dynamic size, so its "
+                                   f"pieces get no per-size compiles or CUDA graphs; the runner expects the "
+                                   f"token count alone (see the warning logged by dispatcher.piecewise)")
 
     def _setup_cuda_graphs(self, config: CompilationConfig) -> float:
         """Levels 3-4 on CUDA: capture every capture size at start-up; returns seconds taken.

@@ -83,6 +83,20 @@ def test_level3_runner_compiles_per_size(hf_reference):
     assert all(1 in p.by_size for p in pieces)
 
 
+def test_runner_refuses_a_step_traced_with_two_dynamic_sizes():
+    """Had the runner's inputs given the traced step a second dynamic size, pieces would silently lose their
+    per-size compiles and CUDA graphs: the runner raises instead."""
+    from types import SimpleNamespace
+
+    backend = SimpleNamespace(pieces={"submod_0": object()}, size_symbol=None, owner="LlamaModel.forward")
+    wrapper = SimpleNamespace(_do_backend=SimpleNamespace(piecewise=backend))
+    with pytest.raises(RuntimeError, match="LlamaModel.forward was traced with more than one dynamic size"):
+        LLM._check_one_dynamic_size([wrapper])
+    backend.size_symbol = "s0"
+    LLM._check_one_dynamic_size([wrapper])  # one size: fine
+    LLM._check_one_dynamic_size([SimpleNamespace(_do_backend=None)])  # levels 0-2: nothing to check
+
+
 def test_sampling_is_reproducible_and_seeded():
     llm = LLM("tiny-llama", level=0, max_num_tokens=32)
     a = llm.generate(PROMPTS, 12, temperature=1.0, seed=1)
