@@ -67,7 +67,7 @@ class GenerateStats:
         return times[len(times) // 2] if times else float("nan")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity (the runner's block-table reuse)
 class _Seq:
     index: int
     tokens: list[int]
@@ -171,6 +171,7 @@ class LLM:
         # Recorded after each step's copies out of the staging tensors (CUDA: they are asynchronous).
         self._staged = torch.cuda.Event() if pin else None
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
+        self._table_seqs: list[_Seq] = []  # whose rows block_table holds, in order
         self.stats = GenerateStats()
         self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
@@ -263,14 +264,17 @@ class LLM:
 
     def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int) -> torch.Tensor:
         """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token."""
-        ids, pos, slots, starts, lens = [], [], [], [0], []
         bs = self.kv_cache.block_size
-        # Block-table rows only as wide as this step's longest block list (the kernels read no further),
-        # built as one host tensor: a max_model_len-wide row per sequence, filled one by one, took 1.2 ms
-        # of host time a step at batch 128 on the CPU machine (model stubbed); this takes ~0.4.
-        width = max(len(seq.blocks) for seq, _ in batch)
-        table: list[int] = []
-        for seq, n in batch:
+        b = len(batch)
+        # Decodes (one token each, first in the batch) as whole-list comprehensions: per-sequence Python
+        # statements cost ~1.5 us each at batch 128 on the CPU machine.
+        decodes = [seq for seq, _ in batch[:num_decodes]]
+        pos = [seq.num_computed for seq in decodes]
+        ids = [seq.tokens[p] for seq, p in zip(decodes, pos)]
+        slots = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decodes, pos)]
+        lens = [p + 1 for p in pos]
+        starts = list(range(num_decodes + 1))
+        for seq, n in batch[num_decodes:]:  # prompt chunks
             first = seq.num_computed
             ids += seq.tokens[first:first + n]
             new_pos = range(first, first + n)
@@ -278,21 +282,29 @@ class LLM:
             slots += [seq.blocks[p // bs] * bs + p % bs for p in new_pos]
             starts.append(starts[-1] + n)
             lens.append(first + n)
-            table += seq.blocks
-            table += [0] * (width - len(seq.blocks))
-        t, b = starts[-1], len(batch)
-        rows = torch.tensor(table, dtype=torch.int32).view(b, width)
+        t = starts[-1]
+        # A sequence's blocks are allocated whole at admission and never change, so the device block
+        # table still holds this step's rows when the step has the last table's sequences in the same
+        # order (most decode steps): then nothing is built or copied. Rows are as wide as the longest
+        # block list (the kernels read no further).
+        seqs = [seq for seq, _ in batch]
+        rows = None
+        if seqs != self._table_seqs:  # _Seq compares by identity
+            width = max(len(seq.blocks) for seq in seqs)
+            pad = [0] * width
+            rows = torch.tensor([seq.blocks + pad[len(seq.blocks):] for seq in seqs], dtype=torch.int32)
+            self._table_seqs = seqs
         if self._staged is not None:  # the last step's copies may still be reading the staging tensors
             self._staged.synchronize()
         # Prompts with images in this step (always prefilled whole), for embed_multimodal.
-        images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch)
+        images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch[num_decodes:], num_decodes)
                   if seq.images is not None and seq.num_computed == 0]
         self._tok_host[:, :t] = torch.tensor([ids, pos, slots])
-        self._seq_host[0, :b + 1] = torch.tensor(starts, dtype=torch.int32)
-        self._seq_host[1, :b] = torch.tensor(lens, dtype=torch.int32)
+        self._seq_host[:, :b + 1] = torch.tensor([starts, lens + [0]], dtype=torch.int32)
         self._tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
         self._seq[:, :b + 1].copy_(self._seq_host[:, :b + 1], non_blocking=True)
-        self.block_table[:b, :width].copy_(rows, non_blocking=True)
+        if rows is not None:
+            self.block_table[:b, :rows.shape[1]].copy_(rows, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
         md = AttentionMetadata(
@@ -321,8 +333,10 @@ class LLM:
                 hidden = self.model(self.input_ids[:t], self.positions[:t], embeds)
             else:
                 hidden = self.model(self.input_ids[:t], self.positions[:t])  # [T, hidden]
-            last = torch.tensor(starts[1:], device=self.device) - 1
-            return self.model.compute_logits(hidden[last]).float()  # [B, vocab]
+            # Each sequence's last token: the first b rows when every sequence has one (no gather), else
+            # at query_start_loc[1:] - 1, already on the device.
+            last = hidden[:b] if starts[-1] == b else hidden[self.query_start_loc[1:b + 1] - 1]
+            return self.model.compute_logits(last).float()  # [B, vocab]
 
     # ------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
@@ -426,6 +440,7 @@ class LLM:
                     seq.blocks = []
             running = [s for s in running + admitted if s.blocks]
         stats.total_s = time.perf_counter() - t_start
+        self._table_seqs = []  # the block table's rows are stale once their sequences are gone
         return [s.tokens[s.prompt_len:] for s in seqs]
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> _Seq:

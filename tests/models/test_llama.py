@@ -59,6 +59,23 @@ def test_mixed_batches_match_each_sequence_alone(hf_reference):
         torch.testing.assert_close(logits_together[i], prefill_logits(llm, [p])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_sequences_joining_and_leaving_the_batch(hf_reference):
+    """Two sequences at a time, four prompts, an end-of-sequence token that stops them at different
+    steps: as one leaves, the next takes its place. (The runner reuses the device block table only while
+    a step has the last table's sequences, in order.)"""
+    path, _, ref_tokens = hf_reference
+    eos = ref_tokens[0][3]
+
+    def until_eos(tokens):
+        return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+    expected = [until_eos(t) for t in ref_tokens]
+    assert len({len(t) for t in expected}) > 1  # they do leave at different steps
+    llm = LLM(path, level=0, max_num_tokens=32, max_num_seqs=2)
+    assert llm.generate(PROMPTS, max_new_tokens=16, eos_token_id=eos) == expected
+    assert llm.generate(PROMPTS[::-1], max_new_tokens=16, eos_token_id=eos) == expected[::-1]
+
+
 def test_level2_runs_captured_code_for_every_step(hf_reference):
     path = hf_reference[0]
     with compilation_counter.expect(num_graphs_seen=1, num_codes_captured=1, num_recompiles=0):
