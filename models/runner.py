@@ -168,6 +168,9 @@ class LLM:
         self.query_start_loc, self.seq_lens = self._seq[0], self._seq[1, :max_num_seqs]
         self._tok_host = torch.zeros(3, max_num_tokens, dtype=i64, pin_memory=pin)
         self._seq_host = torch.zeros(2, max_num_seqs + 1, dtype=i32, pin_memory=pin)
+        # NumPy views of the staging tensors: a list assigned into one is ~7x faster than torch.tensor
+        # of it (6.7 against 50 us for three rows of 128 ints on the CPU machine).
+        self._tok_np, self._seq_np = self._tok_host.numpy(), self._seq_host.numpy()
         # Recorded after each step's copies out of the staging tensors (CUDA: they are asynchronous).
         self._staged = torch.cuda.Event() if pin else None
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
@@ -299,8 +302,9 @@ class LLM:
         # Prompts with images in this step (always prefilled whole), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch[num_decodes:], num_decodes)
                   if seq.images is not None and seq.num_computed == 0]
-        self._tok_host[:, :t] = torch.tensor([ids, pos, slots])
-        self._seq_host[:, :b + 1] = torch.tensor([starts, lens + [0]], dtype=torch.int32)
+        self._tok_np[:, :t] = (ids, pos, slots)
+        self._seq_np[0, :b + 1] = starts
+        self._seq_np[1, :b] = lens
         self._tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
         self._seq[:, :b + 1].copy_(self._seq_host[:, :b + 1], non_blocking=True)
         if rows is not None:
@@ -420,9 +424,13 @@ class LLM:
             logits = self._execute(batch, num_decodes)
             # Sample only for the sequences whose known tokens are now all computed (decodes, and prompts
             # whose last chunk this was): a partial chunk's logits are not a next-token distribution.
-            ready = [i for i, (seq, n) in enumerate(batch) if seq.num_computed + n == len(seq.tokens)]
-            ready_seqs = [batch[i][0] for i in ready]
-            tokens = choose(ready_seqs, logits if len(ready) == len(batch) else logits[ready]) if ready else []
+            if num_decodes == len(batch):  # decode-only: every sequence samples
+                ready_seqs = [seq for seq, _ in batch]
+                tokens = choose(ready_seqs, logits)
+            else:
+                ready = [i for i, (seq, n) in enumerate(batch) if seq.num_computed + n == len(seq.tokens)]
+                ready_seqs = [batch[i][0] for i in ready]
+                tokens = choose(ready_seqs, logits if len(ready) == len(batch) else logits[ready]) if ready else []
             dt = time.perf_counter() - t0  # choose() syncs: its tokens are host ints
             stats.num_steps += 1
             stats.step_times_s.append(dt)
@@ -432,13 +440,17 @@ class LLM:
                 stats.num_mixed_steps += 1
             for seq, n in batch:
                 seq.num_computed += n
+            stats.num_generated += len(ready_seqs)
+            finished = False
             for seq, tok in zip(ready_seqs, tokens):
-                seq.tokens.append(int(tok))
-                stats.num_generated += 1
-                if seq.num_generated >= seq.max_new_tokens or tok == eos_token_id:
+                tok = int(tok)
+                seq.tokens.append(tok)
+                if tok == eos_token_id or len(seq.tokens) - seq.prompt_len >= seq.max_new_tokens:
                     self.kv_cache.free(seq.blocks)
                     seq.blocks = []
-            running = [s for s in running + admitted if s.blocks]
+                    finished = True
+            if finished or admitted:
+                running = [s for s in running + admitted if s.blocks]
         stats.total_s = time.perf_counter() - t_start
         self._table_seqs = []  # the block table's rows are stale once their sequences are gone
         return [s.tokens[s.prompt_len:] for s in seqs]

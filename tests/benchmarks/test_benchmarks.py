@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import common, decode, guard_overhead
+from benchmarks import common, decode, guard_overhead, runner_host
 
 
 def read_csv(path):
@@ -66,3 +66,12 @@ def test_bench_ops_checks_ours_against_the_reference(tmp_path):
     lines = bench_ops.targets(rows, copy_gbps=1.0)
     assert sum(ln.startswith(("PASS latency", "MISS latency")) for ln in lines) == 4
     assert lines[-1] == "PASS correctness: all"
+
+
+@pytest.mark.slow
+def test_runner_host_measures_every_batch_and_writes_its_files(tmp_path):
+    rows = runner_host.run([1, 4], new_tokens=6, repeats=1, out_dir=str(tmp_path))
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["host_us_per_decode_step"] > 0 and r["runner"] == "this checkout" for r in rows)
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"runner_host.{ext}").stat().st_size > 0
