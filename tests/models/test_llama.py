@@ -76,6 +76,23 @@ def test_sequences_joining_and_leaving_the_batch(hf_reference):
     assert llm.generate(PROMPTS[::-1], max_new_tokens=16, eos_token_id=eos) == expected[::-1]
 
 
+def test_steps_padded_to_capture_sizes_give_the_same_tokens(hf_reference):
+    """On CUDA, a step is padded up to the next capture size: dummy decode sequences (one token at position 0
+    in a reserved block), or padding tokens of no sequence that write that block. Forced on the CPU
+    (the same step code, no graphs), padded steps give the tokens of unpadded ones."""
+    path, _, ref_tokens = hf_reference
+    llm = LLM(path, level=0, max_num_tokens=32, max_num_seqs=8)
+    llm.piece_sizes = [1, 2, 4, 8, 16, 32]  # what _setup_cuda_graphs sets on CUDA
+    llm.pad_block = llm.kv_cache.allocate(1)[0]
+    padded_decodes = []
+    pad_decode = llm._pad_decode
+    llm._pad_decode = lambda b, n, starts, lens: padded_decodes.append((b, n)) or pad_decode(b, n, starts, lens)
+    # Prompts of 7, 2, 13 and 1 tokens: mixed steps of 23 tokens pad to 32; decode steps of 3 sequences to 4.
+    assert llm.generate(PROMPTS, max_new_tokens=16) == ref_tokens
+    assert llm.generate(PROMPTS[:3], max_new_tokens=8) == [t[:8] for t in ref_tokens[:3]]
+    assert (3, 4) in padded_decodes
+
+
 def test_level2_runs_captured_code_for_every_step(hf_reference):
     path = hf_reference[0]
     with compilation_counter.expect(num_graphs_seen=1, num_codes_captured=1, num_recompiles=0):
