@@ -175,7 +175,7 @@ class LLM:
         # Recorded after each step's copies out of the staging tensors (CUDA: they are asynchronous).
         self._staged = torch.cuda.Event() if pin else None
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
-        self._table_seqs: list[_Seq] = []  # whose rows block_table holds, in order
+        self._table_seqs: list[_Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.stats = GenerateStats()
         self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
@@ -233,7 +233,7 @@ class LLM:
                     with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
                         self.model(self.input_ids[:n], self.positions[:n])
             if n in self.full_sizes:
-                self._full_md[n] = self._pad_decode(0, n, [0], [])
+                self._full_md[n] = self._dummy_decodes(n)
                 self.full_graphs.capture(n, lambda: self._decode_step(n))
 
         dt = capture_sizes(capture, sorted(set(self.piece_sizes) | set(self.full_sizes)),
@@ -242,20 +242,19 @@ class LLM:
                     len(self.piece_sizes), len(self.full_sizes), dt)
         return dt
 
-    def _pad_decode(self, b: int, n: int, starts: list[int], lens: list[int]) -> AttentionMetadata:
-        """Dummy decode sequences ``b..n-1`` (one token, position 0, the pad block); metadata for all ``n``."""
-        bs = self.kv_cache.block_size
-        self.input_ids[b:n] = 0
-        self.positions[b:n] = 0
-        self.slot_mapping[b:n] = self.pad_block * bs
-        self.query_start_loc[b + 1:n + 1] = torch.arange(b + 1, n + 1, dtype=torch.int32, device=self.device)
-        self.seq_lens[b:n] = 1
-        self.block_table[b:n, 0] = self.pad_block
+    def _dummy_decodes(self, n: int) -> AttentionMetadata:
+        """``n`` dummy decode sequences in the persistent buffers (one token at position 0, in the pad block)
+        and their metadata: what a whole-step graph is captured on."""
+        self.input_ids[:n] = 0
+        self.positions[:n] = 0
+        self.slot_mapping[:n] = self.pad_block * self.kv_cache.block_size
+        self.query_start_loc[:n + 1] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self.seq_lens[:n] = 1
+        self.block_table[:n, 0] = self.pad_block
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
             seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], num_decodes=n,
-            query_start_loc_cpu=starts + list(range(b + 1, n + 1)), seq_lens_cpu=lens + [1] * (n - b),
-            max_seq_len=max(lens + [1]))
+            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, max_seq_len=1)
 
     def _decode_step(self, n: int) -> torch.Tensor:
         """A decode-only step of ``n`` sequences over the persistent buffers: logits ``[n, vocab]``."""
@@ -265,6 +264,27 @@ class LLM:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _padding(self, b: int, t: int, num_decodes: int, images: bool) -> tuple[bool, int, int]:
+        """How a step of ``b`` sequences and ``t`` tokens is padded for the CUDA graphs:
+        ``(whole-step graph, dummy sequences, padding tokens)``.
+
+        A decode-only step is padded with dummy sequences (one token at position 0, in the reserved pad
+        block) up to the next whole-step graph size, else up to the next piecewise size; another step with
+        padding tokens of no sequence (their keys and values go to the pad block). Steps with images, and
+        steps above the largest size, run unpadded without graphs.
+        """
+        if not self.piece_sizes or images:
+            return False, 0, 0
+        n = _next_size(self.full_sizes, b) if num_decodes == b else None
+        if n is not None:
+            return True, n - b, 0
+        padded = _next_size(self.piece_sizes, t)
+        if padded is None:
+            return False, 0, 0
+        if num_decodes == b:
+            return False, (padded - b if padded <= self.max_num_seqs else 0), 0
+        return False, 0, padded - t
 
     def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int) -> torch.Tensor:
         """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token."""
@@ -287,66 +307,65 @@ class LLM:
             starts.append(starts[-1] + n)
             lens.append(first + n)
         t = starts[-1]
-        # A sequence's blocks are allocated whole at admission and never change, so the device block
-        # table still holds this step's rows when the step has the last table's sequences in the same
-        # order (most decode steps): then nothing is built or copied. Rows are as wide as the longest
-        # block list (the kernels read no further).
-        seqs = [seq for seq, _ in batch]
-        rows = None
-        if seqs != self._table_seqs:  # _Seq compares by identity
-            width = max(len(seq.blocks) for seq in seqs)
-            pad = [0] * width
-            rows = torch.tensor([seq.blocks + pad[len(seq.blocks):] for seq in seqs], dtype=torch.int32)
-            self._table_seqs = seqs
-        if self._staged is not None:  # the last step's copies may still be reading the staging tensors
-            self._staged.synchronize()
         # Prompts with images in this step (always prefilled whole), for embed_multimodal.
         images = [(starts[i], seq.images) for i, (seq, _) in enumerate(batch[num_decodes:], num_decodes)
                   if seq.images is not None and seq.num_computed == 0]
-        self._tok_np[:, :t] = (ids, pos, slots)
-        self._seq_np[0, :b + 1] = starts
-        self._seq_np[1, :b] = lens
+        # Padding is decided from host facts, so that it goes out with the step's own inputs.
+        full_graph, pad_seqs, pad_tokens = self._padding(b, t, num_decodes, bool(images))
+        if pad_seqs or pad_tokens:
+            k = pad_seqs + pad_tokens
+            ids += [0] * k
+            pos += [0] * k
+            slots += [self.pad_block * bs] * k
+            starts += range(b + 1, b + pad_seqs + 1)
+            lens += [1] * pad_seqs
+        num_seqs, num_tokens = b + pad_seqs, t + pad_seqs + pad_tokens
+        # A sequence's blocks are allocated whole at admission and never change, so the device block
+        # table still holds this step's rows when the step has the last table's sequences in the same
+        # order and the same dummies (most decode steps): then nothing is built or copied. Rows are as
+        # wide as the longest block list (the kernels read no further); a dummy's row is the pad block.
+        seqs: list[_Seq | None] = [seq for seq, _ in batch] + [None] * pad_seqs
+        rows = None
+        if seqs != self._table_seqs:  # _Seq compares by identity
+            width = max(len(seq.blocks) for seq, _ in batch)
+            zeros = [0] * width
+            table = [seq.blocks + zeros[len(seq.blocks):] for seq, _ in batch]
+            if pad_seqs:
+                table += [[self.pad_block] + zeros[1:]] * pad_seqs
+            rows = torch.tensor(table, dtype=torch.int32)
+            self._table_seqs = seqs
+        if self._staged is not None:  # the last step's copies may still be reading the staging tensors
+            self._staged.synchronize()
+        self._tok_np[:, :num_tokens] = (ids, pos, slots)
+        self._seq_np[0, :num_seqs + 1] = starts
+        self._seq_np[1, :num_seqs] = lens
         # Row by row: a row's first entries are contiguous at both ends, so each is one asynchronous copy
         # from pinned memory. A [rows, :n] slice is not, and copy_ would stage it through a pageable
         # temporary (a synchronous copy) and a device-side scatter.
         if self._tok_host is not self._tok:
             for r in range(3):
-                self._tok[r, :t].copy_(self._tok_host[r, :t], non_blocking=True)
+                self._tok[r, :num_tokens].copy_(self._tok_host[r, :num_tokens], non_blocking=True)
             for r in range(2):
-                self._seq[r, :b + 1].copy_(self._seq_host[r, :b + 1], non_blocking=True)
+                self._seq[r, :num_seqs + 1].copy_(self._seq_host[r, :num_seqs + 1], non_blocking=True)
         if rows is not None:
-            self.block_table[:b, :rows.shape[1]].copy_(rows, non_blocking=True)
+            self.block_table[:num_seqs, :rows.shape[1]].copy_(rows, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
+        if full_graph:
+            return self.full_graphs.replay(num_seqs)[:b].float()
         md = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:b + 1],
-            seq_lens=self.seq_lens[:b], block_table=self.block_table[:b], num_decodes=num_decodes,
-            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
-        if self.piece_sizes and not images:
-            padded = _next_size(self.full_sizes if num_decodes == b else [], b)
-            if padded is not None:  # decode-only: one whole-step graph, padded with dummy sequences
-                self._pad_decode(b, padded, starts, lens)
-                return self.full_graphs.replay(padded)[:b].float()
-            padded = _next_size(self.piece_sizes, t)
-            if padded is not None and num_decodes == b:  # decode-only, piecewise: pad with dummy sequences
-                if padded <= self.max_num_seqs:
-                    md = self._pad_decode(b, padded, starts, lens)
-                    t = padded
-            elif padded is not None:  # padding tokens belong to no sequence; they write the pad block
-                self.input_ids[t:padded] = 0
-                self.positions[t:padded] = 0
-                self.slot_mapping[t:padded] = self.pad_block * bs
-                md = dataclasses.replace(md, slot_mapping=self.slot_mapping[:padded])
-                t = padded
+            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs], block_table=self.block_table[:num_seqs],
+            num_decodes=num_decodes + pad_seqs, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
         with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():
             if images:
                 embeds = self.model.embed_multimodal(self.input_ids[:t], images)  # [T, hidden]
                 hidden = self.model(self.input_ids[:t], self.positions[:t], embeds)
             else:
-                hidden = self.model(self.input_ids[:t], self.positions[:t])  # [T, hidden]
+                hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])  # [T, hidden]
             # Each sequence's last token: the first b rows when every sequence has one (no gather), else
             # at query_start_loc[1:] - 1, already on the device.
-            last = hidden[:b] if starts[-1] == b else hidden[self.query_start_loc[1:b + 1] - 1]
+            last = hidden[:b] if t == b else hidden[self.query_start_loc[1:b + 1] - 1]
             return self.model.compute_logits(last).float()  # [B, vocab]
 
     # ------------------------------------------------------------ generate

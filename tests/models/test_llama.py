@@ -84,13 +84,19 @@ def test_steps_padded_to_capture_sizes_give_the_same_tokens(hf_reference):
     llm = LLM(path, level=0, max_num_tokens=32, max_num_seqs=8)
     llm.piece_sizes = [1, 2, 4, 8, 16, 32]  # what _setup_cuda_graphs sets on CUDA
     llm.pad_block = llm.kv_cache.allocate(1)[0]
-    padded_decodes = []
-    pad_decode = llm._pad_decode
-    llm._pad_decode = lambda b, n, starts, lens: padded_decodes.append((b, n)) or pad_decode(b, n, starts, lens)
-    # Prompts of 7, 2, 13 and 1 tokens: mixed steps of 23 tokens pad to 32; decode steps of 3 sequences to 4.
+    plans = []
+    padding = llm._padding
+    llm._padding = lambda b, t, nd, images: plans.append(((b, t), padding(b, t, nd, images))) or plans[-1][1]
+    # Prompts of 7, 2, 13 and 1 tokens: a prefill step of 23 tokens pads to 32; decode steps of 3 sequences to 4.
     assert llm.generate(PROMPTS, max_new_tokens=16) == ref_tokens
     assert llm.generate(PROMPTS[:3], max_new_tokens=8) == [t[:8] for t in ref_tokens[:3]]
-    assert (3, 4) in padded_decodes
+    assert ((4, 23), (False, 0, 9)) in plans and ((3, 3), (False, 1, 0)) in plans
+    # With whole-step graphs (sizes up to max_num_seqs) a decode-only step pads to one of those.
+    llm.full_sizes = [1, 2, 4, 8]
+    assert padding(3, 3, 3, False) == (True, 1, 0) and padding(8, 8, 8, False) == (True, 0, 0)
+    assert padding(4, 23, 2, False) == (False, 0, 9)  # mixed: padding tokens
+    assert padding(4, 40, 2, False) == (False, 0, 0)  # above the largest size: no graph, no padding
+    assert padding(1, 7, 0, True) == (False, 0, 0)  # a prompt with images: no graph
 
 
 def test_level2_runs_captured_code_for_every_step(hf_reference):
