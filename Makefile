@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 # torch 2.13.0: a CPU wheel on the CI machines' disk; elsewhere pip fetches it.
 TORCH_SPEC ?= torch==2.13.0
+# Triton for its interpreter: the kernels' tests run on CPU tensors (a CUDA torch brings its own Triton).
+TRITON_SPEC ?= triton==3.6.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
@@ -13,6 +15,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install "$(TRITON_SPEC)"
 	$(PIP) install -e ".[test,debug,bench]"
 	touch $@
 
@@ -23,6 +26,7 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -n 2 -q tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m interpret tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

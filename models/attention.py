@@ -264,6 +264,8 @@ def _decode_merge_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (CPU tensors, tests): small, and still more than one split
+        return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -296,6 +298,9 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     q3 = q.view(num_seqs, num_heads, head_size)
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
+    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+        raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
+                         f"them in one block) or None; got {num_splits}")
     splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, q.device)
     block_d = next_power_of_2(head_size)
     block_g = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows

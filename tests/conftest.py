@@ -7,13 +7,49 @@ import torch
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+def _interpreting() -> bool:
+    """Triton's interpreter is on (it must be set before any kernel is defined) and Triton is installed."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreter_int_from_one_element() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``, which NumPy >= 2.3
+    refuses for the 1-element arrays its scalars are (a loop bound loaded from memory fails). Convert
+    through the element instead. Applied only while interpreting (a test session's own process)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_dynamo_once_fixed", False):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._dynamo_once_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if _interpreting():
+    _interpreter_int_from_one_element()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_interpret = pytest.mark.skip(reason="runs the Triton kernels on CPU tensors in Triton's interpreter: "
+                                             "TRITON_INTERPRET=1 pytest -m interpret (make test does)")
+    cuda, interpreting = torch.cuda.is_available(), _interpreting()
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not cuda:
+            item.add_marker(skip_cuda)
+        if "interpret" in item.keywords and not interpreting:
+            item.add_marker(skip_interpret)
 
 
 @pytest.fixture(autouse=True)

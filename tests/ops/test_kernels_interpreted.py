@@ -1,0 +1,140 @@
+"""The ops' Triton kernels, run on CPU tensors in Triton's interpreter, against the references.
+
+CI has no GPU: this is where it checks the kernels' indexing and masking (masked and mask-free
+``EVEN`` tiles, several rows a program, strided rows, odd widths). Speed and the CUDA-only
+details are the CUDA tests' business. ``make test`` runs these in a second pytest with
+``TRITON_INTERPRET=1`` (set before any kernel is defined); elsewhere they are skipped.
+"""
+
+import importlib
+
+import pytest
+import torch
+from ops_testing import assert_close
+
+import ops
+
+pytestmark = [pytest.mark.interpret,
+              # NumPy's exp overflows to inf inside tanh-GELU's formula for large inputs: the result is right.
+              pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
+
+rms = importlib.import_module("ops.rms_norm")
+act = importlib.import_module("ops.silu_and_mul")
+gelu = importlib.import_module("ops.gelu_and_mul")
+rope = importlib.import_module("ops.rotary_embedding")
+fp8 = importlib.import_module("ops.quant_fp8")
+
+EPS = 1e-6
+# (tokens, width): one token, a few, a width with no 16-byte vectors, a power of two that tiles exactly.
+SHAPES = [(1, 8), (7, 769), (16, 1024), (3, 5120)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,n", SHAPES)
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_and_fused_add(t, n, dtype, gemma):
+    x, r, w = randn(t, n, dtype=dtype), randn(t, n, dtype=dtype, seed=1), randn(n, dtype=dtype, seed=2)
+    out, none = rms._launch_rms_norm(x, None, w, EPS, gemma)
+    assert none is None
+    assert_close(out, rms.rms_norm_ref(x, w, EPS, gemma=gemma))
+    out, res = rms._launch_rms_norm(x, r, w, EPS, gemma)
+    ref_out, ref_res = rms.fused_add_rms_norm_ref(x, r, w, EPS, gemma=gemma)
+    assert_close(res, ref_res)
+    assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("config", [(1024, 4, 4), (2048, 1, 8), (1024, 16, 8)], ids=str)
+def test_rms_norm_configs_and_strided_rows(config):
+    """Several rows a program, with a last program of fewer rows; rows that are a slice of wider rows."""
+    wide = randn(10, 1500, dtype=torch.bfloat16)
+    x, w = wide[:, :1000], randn(1000, dtype=torch.bfloat16, seed=1)
+    out, _ = rms._launch_rms_norm(x, None, w, EPS, False, config)
+    assert_close(out, rms.rms_norm_ref(x, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,d", SHAPES)
+@pytest.mark.parametrize("kind", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul(t, d, dtype, kind):
+    x = randn(t, 2 * d, dtype=dtype, scale=3.0)
+    if kind == "silu":
+        out, ref = act._launch_silu_and_mul(x), act.silu_and_mul_ref(x)
+    else:
+        approx = "tanh" if kind == "gelu_tanh" else "none"
+        out, ref = gelu._launch_gelu_and_mul(x, approx), gelu.gelu_and_mul_ref(x, approx)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("config", [(64, 1, 2), (128, 4, 4), (256, 16, 8), (512, 2, 4)], ids=str)
+def test_act_and_mul_configs(config):
+    """Small and multi-row tiles (the sweep's candidates), over 37 rows: a partial last program."""
+    x = randn(37, 2 * 768, dtype=torch.bfloat16, scale=3.0)
+    assert_close(act._launch_silu_and_mul(x, config), act.silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (80, 32)], ids=["full", "partial"])
+def test_rotary_embedding(is_neox, head_size, rot_dim):
+    t, hq, hk = 9, 4, 2
+    cache = ops.compute_cos_sin_cache(rot_dim, 64, 10000.0)
+    pos = torch.tensor([0, 3, 1, 63, 7, 7, 20, 2, 5])
+    q = randn(t, hq * head_size, dtype=torch.bfloat16)
+    k = randn(t, hk * head_size, dtype=torch.bfloat16, seed=1)
+    q_out, k_out = rope._launch_rotary_embedding(pos, q, k, cache, head_size, is_neox)
+    q_ref, k_ref = rope.rotary_embedding_ref(pos, q, k, cache, head_size, is_neox)
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+
+
+def _interpreter_fp8(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (fp32) converted to fp8 by the interpreter itself. Its conversion is not the GPU's (it rounds
+    ties away from zero, and 126.9 becomes 64, not 128), so a kernel's fp8 output is compared with the
+    interpreter's conversion of the reference's fp32 values: what is checked is everything before it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(y_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(q_ptr + offs, tl.load(y_ptr + offs, mask=mask).to(q_ptr.dtype.element_ty), mask=mask)
+
+    y = y.float().contiguous()
+    q = torch.empty(y.shape, dtype=fp8.FP8_DTYPE)
+    convert[(triton.cdiv(y.numel(), 1024),)](y, q, y.numel(), BLOCK=1024)
+    return q
+
+
+def _fp8_equal(q, x, scale):
+    """Bit-exact against saturate(x / scale) (fp32, correctly rounded division), converted as above."""
+    y = (x.float() / scale.float()).clamp(-448.0, 448.0)
+    assert torch.equal(q.view(torch.uint8), _interpreter_fp8(y).view(torch.uint8))
+
+
+@pytest.mark.parametrize("n", [8, 4096, 5000, 70000])
+def test_static_fp8_quant(n):
+    x = randn(1, n, dtype=torch.bfloat16, scale=4.0)
+    scale = torch.tensor([0.05])
+    q = fp8._launch_static_fp8_quant(x, scale)
+    assert q.dtype == fp8.FP8_DTYPE and q.shape == x.shape
+    _fp8_equal(q, x, scale)
+
+
+@pytest.mark.parametrize("n", [8, 4096, 5000, 70000, 600000])
+def test_dynamic_fp8_quant(n):
+    """Every path: one program (small), per-block partials, and the large-input reduction."""
+    x = randn(1, n, dtype=torch.bfloat16, scale=4.0)
+    q, scale = fp8._launch_dynamic_fp8_quant(x)
+    _, ref_scale = fp8.dynamic_scaled_fp8_quant_ref(x)
+    torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0)
+    _fp8_equal(q, x, ref_scale)
+
+
+def test_dynamic_fp8_quant_of_zeros_has_a_finite_positive_scale():
+    q, scale = fp8._launch_dynamic_fp8_quant(torch.zeros(2, 64, dtype=torch.bfloat16))
+    assert torch.isfinite(scale).all() and (scale > 0).all() and (q.float() == 0).all()
