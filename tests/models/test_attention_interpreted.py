@@ -77,3 +77,24 @@ def test_cache_write_kernel_equals_index_copy(num_tokens):
     write_kv_cache(expected, k, v, slots)
     write_kv_cache_triton(cache, k, v, slots)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(level, monkeypatch):
+    """End to end: the runner's steps (mixed batches, chunked prefill after cached tokens, decodes) through
+    the CUDA path's kernels, forced onto CPU tensors, give the native path's greedy tokens."""
+    from models import LLM
+    from models.attention import Attention
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3] * 13, [42]]
+    native = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    expected = native.generate(prompts, max_new_tokens=8)
+
+    def forward_impl(self, q, k, v, md):
+        return attention_cuda(q, k, v, self.kv_cache, md, self.num_heads, self.head_size, self.scale,
+                              self.sliding_window, self.logits_soft_cap)
+
+    monkeypatch.setattr(Attention, "forward_impl", forward_impl)
+    llm = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    assert llm.generate(prompts, max_new_tokens=8) == expected
+    assert llm.stats.num_mixed_steps >= 1  # 16 tokens a step: the 13-token prompt is chunked next to decodes
