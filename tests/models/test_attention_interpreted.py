@@ -79,10 +79,12 @@ def test_cache_write_kernel_equals_index_copy(num_tokens):
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("level", [0, 3])
-def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(level, monkeypatch):
+def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(level, padded, monkeypatch):
     """End to end: the runner's steps (mixed batches, chunked prefill after cached tokens, decodes) through
-    the CUDA path's kernels, forced onto CPU tensors, give the native path's greedy tokens."""
+    the CUDA path's kernels, forced onto CPU tensors, give the native path's greedy tokens; ``padded``:
+    with the steps padded as for CUDA graphs (dummy decode sequences in the pad block, padding tokens)."""
     from models import LLM
     from models.attention import Attention
 
@@ -96,5 +98,8 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(leve
 
     monkeypatch.setattr(Attention, "forward_impl", forward_impl)
     llm = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    if padded:  # what _setup_cuda_graphs sets on CUDA
+        llm.piece_sizes, llm.pad_block = [1, 2, 4, 8, 16], llm.kv_cache.allocate(1)[0]
     assert llm.generate(prompts, max_new_tokens=8) == expected
+    assert llm.generate(prompts[:3], max_new_tokens=5) == [t[:5] for t in expected[:3]]  # 3 decodes pad to 4
     assert llm.stats.num_mixed_steps >= 1  # 16 tokens a step: the 13-token prompt is chunked next to decodes
