@@ -70,11 +70,16 @@ class Harness:
         self.logits: torch.Tensor | None = None
         self.md: AttentionMetadata | None = None
 
-    def first_call(self) -> float:
-        """The trace + compile (warm-up with no cache, as the runner does); seconds."""
+    def first_call(self, tokens: int = 2) -> float:
+        """The trace + compile (warm-up with no cache, as the runner does) on ``tokens`` tokens; seconds.
+
+        The size matters beyond the trace: Inductor autotunes a dynamic-shape kernel's launch config on
+        its first call, at that call's size, and keeps it for every size after (the runner warms up on
+        ``max_num_tokens``).
+        """
         t0 = time.perf_counter()
         with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
-            self.model(self.input_ids[:2], self.positions[:2])
+            self.model(self.input_ids[:tokens], self.positions[:tokens])
         _sync(self.device)
         return time.perf_counter() - t0
 
@@ -167,8 +172,14 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                 dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None,
                 save: Callable[[list, list, dict], None] = lambda rows, prefill_rows, startup: None,
-                ) -> tuple[list, list, dict]:
-    """Every mode at every batch size, then prefill; ``save(rows, prefill_rows, startup)`` after each mode."""
+                trace_tokens: int = 2) -> tuple[list, list, dict]:
+    """Every mode at every batch size, then prefill; ``save(rows, prefill_rows, startup)`` after each mode.
+
+    ``trace_tokens``: the size of each compiled mode's first call (see :meth:`Harness.first_call`).
+    """
+    if not 2 <= trace_tokens <= max(max(batches), prefill, 2):
+        raise ValueError(f"bench_model: trace_tokens must be in [2, max(batches, prefill)="
+                         f"{max(max(batches), prefill, 2)}]; got {trace_tokens}")
     rows: list[dict[str, Any]] = []
     prefill_rows: list[dict[str, Any]] = []
     startup: dict[str, Any] = {}
@@ -190,7 +201,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         h = Harness(name, cfg, max_b, context, prefill, device, dtype)
         if floor_us is None and copy_bw:
             floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
-        compile_s = h.first_call() if level > 0 else 0.0
+        compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
         full = FullGraphs() if cuda and mode in ("level 3", "level 3 +ops", "full-graph floor") else None
         floor_graphs = FullGraphs() if floor_with_level1 and mode == "level 1" else None
@@ -387,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--trace-tokens", type=int, default=2,
+                   help="tokens of each compiled mode's first call (Inductor autotunes dynamic-shape kernels at "
+                        "that size); the runner warms up on max_num_tokens")
     p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
@@ -440,9 +454,13 @@ def main(argv: list[str] | None = None) -> None:
             common.write_results(f"decode{tag}", rows, title="Decode step latency (decoder + LM head)",
                                  device=device, out_dir=a.out,
                                  notes=[f"context {context} cached tokens per sequence; {bw}",
-                                        "pct_of_bw_floor: weight-bandwidth floor / this step's time"])
+                                        "pct_of_bw_floor: weight-bandwidth floor / this step's time",
+                                        f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
+                                        f"dynamic-shape kernels): {a.trace_tokens} tokens"])
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
-                                 device=device, out_dir=a.out)
+                                 device=device, out_dir=a.out,
+                                 notes=[f"each compiled mode's first call: {a.trace_tokens} tokens (reduce-overhead: "
+                                        f"compiled for the prompt's length)"])
             if startup:
                 common.write_results(f"startup{tag}", [startup], device=device, out_dir=a.out,
                                      title="Start-up of level 3 for the benchmarked sizes")
@@ -452,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
                               xlabel="batch (sequences)", ylabel="µs per step")
 
         rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
-                                                  copy_bw, save)
+                                                  copy_bw, save, trace_tokens=a.trace_tokens)
         if a.generate:
             floor = next((r["us_per_step"] for r in rows if r["mode"] == "weight-bandwidth floor"), None)
             for r in bench_generate(name, batches, device, dtype):

@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -51,6 +51,11 @@ for step in $steps; do
                 --modes "level 3,level 3 +ops" --out "$R/ops3_1b" 2>&1 | tee "$R/ops3_1b.log" | grep -E "^\{|Error"
               timeout ${OPS3_TIMEOUT_8B:-100} python3 -m benchmarks.decode --models llama-3-8b --iters 30 \
                 --modes "level 3,level 3 +ops" --out "$R/ops3_8b" 2>&1 | tee "$R/ops3_8b.log" | grep -E "^\{|Error" ;;
+    tracesize) # does the first call's size (where Inductor autotunes dynamic-shape kernels) move decode or prefill?
+              for n in 2 512 2048; do
+                timeout ${TRACESIZE_TIMEOUT:-100} python3 -m benchmarks.decode --models llama-3.2-1b --iters 30 \
+                  --modes "level 3" --trace-tokens $n --out "$R/trace$n" 2>&1 | tee "$R/trace$n.log" | grep -E "^\{|Error"
+              done ;;
     overhead) timeout 180 python3 -m benchmarks.guard_overhead --device cuda --out "$R" 2>&1 \
                 | grep -E "fast|floor|stock" ;;
     decode)   timeout ${DECODE_TIMEOUT:-540} python3 -m benchmarks.decode ${DECODE_STARTUP---startup} --generate \
