@@ -73,9 +73,9 @@ class Harness:
     def first_call(self, tokens: int = 2) -> float:
         """The trace + compile (warm-up with no cache, as the runner does) on ``tokens`` tokens; seconds.
 
-        The size matters beyond the trace: Inductor autotunes a dynamic-shape kernel's launch config on
-        its first call, at that call's size, and keeps it for every size after (the runner warms up on
-        ``max_num_tokens``).
+        The size matters beyond the trace: Inductor picks a dynamic-shape kernel's launch config for this
+        size (its candidates come from the size hint the compile sees, and its autotuning runs on the
+        first launch) and keeps it for every size after. The runner warms up on ``max_num_tokens``.
         """
         t0 = time.perf_counter()
         with set_forward_context(ForwardContext(self.layers, None)), torch.inference_mode():
