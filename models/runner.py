@@ -352,7 +352,7 @@ class LLM:
         if self._staged is not None:
             self._staged.record()
         if full_graph:
-            return self.full_graphs.replay(num_seqs)[:b].float()
+            return self.full_graphs.replay(num_seqs)[:b]
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:num_seqs + 1],
             seq_lens=self.seq_lens[:num_seqs], block_table=self.block_table[:num_seqs],
@@ -366,7 +366,7 @@ class LLM:
             # Each sequence's last token: the first b rows when every sequence has one (no gather), else
             # at query_start_loc[1:] - 1, already on the device.
             last = hidden[:b] if t == b else hidden[self.query_start_loc[1:b + 1] - 1]
-            return self.model.compute_logits(last).float()  # [B, vocab]
+            return self.model.compute_logits(last)  # [B, vocab], the model's dtype
 
     # ------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
@@ -389,16 +389,16 @@ class LLM:
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
         def choose(seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
-            if temperature == 0:
+            if temperature == 0:  # in the model's dtype: converting is exact, so the argmax is the same
                 return logits.argmax(dim=-1).tolist()
-            scaled = logits / temperature
+            scaled = logits.float() / temperature
             if top_k is not None:
                 kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             probs = torch.softmax(scaled, dim=-1)
             return torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
 
-        return self.run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images)
+        return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=False)
 
     def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
             eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
@@ -408,6 +408,12 @@ class LLM:
         prompt's index, ``seq.num_generated`` the tokens so far) and their
         ``[B, vocab]`` fp32 logits, and returns the next token of each.
         """
+        return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=True)
+
+    def _run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
+             eos_token_id: int | None, images: Sequence[Any] | None, fp32_logits: bool) -> list[list[int]]:
+        """:meth:`run`; ``fp32_logits=False`` hands ``choose`` the model's dtype (a [128, 128256] bf16
+        step's conversion alone writes 65 MB)."""
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
         if images is not None and len(images) != len(prompt_token_ids):
@@ -448,6 +454,8 @@ class LLM:
                                    f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
             t0 = time.perf_counter()
             logits = self._execute(batch, num_decodes)
+            if fp32_logits:
+                logits = logits.float()
             # Sample only for the sequences whose known tokens are now all computed (decodes, and prompts
             # whose last chunk this was): a partial chunk's logits are not a next-token distribution.
             if num_decodes == len(batch):  # decode-only: every sequence samples

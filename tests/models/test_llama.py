@@ -137,6 +137,21 @@ def test_runner_refuses_a_step_traced_with_two_dynamic_sizes():
     LLM._check_one_dynamic_size([SimpleNamespace(_do_backend=None)])  # levels 0-2: nothing to check
 
 
+def test_run_hands_fp32_logits_and_greedy_generate_agrees_in_bf16():
+    """generate's greedy choice takes the argmax in the model's dtype (no fp32 copy of the logits); run's
+    chooser still gets fp32 logits; the tokens are the same."""
+    llm = LLM("tiny-llama", level=0, dtype=torch.bfloat16, max_num_tokens=32)
+    seen = []
+
+    def choose(seqs, logits):
+        seen.append(logits.dtype)
+        return logits.argmax(dim=-1).tolist()
+
+    via_run = llm.run(PROMPTS, 6, choose)
+    assert set(seen) == {torch.float32}
+    assert llm.generate(PROMPTS, max_new_tokens=6) == via_run
+
+
 def test_sampling_is_reproducible_and_seeded():
     llm = LLM("tiny-llama", level=0, max_num_tokens=32)
     a = llm.generate(PROMPTS, 12, temperature=1.0, seed=1)
