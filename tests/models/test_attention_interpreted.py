@@ -79,17 +79,19 @@ def test_cache_write_kernel_equals_index_copy(num_tokens):
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
-@pytest.mark.parametrize("level", [0, 3])
-def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(level, padded, monkeypatch):
+@pytest.mark.parametrize("model,level,padded", [("tiny-llama", 0, False), ("tiny-llama", 0, True),
+                                               ("tiny-llama", 3, False), ("tiny-llama", 3, True),
+                                               ("tiny-gemma2", 0, True)])
+def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(model, level, padded, monkeypatch):
     """End to end: the runner's steps (mixed batches, chunked prefill after cached tokens, decodes) through
     the CUDA path's kernels, forced onto CPU tensors, give the native path's greedy tokens; ``padded``:
-    with the steps padded as for CUDA graphs (dummy decode sequences in the pad block, padding tokens)."""
+    with the steps padded as for CUDA graphs (dummy decode sequences in the pad block, padding tokens).
+    tiny-gemma2: a sliding window shorter than the prompts, and attention logit soft-capping."""
     from models import LLM
     from models.attention import Attention
 
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3] * 13, [42]]
-    native = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    native = LLM(model, level=level, max_num_tokens=16, max_num_seqs=4)
     expected = native.generate(prompts, max_new_tokens=8)
 
     def forward_impl(self, q, k, v, md):
@@ -97,7 +99,7 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(leve
                               self.sliding_window, self.logits_soft_cap)
 
     monkeypatch.setattr(Attention, "forward_impl", forward_impl)
-    llm = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    llm = LLM(model, level=level, max_num_tokens=16, max_num_seqs=4)
     if padded:  # what _setup_cuda_graphs sets on CUDA
         llm.piece_sizes, llm.pad_block = [1, 2, 4, 8, 16], llm.kv_cache.allocate(1)[0]
     assert llm.generate(prompts, max_new_tokens=8) == expected
