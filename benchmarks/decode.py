@@ -322,7 +322,8 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
 def bench_generate(name: str, batches: list[int], device: torch.device, dtype: torch.dtype,
                    new_tokens: int = 64, prompt_len: int = 16) -> list[dict[str, Any]]:
     """End to end: the median decode step of ``models.LLM.generate`` at level 3 (host scheduling, input
-    copies, graph replay, greedy sampling with its host sync), one LLM for every batch size."""
+    copies, graph replay, greedy sampling with its host sync), one LLM for every batch size; without and
+    with ``async_scheduling`` (the next step launched before the last one's tokens are read)."""
     from models.runner import LLM
 
     max_b = max(batches)
@@ -332,11 +333,14 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
     for b in batches:
         prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(b)]
         llm.generate(prompts, 4)  # warm-up
-        llm.generate(prompts, new_tokens)
-        rows.append(dict(model=name, mode="LLM.generate, level 3", batch=b,
-                         us_per_step=round(llm.stats.median_decode_step_s * 1e6, 1),
-                         compile_s=round(llm.compile_time_s + llm.capture_time_s, 1)))
-        print(rows[-1], flush=True)
+        for overlap in (False, True):  # read at generate time: one LLM serves both
+            llm.async_scheduling = overlap
+            llm.generate(prompts, new_tokens)
+            rows.append(dict(model=name, mode="LLM.generate, level 3" + (", async" if overlap else ""), batch=b,
+                             us_per_step=round(llm.stats.median_decode_step_s * 1e6, 1),
+                             compile_s=round(llm.compile_time_s + llm.capture_time_s, 1)))
+            print(rows[-1], flush=True)
+        llm.async_scheduling = False
     del llm
     return rows
 

@@ -59,6 +59,8 @@ class GenerateStats:
     decode_step_times_s: list[float] = dataclasses.field(default_factory=list)
     """Steps with decode sequences only."""
     num_generated: int = 0
+    num_overlapped_steps: int = 0
+    """Decode steps launched before the last step's tokens were read (``async_scheduling``)."""
     total_s: float = 0.0
 
     @property
@@ -83,6 +85,18 @@ class _Seq:
 
 
 Chooser = Callable[[list[_Seq], torch.Tensor], list[int]]
+Sampler = Callable[[torch.Tensor], torch.Tensor]  # logits [B, vocab] -> token ids [B], on the device
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A decode-only step whose sampled tokens are on the device, on their way to a host buffer."""
+
+    seqs: list[_Seq]
+    tokens: torch.Tensor  # [B] int64, on the device: the next step's input ids
+    host: torch.Tensor  # [B] int64 (pinned on CUDA), filled by an asynchronous copy
+    copied: Any  # torch.cuda.Event recorded after that copy; None on the CPU
+    t0: float  # when the step was launched
 
 
 def _next_size(sizes: list[int], n: int) -> int | None:
@@ -110,14 +124,21 @@ class LLM:
         compilation_config: base config (default: the current one); ``level`` overrides its level.
         chunked_prefill: split prompts over steps to fill each step's token budget (False: whole
             prompts only, and a prompt longer than ``max_num_tokens`` is refused).
+        async_scheduling: in :meth:`generate`, once every prompt is admitted, launch each decode step
+            before reading the last one's tokens: its input ids come from the device, and the host's
+            bookkeeping and the next step's inputs overlap the GPU's work. A sequence that ends on its
+            end-of-sequence token has computed one step more, whose token is dropped. Greedy tokens are
+            the same as without; sampled ones are reproducible for a seed, drawn in another order.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
                  max_num_tokens: int = 512, max_num_seqs: int | None = None, num_cache_tokens: int | None = None,
                  block_size: int = 16, dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None,
-                 compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True) -> None:
+                 compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
+                 async_scheduling: bool = False) -> None:
         self.chunked_prefill = chunked_prefill
+        self.async_scheduling = async_scheduling
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
@@ -174,6 +195,10 @@ class LLM:
         self._tok_np, self._seq_np = self._tok_host.numpy(), self._seq_host.numpy()
         # Recorded after each step's copies out of the staging tensors (CUDA: they are asynchronous).
         self._staged = torch.cuda.Event() if pin else None
+        # Two host buffers for sampled tokens, alternating: one step's are read while the next's arrive.
+        self._sampled_host = [torch.zeros(max_num_seqs, dtype=i64, pin_memory=pin) for _ in range(2)]
+        self._sampled_events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self._sampled_slot = 0
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
         self._table_seqs: list[_Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.stats = GenerateStats()
@@ -286,15 +311,20 @@ class LLM:
             return False, (padded - b if padded <= self.max_num_seqs else 0), 0
         return False, 0, padded - t
 
-    def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int) -> torch.Tensor:
-        """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token."""
+    def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int,
+                 device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token.
+
+        ``device_ids``: a decode-only step's input ids, already on the device (async scheduling: the last
+        step's sampled tokens, not yet on the host).
+        """
         bs = self.kv_cache.block_size
         b = len(batch)
         # Decodes (one token each, first in the batch) as whole-list comprehensions: per-sequence Python
         # statements cost ~1.5 us each at batch 128 on the CPU machine.
         decodes = [seq for seq, _ in batch[:num_decodes]]
         pos = [seq.num_computed for seq in decodes]
-        ids = [seq.tokens[p] for seq, p in zip(decodes, pos)]
+        ids = [0] * num_decodes if device_ids is not None else [seq.tokens[p] for seq, p in zip(decodes, pos)]
         slots = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(decodes, pos)]
         lens = [p + 1 for p in pos]
         starts = list(range(num_decodes + 1))
@@ -351,6 +381,8 @@ class LLM:
             self.block_table[:num_seqs, :rows.shape[1]].copy_(rows, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
+        if device_ids is not None:  # after the staged ids (placeholders), in stream order
+            self.input_ids[:b].copy_(device_ids)
         if full_graph:
             return self.full_graphs.replay(num_seqs)[:b]
         md = AttentionMetadata(
@@ -388,17 +420,21 @@ class LLM:
             raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
         gen = torch.Generator(device=self.device).manual_seed(seed)
 
-        def choose(seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        def sample(logits: torch.Tensor) -> torch.Tensor:
             if temperature == 0:  # in the model's dtype: converting is exact, so the argmax is the same
-                return logits.argmax(dim=-1).tolist()
+                return logits.argmax(dim=-1)
             scaled = logits.float() / temperature
             if top_k is not None:
                 kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             probs = torch.softmax(scaled, dim=-1)
-            return torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
+            return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
-        return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=False)
+        def choose(seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+            return sample(logits).tolist()
+
+        return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=False,
+                         sample=sample if self.async_scheduling else None)
 
     def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
             eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
@@ -411,9 +447,11 @@ class LLM:
         return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=True)
 
     def _run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
-             eos_token_id: int | None, images: Sequence[Any] | None, fp32_logits: bool) -> list[list[int]]:
+             eos_token_id: int | None, images: Sequence[Any] | None, fp32_logits: bool,
+             sample: Sampler | None = None) -> list[list[int]]:
         """:meth:`run`; ``fp32_logits=False`` hands ``choose`` the model's dtype (a [128, 128256] bf16
-        step's conversion alone writes 65 MB)."""
+        step's conversion alone writes 65 MB). ``sample``: async scheduling (see the class), decode-only
+        steps sample with it on the device and are read one step late."""
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
         if images is not None and len(images) != len(prompt_token_ids):
@@ -424,7 +462,23 @@ class LLM:
         waiting, running = deque(seqs), []
         self.stats = stats = GenerateStats()
         t_start = time.perf_counter()
-        while waiting or running:
+        pending: _Pending | None = None
+        self._last_read = t_start
+        while waiting or running or pending:
+            if pending is not None:
+                # Launch the next decode step from the device's tokens before reading them, when it
+                # holds exactly the pending step's sequences that go on (none waits to be admitted).
+                launched = None
+                alive = [s for s in pending.seqs if s.blocks]  # not ended by the read before
+                if not waiting and len(running) == len(alive):
+                    going_on = [s for s in alive if len(s.tokens) + 1 - s.prompt_len < s.max_new_tokens]
+                    if going_on:
+                        launched = self._launch_decodes(going_on, pending, sample)
+                        stats.num_overlapped_steps += 1
+                self._read(pending, stats, eos_token_id)
+                running = [s for s in running if s.blocks]
+                pending = launched
+                continue
             # Decodes first (one token each: the last sampled one), then prompt chunks of the sequences
             # already prefilling, then newly admitted prompts, while the token budget lasts.
             batch = [(s, 1) for s in running if s.num_computed >= s.prompt_len]
@@ -454,6 +508,11 @@ class LLM:
                                    f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
             t0 = time.perf_counter()
             logits = self._execute(batch, num_decodes)
+            if sample is not None and num_decodes == len(batch):  # read one step late
+                for seq, _ in batch:
+                    seq.num_computed += 1
+                pending = self._sampled([seq for seq, _ in batch], sample(logits), t0)
+                continue
             if fp32_logits:
                 logits = logits.float()
             # Sample only for the sequences whose known tokens are now all computed (decodes, and prompts
@@ -488,6 +547,53 @@ class LLM:
         stats.total_s = time.perf_counter() - t_start
         self._table_seqs = []  # the block table's rows are stale once their sequences are gone
         return [s.tokens[s.prompt_len:] for s in seqs]
+
+    def _sampled(self, seqs: list[_Seq], tokens: torch.Tensor, t0: float) -> _Pending:
+        """Start copying a step's sampled ``tokens`` (device) to the next of the two host buffers."""
+        self._sampled_slot ^= 1
+        host = self._sampled_host[self._sampled_slot][:len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        copied = self._sampled_events[self._sampled_slot]
+        if copied is not None:
+            copied.record()
+        return _Pending(seqs, tokens, host, copied, t0)
+
+    def _launch_decodes(self, seqs: list[_Seq], pending: _Pending, sample: Sampler) -> _Pending:
+        """A decode step of ``seqs`` (those of ``pending`` that go on, in its order) whose input ids are
+        ``pending``'s sampled tokens, still on the device."""
+        t0 = time.perf_counter()
+        if len(seqs) == len(pending.seqs):
+            ids = pending.tokens
+        else:
+            keep = set(map(id, seqs))
+            rows = [i for i, s in enumerate(pending.seqs) if id(s) in keep]
+            ids = pending.tokens[torch.tensor(rows, device=pending.tokens.device)]
+        logits = self._execute([(s, 1) for s in seqs], len(seqs), device_ids=ids)
+        for seq in seqs:
+            seq.num_computed += 1
+        return self._sampled(seqs, sample(logits), t0)
+
+    def _read(self, pending: _Pending, stats: GenerateStats, eos_token_id: int | None) -> None:
+        """A pending step's tokens, on the host: append them, end the sequences they end."""
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        tokens = pending.host.tolist()
+        # Since the step's launch, or for a step launched before the last read (overlapped), since that
+        # read: the time between two steps' tokens.
+        now = time.perf_counter()
+        dt = now - max(pending.t0, self._last_read)
+        self._last_read = now
+        stats.num_steps += 1
+        stats.step_times_s.append(dt)
+        stats.decode_step_times_s.append(dt)
+        for seq, tok in zip(pending.seqs, tokens):
+            if not seq.blocks:  # ended on its end-of-sequence token the step before: one past its end
+                continue
+            seq.tokens.append(tok)
+            stats.num_generated += 1
+            if tok == eos_token_id or len(seq.tokens) - seq.prompt_len >= seq.max_new_tokens:
+                self.kv_cache.free(seq.blocks)
+                seq.blocks = []
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> _Seq:
         tokens = [int(t) for t in prompt]

@@ -43,7 +43,7 @@ def test_decode_quick_writes_every_mode_and_the_end_to_end_step(tmp_path):
     decode.main(["--quick", "--generate", "--out", str(tmp_path)])
     rows = read_csv(tmp_path / "decode_quick_tiny-llama.csv")
     modes = {r["mode"] for r in rows}
-    assert {"eager", "level 1", "level 3", "LLM.generate, level 3"} <= modes
+    assert {"eager", "level 1", "level 3", "LLM.generate, level 3", "LLM.generate, level 3, async"} <= modes
     assert {int(r["batch"]) for r in rows} == {2, 4}
     assert all(float(r["us_per_step"]) > 0 for r in rows)
     prefill = read_csv(tmp_path / "prefill_quick_tiny-llama.csv")

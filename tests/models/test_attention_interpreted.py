@@ -79,14 +79,16 @@ def test_cache_write_kernel_equals_index_copy(num_tokens):
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model,level,padded", [("tiny-llama", 0, False), ("tiny-llama", 0, True),
-                                               ("tiny-llama", 3, False), ("tiny-llama", 3, True),
-                                               ("tiny-gemma2", 0, True)])
-def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(model, level, padded, monkeypatch):
+@pytest.mark.parametrize("model,level,padded,overlap", [
+    ("tiny-llama", 0, False, False), ("tiny-llama", 0, True, False), ("tiny-llama", 3, False, False),
+    ("tiny-llama", 3, True, False), ("tiny-gemma2", 0, True, False), ("tiny-llama", 3, True, True)])
+def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(model, level, padded, overlap,
+                                                                           monkeypatch):
     """End to end: the runner's steps (mixed batches, chunked prefill after cached tokens, decodes) through
     the CUDA path's kernels, forced onto CPU tensors, give the native path's greedy tokens; ``padded``:
     with the steps padded as for CUDA graphs (dummy decode sequences in the pad block, padding tokens).
-    tiny-gemma2: a sliding window shorter than the prompts, and attention logit soft-capping."""
+    tiny-gemma2: a sliding window shorter than the prompts, and attention logit soft-capping. ``overlap``:
+    async scheduling, decode steps whose input ids come from the device."""
     from models import LLM
     from models.attention import Attention
 
@@ -99,7 +101,7 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(mode
                               self.sliding_window, self.logits_soft_cap)
 
     monkeypatch.setattr(Attention, "forward_impl", forward_impl)
-    llm = LLM(model, level=level, max_num_tokens=16, max_num_seqs=4)
+    llm = LLM(model, level=level, max_num_tokens=16, max_num_seqs=4, async_scheduling=overlap)
     if padded:  # what _setup_cuda_graphs sets on CUDA
         llm.piece_sizes, llm.pad_block = [1, 2, 4, 8, 16], llm.kv_cache.allocate(1)[0]
     assert llm.generate(prompts, max_new_tokens=8) == expected

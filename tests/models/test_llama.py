@@ -99,6 +99,31 @@ def test_steps_padded_to_capture_sizes_give_the_same_tokens(hf_reference):
     assert padding(1, 7, 0, True) == (False, 0, 0)  # a prompt with images: no graph
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_async_scheduling_gives_the_same_tokens(hf_reference, level):
+    """Decode steps launched before the last step's tokens are read (input ids from the device): the same
+    greedy tokens, with sequences ending on an end-of-sequence token (one step late: its extra token is
+    dropped) and waiting for admission (two at a time); sampling stays reproducible for a seed."""
+    path, _, ref_tokens = hf_reference
+    llm = LLM(path, level=level, max_num_tokens=32, max_num_seqs=2, async_scheduling=True)
+    assert llm.generate(PROMPTS, max_new_tokens=16) == ref_tokens
+    assert llm.stats.num_overlapped_steps > 0 and llm.stats.num_generated == 16 * len(PROMPTS)
+    eos = ref_tokens[0][3]
+    expected = [t[:t.index(eos) + 1] if eos in t else t for t in ref_tokens]
+    assert llm.generate(PROMPTS, max_new_tokens=16, eos_token_id=eos) == expected
+    assert llm.stats.num_generated == sum(map(len, expected))
+    # All four at once: decode steps overlap from the first, so a sequence's end-of-sequence token is read
+    # after its next step was launched.
+    together = LLM(path, level=level, max_num_tokens=32, max_num_seqs=4, async_scheduling=True)
+    assert together.generate(PROMPTS, max_new_tokens=16, eos_token_id=eos) == expected
+    assert together.stats.num_overlapped_steps >= 14
+    sampled = llm.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3)
+    assert sampled == llm.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3)
+    # The steps padded as for CUDA graphs (forced on the CPU): dummies next to device-sourced ids.
+    llm.piece_sizes, llm.pad_block = [1, 2, 4, 8, 16, 32], llm.kv_cache.allocate(1)[0]
+    assert llm.generate(PROMPTS[:3], max_new_tokens=16) == ref_tokens[:3]
+
+
 def test_level2_runs_captured_code_for_every_step(hf_reference):
     path = hf_reference[0]
     with compilation_counter.expect(num_graphs_seen=1, num_codes_captured=1, num_recompiles=0):
