@@ -199,6 +199,9 @@ class LLM:
         self._sampled_host = [torch.zeros(max_num_seqs, dtype=i64, pin_memory=pin) for _ in range(2)]
         self._sampled_events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self._sampled_slot = 0
+        # Which of the last step's sampled tokens a step's sequences read (async scheduling, when some stop).
+        self._rows_host = torch.zeros(max_num_seqs, dtype=i64, pin_memory=pin)
+        self._rows_np, self._rows = self._rows_host.numpy(), torch.zeros(max_num_seqs, dtype=i64, device=dev)
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
         self._table_seqs: list[_Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.stats = GenerateStats()
@@ -312,11 +315,11 @@ class LLM:
         return False, 0, padded - t
 
     def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int,
-                 device_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 device_ids: torch.Tensor | None = None, id_rows: list[int] | None = None) -> torch.Tensor:
         """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token.
 
         ``device_ids``: a decode-only step's input ids, already on the device (async scheduling: the last
-        step's sampled tokens, not yet on the host).
+        step's sampled tokens, not yet on the host); ``id_rows``: which of them, when not all.
         """
         bs = self.kv_cache.block_size
         b = len(batch)
@@ -379,10 +382,16 @@ class LLM:
                 self._seq[r, :num_seqs + 1].copy_(self._seq_host[r, :num_seqs + 1], non_blocking=True)
         if rows is not None:
             self.block_table[:num_seqs, :rows.shape[1]].copy_(rows, non_blocking=True)
+        if id_rows is not None:  # staged like the rest: an index copy from pageable memory would wait on the GPU
+            self._rows_np[:b] = id_rows
+            self._rows[:b].copy_(self._rows_host[:b], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
         if device_ids is not None:  # after the staged ids (placeholders), in stream order
-            self.input_ids[:b].copy_(device_ids)
+            if id_rows is None:
+                self.input_ids[:b].copy_(device_ids)
+            else:
+                torch.index_select(device_ids, 0, self._rows[:b], out=self.input_ids[:b])
         if full_graph:
             return self.full_graphs.replay(num_seqs)[:b]
         md = AttentionMetadata(
@@ -562,13 +571,11 @@ class LLM:
         """A decode step of ``seqs`` (those of ``pending`` that go on, in its order) whose input ids are
         ``pending``'s sampled tokens, still on the device."""
         t0 = time.perf_counter()
-        if len(seqs) == len(pending.seqs):
-            ids = pending.tokens
-        else:
+        rows = None
+        if len(seqs) != len(pending.seqs):
             keep = set(map(id, seqs))
             rows = [i for i, s in enumerate(pending.seqs) if id(s) in keep]
-            ids = pending.tokens[torch.tensor(rows, device=pending.tokens.device)]
-        logits = self._execute([(s, 1) for s in seqs], len(seqs), device_ids=ids)
+        logits = self._execute([(s, 1) for s in seqs], len(seqs), device_ids=pending.tokens, id_rows=rows)
         for seq in seqs:
             seq.num_computed += 1
         return self._sampled(seqs, sample(logits), t0)
