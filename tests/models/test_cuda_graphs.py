@@ -45,3 +45,19 @@ def test_graphs_give_the_tokens_and_logits_of_eager(mode):
 def test_level_3_without_graphs_matches_with_graphs():
     a, b = llm("full_and_piecewise"), llm("none")
     assert a.generate(PROMPTS, 8) == b.generate(PROMPTS, 8)
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_async_scheduling_with_graphs_gives_the_tokens_of_eager(mode):
+    """Decode steps launched from the device's sampled tokens (pinned double buffer, events) over the
+    captured graphs: the tokens of synchronous eager steps, also when an end-of-sequence token is read while
+    the next step is in flight, and when some sequences stop before others."""
+    ref = LLM("tiny-llama", level=0, max_num_tokens=32, max_num_seqs=8, device="cuda")
+    m = llm(mode, async_scheduling=True)
+    expected = ref.generate(PROMPTS, 12)
+    with compilation_counter.expect(num_cudagraph_captured=0, num_graphs_seen=0):
+        assert m.generate(PROMPTS, 12) == expected
+        assert m.stats.num_overlapped_steps > 0
+        eos = expected[0][3]
+        assert m.generate(PROMPTS, 12, eos_token_id=eos) == ref.generate(PROMPTS, 12, eos_token_id=eos)
+        assert m.generate(PROMPTS[:3], 6) == [t[:6] for t in expected[:3]]  # 3 decodes pad to 4
