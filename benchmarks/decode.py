@@ -11,6 +11,7 @@ each), the µs of one step (decoder + LM head), for:
   both stock modes, and the floor, see native PyTorch for every op but attention (``custom_ops=none``);
 - ``level 3 piecewise``: ours, pieces between attention ops captured per size, attention eager;
 - ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
+- ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weight-bandwidth floor``: weight bytes / measured copy bandwidth.
 
@@ -241,7 +242,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                 rows.append(dict(model=name, mode="full-graph floor", batch=b, us_per_step=round(us, 1),
                                  compile_s=round(compile_s, 1)))
                 print(rows[-1], flush=True)
-        if mode in ("level 3",) or (not cuda and mode == "level 3 piecewise"):
+        if mode == "level 3" or (not cuda and mode == "level 3 piecewise"):
             startup = dict(model=name, load_s=round(h.load_s, 1), trace_and_compile_s=round(compile_s, 1),
                            capture_s=round(capture_s, 1), sizes=len(batches))
         if prefill and mode != "full-graph floor":

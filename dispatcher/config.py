@@ -122,11 +122,10 @@ class CompilationConfig:
                 "CompilationConfig.inductor_compile_config: expected a dict; "
                 f"got {type(self.inductor_compile_config).__name__}"
             )
-        for name in ("splitting_ops",):
-            v = getattr(self, name)
-            if not isinstance(v, (list, tuple)) or not all(isinstance(t, str) and "::" in t for t in v):
-                raise ValueError(f"CompilationConfig.{name}: expected a list of 'namespace::op' names; got {v!r}")
-            setattr(self, name, list(v))
+        v = self.splitting_ops
+        if not isinstance(v, (list, tuple)) or not all(isinstance(t, str) and "::" in t for t in v):
+            raise ValueError(f"CompilationConfig.splitting_ops: expected a list of 'namespace::op' names; got {v!r}")
+        self.splitting_ops = list(v)
         for name in ("compile_sizes", "cudagraph_capture_sizes"):
             v = getattr(self, name)
             if not isinstance(v, (list, tuple)) or not all(

@@ -67,24 +67,31 @@ class CUDAGraphPool:
         self.output_ptrs: set[int] = set()
 
 
+_VIEW_MOVED = ("It is a view of a persistent buffer: pass views that start where the captured ones did "
+               "(e.g. buffer[:n]).")
+_PARAMETER_MOVED = ("A parameter was replaced after capture (e.g. `layer.weight = new`)? Copy into it instead "
+                    "(`layer.weight.data.copy_(new)`), or rebuild the model.")
+
+
 class CapturedGraph:
     def __init__(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], pool: CUDAGraphPool,
                  input_names: list[str], static_ptrs: set[int], debug: bool):
         self.name = name
-        self.debug = debug
         self.copy_idx: list[int] = []
         static_args = list(args)
-        self.static_checks: list[tuple[int, int, str]] = []  # parameters: checked in debug mode
-        self.buffer_checks: list[tuple[int, int, str]] = []  # views of persistent buffers: always checked
+        # (arg, captured address, name, why it moved): views of persistent buffers always, parameters in
+        # debug mode; a mismatch raises CUDAGraphAddressError.
+        self.address_checks: list[tuple[int, int, str, str]] = []
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
             ptr = a.data_ptr()
             name = input_names[i] if i < len(input_names) else f"arg{i}"
             if isinstance(a, torch.nn.Parameter) or ptr in static_ptrs:
-                self.static_checks.append((i, ptr, name))
+                if debug:
+                    self.address_checks.append((i, ptr, name, _PARAMETER_MOVED))
             elif a.untyped_storage().data_ptr() in _static_storages:
-                self.buffer_checks.append((i, ptr, name))
+                self.address_checks.append((i, ptr, name, _VIEW_MOVED))
             elif ptr in pool.output_ptrs:
                 pass
             else:
@@ -109,22 +116,11 @@ class CapturedGraph:
             a, s = args[i], static[i]
             if a.data_ptr() != s.data_ptr():
                 s.copy_(a)
-        for i, ptr, name in self.buffer_checks:
+        for i, ptr, name, why in self.address_checks:
             if args[i].data_ptr() != ptr:
                 raise CUDAGraphAddressError(
-                    f"{self.name}: input '{name}' is a view of a persistent buffer at {args[i].data_ptr():#x}, "
-                    f"but the CUDA graph was captured reading it at {ptr:#x}; pass views that start where "
-                    f"the captured ones did (e.g. buffer[:n])."
-                )
-        if self.debug:
-            for i, ptr, name in self.static_checks:
-                if args[i].data_ptr() != ptr:
-                    raise CUDAGraphAddressError(
-                        f"{self.name}: input '{name}' is at address {args[i].data_ptr():#x}, but the CUDA "
-                        f"graph was captured reading it at {ptr:#x}; replaying would read stale memory. "
-                        f"A parameter was replaced after capture (e.g. `layer.weight = new`)? Copy into "
-                        f"it instead (`layer.weight.data.copy_(new)`), or rebuild the model."
-                    )
+                    f"{self.name}: input '{name}' is at address {args[i].data_ptr():#x}, but the CUDA graph "
+                    f"was captured reading it at {ptr:#x}; replaying would read stale memory. {why}")
         self.graph.replay()
         return self.output
 

@@ -112,8 +112,7 @@ class InputChecker:
                 specs[name] = _ConstSpec(name, value)
         self.by_name = specs
         # One C++ call checks every tensor of a call shaped like the trace (None: check in Python).
-        positional = [n for n in list(bound)[: len(args)]] + [n for n in kwargs]
-        tensor_names = [n for n in positional if isinstance(specs.get(n), _TensorSpec)]
+        tensor_names = [n for n in [*list(bound)[: len(args)], *kwargs] if isinstance(specs.get(n), _TensorSpec)]
         self._tensor_guards = compat.tensor_guards(
             [bound[n] for n in tensor_names], [list(specs[n].dynamic) for n in tensor_names])
         names = list(bound)

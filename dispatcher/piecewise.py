@@ -32,8 +32,7 @@ def _op_name(target: Any) -> str | None:
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return schema.name
-    qual = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
-    return qual
+    return getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
 
 
 @dataclass

@@ -13,9 +13,10 @@ Implementations:
 - native (every device; the reference): ``index_copy_`` into the cache, then
   per sequence, gather its pages and run SDPA (or explicit fp32 softmax when
   the logits are soft-capped, which SDPA cannot do);
-- CUDA + Triton: the cache write is the same ``index_copy_``; the decode
-  sequences go through a split-KV ("flash-decoding") Triton kernel, the
-  prefill ones through per-sequence SDPA (flash). Decode batches of 1-256
+- CUDA + Triton: the cache write is one Triton launch (both halves, any
+  slot order); the decode sequences go through a split-KV ("flash-decoding")
+  Triton kernel, the prefill ones through per-sequence SDPA (a fused kernel;
+  a whole prompt reads this step's k, v directly). Decode batches of 1-256
   sequences are where per-step latency lives: one query row per sequence
   gives too little parallelism per sequence for a tile-per-sequence kernel at
   small batch, so the kernel splits each sequence's pages over

@@ -185,11 +185,13 @@ class LLM:
         pin = dev.type == "cuda"
         self._tok = torch.zeros(3, max_num_tokens, dtype=i64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self._tok.unbind(0)
-        self._seq = torch.zeros(2, max_num_seqs + 1, dtype=i32, device=dev)
-        self.query_start_loc, self.seq_lens = self._seq[0], self._seq[1, :max_num_seqs]
+        # Per sequence: query_start_loc, seq_lens, and (async scheduling, when some sequences stop) which of
+        # the last step's sampled tokens each reads.
+        self._seq = torch.zeros(3, max_num_seqs + 1, dtype=i32, device=dev)
+        self.query_start_loc, self.seq_lens, self._id_rows = self._seq[0], self._seq[1, :-1], self._seq[2, :-1]
         # On the CPU, the buffers are their own staging tensors: nothing to copy.
         self._tok_host = torch.zeros(3, max_num_tokens, dtype=i64, pin_memory=True) if pin else self._tok
-        self._seq_host = torch.zeros(2, max_num_seqs + 1, dtype=i32, pin_memory=True) if pin else self._seq
+        self._seq_host = torch.zeros(3, max_num_seqs + 1, dtype=i32, pin_memory=True) if pin else self._seq
         # NumPy views of the staging tensors: a list assigned into one is ~7x faster than torch.tensor
         # of it (6.7 against 50 us for three rows of 128 ints on the CPU machine).
         self._tok_np, self._seq_np = self._tok_host.numpy(), self._seq_host.numpy()
@@ -199,9 +201,6 @@ class LLM:
         self._sampled_host = [torch.zeros(max_num_seqs, dtype=i64, pin_memory=pin) for _ in range(2)]
         self._sampled_events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self._sampled_slot = 0
-        # Which of the last step's sampled tokens a step's sequences read (async scheduling, when some stop).
-        self._rows_host = torch.zeros(max_num_seqs, dtype=i64, pin_memory=pin)
-        self._rows_np, self._rows = self._rows_host.numpy(), torch.zeros(max_num_seqs, dtype=i64, device=dev)
         self.block_table = torch.zeros(max_num_seqs, self.max_blocks_per_seq, dtype=i32, device=dev)
         self._table_seqs: list[_Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.stats = GenerateStats()
@@ -271,14 +270,12 @@ class LLM:
         return dt
 
     def _dummy_decodes(self, n: int) -> AttentionMetadata:
-        """``n`` dummy decode sequences in the persistent buffers (one token at position 0, in the pad block)
-        and their metadata: what a whole-step graph is captured on."""
-        self.input_ids[:n] = 0
-        self.positions[:n] = 0
-        self.slot_mapping[:n] = self.pad_block * self.kv_cache.block_size
-        self.query_start_loc[:n + 1] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-        self.seq_lens[:n] = 1
-        self.block_table[:n, 0] = self.pad_block
+        """``n`` dummy decode sequences in the persistent buffers and their metadata: what a whole-step
+        graph is captured on."""
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        self._add_padding(ids, pos, slots, starts, lens, n, 0)
+        self._stage(ids, pos, slots, starts, lens, torch.full((n, 1), self.pad_block, dtype=torch.int32))
+        self._table_seqs = []
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
             seq_lens=self.seq_lens[:n], block_table=self.block_table[:n], num_decodes=n,
@@ -314,6 +311,43 @@ class LLM:
             return False, (padded - b if padded <= self.max_num_seqs else 0), 0
         return False, 0, padded - t
 
+    def _add_padding(self, ids: list[int], pos: list[int], slots: list[int], starts: list[int], lens: list[int],
+                     pad_seqs: int, pad_tokens: int) -> None:
+        """Append ``pad_seqs`` dummy decode sequences (one token at position 0, in the reserved pad block) or
+        ``pad_tokens`` padding tokens of no sequence (their keys and values also go to the pad block)."""
+        k = pad_seqs + pad_tokens
+        ids += [0] * k
+        pos += [0] * k
+        slots += [self.pad_block * self.kv_cache.block_size] * k
+        starts += range(starts[-1] + 1, starts[-1] + pad_seqs + 1)
+        lens += [1] * pad_seqs
+
+    def _stage(self, ids: list[int], pos: list[int], slots: list[int], starts: list[int], lens: list[int],
+               rows: torch.Tensor | None, id_rows: list[int] | None = None) -> None:
+        """Write a step's inputs into the persistent buffers through the (pinned, on CUDA) staging tensors:
+        per token ``ids, pos, slots``; per sequence ``starts`` (one more), ``lens`` and ``id_rows``; and
+        block-table ``rows`` (None: the table already holds them)."""
+        t, n = len(ids), len(lens)
+        if self._staged is not None:  # the last step's copies may still be reading the staging tensors
+            self._staged.synchronize()
+        self._tok_np[:, :t] = (ids, pos, slots)
+        self._seq_np[0, :n + 1] = starts
+        self._seq_np[1, :n] = lens
+        if id_rows is not None:
+            self._seq_np[2, :len(id_rows)] = id_rows
+        # Row by row: a row's first entries are contiguous at both ends, so each is one asynchronous copy
+        # from pinned memory. A [rows, :n] slice is not, and copy_ would stage it through a pageable
+        # temporary (a synchronous copy) and a device-side scatter.
+        if self._tok_host is not self._tok:
+            for r in range(3):
+                self._tok[r, :t].copy_(self._tok_host[r, :t], non_blocking=True)
+            for r in range(2 if id_rows is None else 3):
+                self._seq[r, :n + 1].copy_(self._seq_host[r, :n + 1], non_blocking=True)
+        if rows is not None:
+            self.block_table[:n, :rows.shape[1]].copy_(rows, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+
     def _execute(self, batch: list[tuple[_Seq, int]], num_decodes: int,
                  device_ids: torch.Tensor | None = None, id_rows: list[int] | None = None) -> torch.Tensor:
         """One forward over ``batch`` (sequence, new tokens), decodes first; logits ``[B, vocab]`` of each last token.
@@ -346,12 +380,7 @@ class LLM:
         # Padding is decided from host facts, so that it goes out with the step's own inputs.
         full_graph, pad_seqs, pad_tokens = self._padding(b, t, num_decodes, bool(images))
         if pad_seqs or pad_tokens:
-            k = pad_seqs + pad_tokens
-            ids += [0] * k
-            pos += [0] * k
-            slots += [self.pad_block * bs] * k
-            starts += range(b + 1, b + pad_seqs + 1)
-            lens += [1] * pad_seqs
+            self._add_padding(ids, pos, slots, starts, lens, pad_seqs, pad_tokens)
         num_seqs, num_tokens = b + pad_seqs, t + pad_seqs + pad_tokens
         # A sequence's blocks are allocated whole at admission and never change, so the device block
         # table still holds this step's rows when the step has the last table's sequences in the same
@@ -367,31 +396,12 @@ class LLM:
                 table += [[self.pad_block] + zeros[1:]] * pad_seqs
             rows = torch.tensor(table, dtype=torch.int32)
             self._table_seqs = seqs
-        if self._staged is not None:  # the last step's copies may still be reading the staging tensors
-            self._staged.synchronize()
-        self._tok_np[:, :num_tokens] = (ids, pos, slots)
-        self._seq_np[0, :num_seqs + 1] = starts
-        self._seq_np[1, :num_seqs] = lens
-        # Row by row: a row's first entries are contiguous at both ends, so each is one asynchronous copy
-        # from pinned memory. A [rows, :n] slice is not, and copy_ would stage it through a pageable
-        # temporary (a synchronous copy) and a device-side scatter.
-        if self._tok_host is not self._tok:
-            for r in range(3):
-                self._tok[r, :num_tokens].copy_(self._tok_host[r, :num_tokens], non_blocking=True)
-            for r in range(2):
-                self._seq[r, :num_seqs + 1].copy_(self._seq_host[r, :num_seqs + 1], non_blocking=True)
-        if rows is not None:
-            self.block_table[:num_seqs, :rows.shape[1]].copy_(rows, non_blocking=True)
-        if id_rows is not None:  # staged like the rest: an index copy from pageable memory would wait on the GPU
-            self._rows_np[:b] = id_rows
-            self._rows[:b].copy_(self._rows_host[:b], non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
+        self._stage(ids, pos, slots, starts, lens, rows, id_rows)
         if device_ids is not None:  # after the staged ids (placeholders), in stream order
             if id_rows is None:
                 self.input_ids[:b].copy_(device_ids)
             else:
-                torch.index_select(device_ids, 0, self._rows[:b], out=self.input_ids[:b])
+                torch.index_select(device_ids, 0, self._id_rows[:b], out=self.input_ids[:b])
         if full_graph:
             return self.full_graphs.replay(num_seqs)[:b]
         md = AttentionMetadata(

@@ -42,11 +42,10 @@ MIN_SCALE = float(torch.tensor(1.0 / (FP8_MAX * 512.0), dtype=torch.float32))
 _BLOCK = 4096
 # The amax kernel folds this many blocks before its one atomic: 32768 x 8192 tokens -> 16384 atomics, not 65536.
 _AMAX_BLOCKS = 4
-# Dynamic quant of at most this many elements (16 x 4096) runs as ONE single-program kernel instead of
-# memset + amax + quantize (three CUDA-graph nodes, 4.7-6.6 us on the H200 at 1 token against 1.8-2.7 us
-# for compile): one SM reads 128 KiB of bf16 twice (the second pass from its L1/L2) in ~1-2 us.
-# One program (amax + quantize, no memset): only while one SM's bandwidth suffices. Seen on the H200:
-# 1 x 4096 bf16 in 2.5 us, but 16 x 4096 took 13 us (one SM reading 128 KiB twice).
+# Dynamic quant of at most this many elements runs as ONE program (amax, scale, quantize; no memset)
+# instead of memset + amax + quantize (three CUDA-graph nodes, 4.7-6.6 us on the H200 at 1 token against
+# 1.8-2.7 us for compile), but only while one SM's bandwidth suffices. Seen on the H200: 1 x 4096 bf16
+# in 2.5 us, but 16 x 4096 took 13 us (one SM reading 128 KiB twice).
 _SINGLE_PROGRAM_MAX = 8192
 # Up to here: per-block amax into a partials buffer, then a quantization kernel whose every program
 # reduces the (<= 256) partials itself. Two launches, as Inductor's reduction + pointwise, no atomics.
@@ -185,7 +184,8 @@ def static_fp8_quant_config(n: int | None, element_size: int) -> tuple[int, int]
 
 
 def dynamic_fp8_quant_single_config(n: int, element_size: int) -> tuple[int, int, int]:
-    """``(BLOCK, NUM_BLOCKS, num_warps)`` of the single-program kernel for ``n <= 65536`` elements."""
+    """``(BLOCK, NUM_BLOCKS, num_warps)`` of the single-program kernel for ``n`` elements (the launcher uses it
+    up to ``_SINGLE_PROGRAM_MAX``; larger ``n`` loop over ``NUM_BLOCKS`` blocks)."""
     # One 16-byte vector per thread (8 bf16), up to 16 warps: a 1 x 4096 bf16 tensor is one block held in
     # registers by 16 warps. Swept on the H200 (bench_ops --sweep-small): 16 warps 1.91 us, 8 warps 2.10,
     # 4 warps (32 elements per thread) 2.46, against 1.87 for compile.
