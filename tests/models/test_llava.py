@@ -11,6 +11,8 @@ from dispatcher import compilation_counter
 from models import LLM, CheckpointError, load_model
 from models.llava import LlavaForConditionalGeneration, expand_image_tokens
 
+from models_testing import TINY_LLAMA
+
 transformers = pytest.importorskip("transformers")
 
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4)}  # measured: 5e-6 at levels 0 and 2
@@ -19,21 +21,10 @@ IMAGE = 159  # image_token_index: the last id of the vocab, as Llava 1.5's 32000
 P = 4  # image tokens per image: (28 / 14) ** 2 patches, CLS dropped  # 576
 I = [IMAGE] * P
 
-# Tiny shapes of Llava 1.5 7B (in comments). initializer_range 0.2 spreads the logits of a random
-# 2-layer model, so greedy decoding has no near-ties.
-TINY_TEXT = dict(
-    vocab_size=160,  # 32064
-    hidden_size=64,  # 4096
-    intermediate_size=128,  # 11008
-    num_hidden_layers=2,  # 32
-    num_attention_heads=4,  # 32
-    num_key_value_heads=2,  # 32
-    head_dim=16,  # 128
-    max_position_embeddings=256,  # 4096
-    rope_theta=500000.0,  # 10000
-    rms_norm_eps=1e-5,
-    initializer_range=0.2,
-)
+# Tiny shapes of Llava 1.5 7B: its text model is Llama's shape with 32064 ids (32 KV heads, 11008
+# intermediate, rope_theta 10000 in the real one); initializer_range 0.2 (TINY_LLAMA) spreads the logits
+# of a random 2-layer model, so greedy decoding has no near-ties.
+TINY_TEXT = dict(TINY_LLAMA, vocab_size=160)
 TINY_VISION = dict(
     hidden_size=32,  # 1024
     intermediate_size=64,  # 4096
