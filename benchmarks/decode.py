@@ -173,11 +173,14 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                 dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None,
                 save: Callable[[list, list, dict], None] = lambda rows, prefill_rows, startup: None,
-                trace_tokens: int = 2) -> tuple[list, list, dict]:
+                trace_tokens: int | None = None) -> tuple[list, list, dict]:
     """Every mode at every batch size, then prefill; ``save(rows, prefill_rows, startup)`` after each mode.
 
-    ``trace_tokens``: the size of each compiled mode's first call (see :meth:`Harness.first_call`).
+    ``trace_tokens``: the size of each compiled mode's first call (see :meth:`Harness.first_call`); None:
+    the largest step, ``max(batches, prefill)``, as the runner warms up on its ``max_num_tokens``.
     """
+    if trace_tokens is None:
+        trace_tokens = max(max(batches), prefill, 2)
     if not 2 <= trace_tokens <= max(max(batches), prefill, 2):
         raise ValueError(f"bench_model: trace_tokens must be in [2, max(batches, prefill)="
                          f"{max(max(batches), prefill, 2)}]; got {trace_tokens}")
@@ -403,9 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--trace-tokens", type=int, default=2,
+    p.add_argument("--trace-tokens", type=int, default=None,
                    help="tokens of each compiled mode's first call (Inductor autotunes dynamic-shape kernels at "
-                        "that size); the runner warms up on max_num_tokens")
+                        "that size; default: the largest step, max(batches, prefill), as the runner warms up on "
+                        "max_num_tokens)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
@@ -442,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         names, batches = a.models.split(","), [int(b) for b in a.batches.split(",")]
         context, prefill, modes, iters = a.context, a.prefill, a.modes.split(","), a.iters
     copy_bw = common.measure_copy_bandwidth() if device.type == "cuda" else None
+    trace_tokens = a.trace_tokens or max(max(batches), prefill, 2)
     suffix = "_quick" if a.quick else ""
     bw = f"copy bandwidth {copy_bw:.0f} GB/s" if copy_bw else "no bandwidth floor on CPU"
     for name in names:
@@ -461,10 +466,10 @@ def main(argv: list[str] | None = None) -> None:
                                  notes=[f"context {context} cached tokens per sequence; {bw}",
                                         "pct_of_bw_floor: weight-bandwidth floor / this step's time",
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
-                                        f"dynamic-shape kernels): {a.trace_tokens} tokens"])
+                                        f"dynamic-shape kernels): {trace_tokens} tokens"])
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
                                  device=device, out_dir=a.out,
-                                 notes=[f"each compiled mode's first call: {a.trace_tokens} tokens (reduce-overhead: "
+                                 notes=[f"each compiled mode's first call: {trace_tokens} tokens (reduce-overhead: "
                                         f"compiled for the prompt's length)"])
             if startup:
                 common.write_results(f"startup{tag}", [startup], device=device, out_dir=a.out,
@@ -475,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
                               xlabel="batch (sequences)", ylabel="µs per step")
 
         rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
-                                                  copy_bw, save, trace_tokens=a.trace_tokens)
+                                                  copy_bw, save, trace_tokens=trace_tokens)
         if a.generate:
             floor = next((r["us_per_step"] for r in rows if r["mode"] == "weight-bandwidth floor"), None)
             for r in bench_generate(name, batches, device, dtype):

@@ -18,8 +18,9 @@ __all__ = ["gelu_and_mul", "GeluAndMul", "gelu_and_mul_ref"]
 _APPROXIMATE = ("none", "tanh")
 
 
-def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    return launch_act_and_mul(x, GELU_TANH if approximate == "tanh" else GELU, config)
+def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, int, int] | None = None,
+                         rows_on_y: bool | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, GELU_TANH if approximate == "tanh" else GELU, config, rows_on_y)
 
 
 @triton_op("dynamo_once::gelu_and_mul", mutates_args=())

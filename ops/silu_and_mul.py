@@ -35,15 +35,23 @@ def _act_and_mul_kernel(
     ROWS: tl.constexpr,
     INT64: tl.constexpr,
     EVEN: tl.constexpr,
+    ROWS_ON_Y: tl.constexpr,
 ):
     # act(x[:, :d]) * x[:, d:] for SiLU and both GELUs (ACT): one kernel, the activation a constexpr branch.
-    # Axis 0 walks rows (up to 2**31 programs), axis 1 the column blocks of one row.
+    # One axis walks the row blocks, the other the column blocks of one row: rows on axis 0 (up to 2**31
+    # programs) unless ROWS_ON_Y (a known count of at most 65535 row blocks), which puts the column
+    # blocks of a row on axis 0, consecutive programs reading consecutive memory, as a flat grid does.
     # EVEN: the tiles cover the tensor exactly (known sizes only), so no masks.
-    pid = tl.program_id(0)
+    if ROWS_ON_Y:
+        pid = tl.program_id(1)
+        col_pid = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        col_pid = tl.program_id(1)
     if INT64:
         pid = pid.to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = col_pid * BLOCK_D + tl.arange(0, BLOCK_D)
     in_offs = rows[:, None] * x_row_stride + cols[None, :]
     out_offs = rows[:, None] * d + cols[None, :]
     if EVEN:  # a constexpr branch: only one side is compiled
@@ -107,15 +115,29 @@ def _act_input_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``act(x[..., :d]) * x[..., d:]`` with the Triton kernel; ``act`` one of SILU, GELU, GELU_TANH."""
+#: A CUDA grid's axes 1 and 2 hold at most this many programs (axis 0: 2**31 - 1).
+_MAX_GRID_Y = 65535
+
+
+def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] | None = None,
+                       rows_on_y: bool | None = None) -> torch.Tensor:
+    """``act(x[..., :d]) * x[..., d:]`` with the Triton kernel; ``act`` one of SILU, GELU, GELU_TANH.
+
+    ``rows_on_y``: which grid axis walks the row blocks (None: axis 1 when their count is known and fits it).
+    """
     d = x.shape[-1] // 2
     x2 = _act_input_2d(x)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
     block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
-    wrap_triton(_act_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
+    row_blocks, col_blocks = cdiv(n_rows, rows), cdiv(d, block_d)
+    if rows_on_y is None:
+        rows_on_y = known_rows is not None and cdiv(known_rows, rows) <= _MAX_GRID_Y
+    elif rows_on_y and (known_rows is None or cdiv(known_rows, rows) > _MAX_GRID_Y):
+        raise ValueError(f"launch_act_and_mul: rows_on_y=True needs a known count of at most {_MAX_GRID_Y} row "
+                         f"blocks; got {n_rows} rows in blocks of {rows}")
+    wrap_triton(_act_and_mul_kernel)[(col_blocks, row_blocks) if rows_on_y else (row_blocks, col_blocks)](
         x2,
         out,
         n_rows,
@@ -126,13 +148,15 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         EVEN=act_tiles_even(known_rows, d, rows, block_d),
+        ROWS_ON_Y=rows_on_y,
         num_warps=num_warps,
     )
     return out
 
 
-def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    return launch_act_and_mul(x, SILU, config)
+def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = None,
+                         rows_on_y: bool | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, SILU, config, rows_on_y)
 
 
 @triton_op("dynamo_once::silu_and_mul", mutates_args=())
