@@ -27,6 +27,7 @@ On a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import os
 import sys
@@ -199,6 +200,23 @@ def _time(fn: Callable, args: tuple, nbytes: int, device: str) -> float:
     return common.bench(common.rotating(fn, arg_sets), device, cuda_graph=True, graph_iters=GRAPH_ITERS, iters=iters)
 
 
+def _without_pdl(fn: Callable) -> Callable:
+    """``fn`` with ``DYNAMO_ONCE_PDL=0`` while it runs (the launchers read it at each call, so also while a
+    CUDA graph captures it)."""
+    def call(*args):
+        old = os.environ.get("DYNAMO_ONCE_PDL")
+        os.environ["DYNAMO_ONCE_PDL"] = "0"
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                del os.environ["DYNAMO_ONCE_PDL"]
+            else:
+                os.environ["DYNAMO_ONCE_PDL"] = old
+
+    return call
+
+
 def _time_interleaved(fns: dict[str, Callable], args: tuple, nbytes: int) -> dict[str, float]:
     """µs per call of each of ``fns`` (CUDA), their graphs replayed in turn (``common.bench_gpu_interleaved``)."""
     n_copies = common.copies_to_exceed_cache(nbytes)
@@ -263,7 +281,9 @@ def run(
                     compile_rn_exact = _check(spec, compiled_rn(*args), spec.ref(*args))
                     timed.append(("compile_rn", compiled_rn))
                 if device == "cuda" and t <= LATENCY_TOKENS:
-                    # The latency target compares ~1.3 us calls to tens of nanoseconds: time them together.
+                    # The latency target compares ~1.2 us calls to tens of nanoseconds: time them together,
+                    # with ours also without programmatic dependent launch (what it is worth).
+                    timed.append(("ours_no_pdl", _without_pdl(spec.ours)))
                     times = _time_interleaved(dict(timed), args, nbytes)
                 else:
                     times = {label: _time(fn, args, nbytes, device) for label, fn in timed}
@@ -274,18 +294,19 @@ def run(
                     "tokens": t,
                     "hidden": h,
                     "MB": round(nbytes / 1e6, 3),
-                    "ours_us": round(times["ours"], 2),
+                    "ours_us": round(times["ours"], 3),
+                    "ours_no_pdl_us": round(times["ours_no_pdl"], 3) if "ours_no_pdl" in times else "",
                     "ours_GBps": round(gbps),
                     "pct_copy": round(100 * gbps / copy_gbps, 1),
-                    "eager_us": round(times["eager"], 2),
-                    "compile_us": round(times["compile"], 2),
+                    "eager_us": round(times["eager"], 3),
+                    "compile_us": round(times["compile"], 3),
                     "compile_pct_copy": round(100 * nbytes / (times["compile"] * 1e-6) / 1e9 / copy_gbps, 1),
                     "compile_dyn_us": round(dyn_times[t], 2) if t in dyn_times else "",
                     "x_vs_eager": round(times["eager"] / times["ours"], 2),
                     "x_vs_compile": round(times["compile"] / times["ours"], 2),
                     "correct": ok,
                     "compile_exact": compile_exact,
-                    "compile_rn_us": round(times["compile_rn"], 2) if "compile_rn" in times else "",
+                    "compile_rn_us": round(times["compile_rn"], 3) if "compile_rn" in times else "",
                     "compile_rn_exact": compile_rn_exact,
                 }
                 rows.append(row)
@@ -312,8 +333,9 @@ def targets(rows: list, copy_gbps: float) -> list[str]:
             if r.get("compile_rn_us") not in ("", None):
                 exact = (f"; vs compile with correctly rounded division {r['compile_rn_us']} us "
                          f"({'PASS' if r['ours_us'] <= r['compile_rn_us'] else 'MISS'})")
+            no_pdl = f" (without PDL {r['ours_no_pdl_us']} us)" if r.get("ours_no_pdl_us") not in ("", None) else ""
             lines.append(
-                f"{verdict} latency {r['op']} {r['tokens']}x{r['hidden']}: ours {r['ours_us']} us vs compile "
+                f"{verdict} latency {r['op']} {r['tokens']}x{r['hidden']}: ours {r['ours_us']} us{no_pdl} vs compile "
                 f"{r['compile_us']} us{exact}"
             )
     bad = [f"{r['op']} {r['tokens']}x{r['hidden']}" for r in rows if not r["correct"]]
@@ -369,14 +391,13 @@ def _latency_configs(t: int, h: int) -> dict[str, list[tuple]]:
 
     Elementwise ops: 1-8 elements per thread in 128-2048-wide blocks (earlier sweeps: more per thread
     was never the fastest at these sizes; Inductor's pointwise autotuning picks 128- or 256-wide blocks,
-    1-2 elements a thread, up to 32768 elements); the activations also in both grid layouts (the 4th
-    element: ``rows_on_y``). Row kernels: one row per program, the warps swept.
+    1-2 elements a thread, up to 32768 elements). Row kernels: one row per program, the warps swept.
     """
     def per_thread_ok(elems: int, warps: int, least: int = 4) -> bool:
         return least <= elems // (32 * warps) <= 32
 
-    act = [(b, r, w, y) for b in (128, 256, 512, 1024) if b <= h for r in sorted({1, 2} & set(range(1, t + 1)))
-           for w in (1, 2, 4, 8) if 1 <= b * r // (32 * w) <= 8 for y in (False, True)]
+    act = [(b, r, w) for b in (128, 256, 512, 1024) if b <= h for r in sorted({1, 2} & set(range(1, t + 1)))
+           for w in (1, 2, 4, 8) if 1 <= b * r // (32 * w) <= 8]
     rms = [(triton_next_pow2(h), 1, w) for w in (1, 2, 4, 8, 16)]
     n = t * h
     static = [(b, w) for b in (128, 256, 512, 1024, 2048) if b <= n for w in (1, 2, 4, 8) if 1 <= b // (32 * w) <= 8]
@@ -403,26 +424,28 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
 
     def save() -> None:  # after every cell, so that a run cut short keeps what it measured
         common.write_results("bench_ops_sweep_small", rows, title="Launch configs at <= 16 tokens (bf16, CUDA-graph replay)",
-                             notes=["config: rms (BLOCK_N, ROWS, warps); act (BLOCK_D, ROWS, warps, rows_on_y), the default "
-                                    "without rows_on_y (chosen by the launcher); static fp8 (BLOCK, "
+                             notes=["config: rms (BLOCK_N, ROWS, warps); act (BLOCK_D, ROWS, warps); static fp8 (BLOCK, "
                                     "warps); dynamic fp8 single program (BLOCK, NUM_BLOCKS, warps), else the launcher's path",
                                     "vs_compile: torch.compile(ref) us / this config's us (> 1: faster than compile)",
                                     "default: the config the launcher picks for this known size",
+                                    "every config launched with programmatic dependent launch (ops._triton.pdl_launch) "
+                                    "but '<default> no PDL'",
                                     f"each cell's candidates and compile timed together: {LATENCY_GRAPH_ITERS} calls per "
                                     f"CUDA graph, the graphs replayed in turn, median of {LATENCY_ROUNDS} rounds"],
                              out_dir=out_dir)
 
     for t, h in ((t, h) for t in (1, LATENCY_TOKENS) for h in HIDDEN):
         launchers = {
-            "rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], None, a[1], EPS, False, cfg),
+            "rms_norm": (lambda cfg, a, pdl=None: rms._launch_rms_norm(a[0], None, a[1], EPS, False, cfg, pdl),
                          rms.rms_norm_config(h, 2, t)),
-            "fused_add_rms_norm": (lambda cfg, a: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg),
+            "fused_add_rms_norm": (lambda cfg, a, pdl=None: rms._launch_rms_norm(a[0], a[1], a[2], EPS, False, cfg,
+                                                                                 pdl),
                                    rms.rms_norm_config(h, 2, t)),
-            "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], *(cfg and (cfg[:3], cfg[3]) or ())),
+            "silu_and_mul": (lambda cfg, a, pdl=None: act._launch_silu_and_mul(a[0], cfg, pdl),
                              act.act_and_mul_config(h, 2, t)),
-            "gelu_and_mul": (lambda cfg, a: gelu._launch_gelu_and_mul(a[0], "tanh", *(cfg and (cfg[:3], cfg[3]) or ())),
+            "gelu_and_mul": (lambda cfg, a, pdl=None: gelu._launch_gelu_and_mul(a[0], "tanh", cfg, pdl),
                              act.act_and_mul_config(h, 2, t)),
-            "static_scaled_fp8_quant": (lambda cfg, a: fp8._launch_static_fp8_quant(a[0], a[1], cfg),
+            "static_scaled_fp8_quant": (lambda cfg, a, pdl=None: fp8._launch_static_fp8_quant(a[0], a[1], cfg, pdl),
                                         fp8.static_fp8_quant_config(t * h, 2)),
             "dynamic_scaled_fp8_quant": (lambda cfg, a: fp8._launch_dynamic_fp8_quant(a[0], cfg),
                                          fp8.dynamic_fp8_quant_single_config(t * h, 2) if t * h <= 8192 else None),
@@ -450,6 +473,10 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
                     print(f"sweep-small {name} {t}x{h} {cfg}: {type(e).__name__}: {e}", flush=True)
                     continue
                 fns[label] = lambda *a, cfg=cfg, launch=launch: launch(cfg, a)
+            if name != "dynamic_scaled_fp8_quant":  # the launcher's config without programmatic dependent launch
+                label = f"{default} no PDL"
+                correct[label] = _check(spec, launch(None, args, False), expected)
+                fns[label] = lambda *a, launch=launch: launch(None, a, False)
             # All candidates and compile in one interleaved measurement: their differences are tens of ns.
             n_copies = common.copies_to_exceed_cache(spec.nbytes(t, h, 2))
             arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
@@ -462,6 +489,63 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
                              "correct": correct[label]})
                 print(rows[-1], flush=True)
             save()
+
+
+def save(name: str, rows: list, copy_gbps: float, device: str, out_dir: str | None, header: str | None = None) -> None:
+    """The table (targets in its notes), CSV and plot of ``rows``; ``header``: the environment line of
+    rows measured elsewhere (``merge``)."""
+    notes = [
+        f"device copy bandwidth (1 GiB copy, read + write): {copy_gbps:.0f} GB/s; pct_copy = ours GB/s / that",
+        "bf16; MB = bytes the op must move at least (inputs once, outputs once)",
+        f"all columns timed under CUDA-graph replay ({GRAPH_ITERS} calls per graph), inputs rotated over >= 256 MiB"
+        if device == "cuda" else "CPU smoke run: wall clock, ours = the reference through torch.ops",
+        *([f"at <= {LATENCY_TOKENS} tokens (the latency target) the columns are timed together instead: "
+           f"{LATENCY_GRAPH_ITERS} calls per graph, one graph per column replayed in turn, median of "
+           f"{LATENCY_ROUNDS} rounds; ours_no_pdl: ours with DYNAMO_ONCE_PDL=0 (no programmatic dependent "
+           "launch; the launches are back to back, so PDL hides part of each one's latency)"]
+         if device == "cuda" else []),
+        "eager = the fp32 native reference; compile = torch.compile(reference, dynamic=False), one Inductor "
+        "compile per tokens x hidden; compile_dyn = one compile per op and hidden with the token dim dynamic",
+        f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
+        "compile_exact (fp8 ops): torch.compile's output equals the reference bit for bit (ours must: "
+        "correct); Triton's fp32 `/` is the approximate div.full.f32, ours the correctly rounded div_rn",
+        "compile_rn (fp8 ops): torch.compile with Inductor's correctly rounded division option "
+        f"({', '.join(division_rounding_option()) or 'not in this torch'}), the bit-exact comparator",
+        *targets(rows, copy_gbps),
+    ]
+    # Saved after every op, so a run cut short still leaves its results.
+    common.write_results(name, rows, title="dynamo-once custom ops (bf16)", notes=notes, device=device,
+                         out_dir=out_dir, header=header)
+    common.plot_panels(name, rows, x="tokens", y="pct_copy", series="op", panel="hidden",
+                       title=f"ours: % of copy bandwidth ({copy_gbps:.0f} GB/s), bf16, {header or common.env_header(device)}",
+                       ylabel="% of copy bandwidth", logx=True, hlines={"85%": 85.0}, out_dir=out_dir)
+
+def merge(dirs: list[str], out_dir: str | None) -> None:
+    """One ``bench_ops`` table from the ``bench_ops.csv`` of each of ``dirs`` (parts of one CUDA run)."""
+    rows, headers = [], []
+    for d in dirs:
+        with open(os.path.join(d, "bench_ops.csv")) as f:
+            headers.append(f.readline().lstrip("# ").strip())
+            for r in csv.DictReader(f):
+                rows.append({k: _parse_cell(v) for k, v in r.items()})
+    order = {s.name: i for i, s in enumerate(SPECS)}
+    rows.sort(key=lambda r: (r["op"] not in BANDWIDTH_TARGET_OPS, order[r["op"]], r["hidden"], r["tokens"]))
+    # Each part measured the copy bandwidth; pct_copy is against its own: recover it per row, report the mean.
+    copies = [r["ours_GBps"] / (r["pct_copy"] / 100) for r in rows if r["pct_copy"]]
+    header = headers[0] + f" ({len(dirs)} parts on one machine, merged)"
+    save("bench_ops", rows, sum(copies) / len(copies), "cuda", out_dir, header=header)
+
+
+def _parse_cell(v: str):
+    if v in ("True", "False"):
+        return v == "True"
+    try:
+        return int(v)
+    except ValueError:
+        try:
+            return float(v)
+        except ValueError:
+            return v
 
 
 def triton_next_pow2(n: int) -> int:
@@ -479,7 +563,13 @@ def main() -> None:
     p.add_argument("--sweep-small", action="store_true",
                    help="only time the latency configs at 1 and 16 tokens x every hidden size (CUDA, ~3 min): bench_ops_sweep_small.md")
     p.add_argument("--ops", default=",".join(s.name for s in SPECS))
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="only merge the bench_ops.csv of parts run at the same time (e.g. --ops subsets on two "
+                        "GPUs of one machine) into one table and plot in --out")
     args = p.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     quick = args.quick or device == "cpu"
     if quick:
@@ -504,32 +594,8 @@ def main() -> None:
         sweep_small(device, args.out, [n.strip() for n in args.ops.split(",") if n.strip()])
         return
 
-    def save(rows: list, copy_gbps: float) -> None:
-        notes = [
-            f"device copy bandwidth (1 GiB copy, read + write): {copy_gbps:.0f} GB/s; pct_copy = ours GB/s / that",
-            "bf16; MB = bytes the op must move at least (inputs once, outputs once)",
-            f"all columns timed under CUDA-graph replay ({GRAPH_ITERS} calls per graph), inputs rotated over >= 256 MiB"
-            if device == "cuda" else "CPU smoke run: wall clock, ours = the reference through torch.ops",
-            *([f"at <= {LATENCY_TOKENS} tokens (the latency target) the columns are timed together instead: "
-               f"{LATENCY_GRAPH_ITERS} calls per graph, one graph per column replayed in turn, median of "
-               f"{LATENCY_ROUNDS} rounds"] if device == "cuda" else []),
-            "eager = the fp32 native reference; compile = torch.compile(reference, dynamic=False), one Inductor "
-            "compile per tokens x hidden; compile_dyn = one compile per op and hidden with the token dim dynamic",
-            f"rotary_embedding: hidden = n_q_heads x {HEAD_SIZE}, n_kv_heads = n_q_heads / 4, NeoX",
-            "compile_exact (fp8 ops): torch.compile's output equals the reference bit for bit (ours must: "
-            "correct); Triton's fp32 `/` is the approximate div.full.f32, ours the correctly rounded div_rn",
-            "compile_rn (fp8 ops): torch.compile with Inductor's correctly rounded division option "
-            f"({', '.join(division_rounding_option()) or 'not in this torch'}), the bit-exact comparator",
-            *targets(rows, copy_gbps),
-        ]
-        # Saved after every op, so a run cut short still leaves its results.
-        common.write_results(name, rows, title="dynamo-once custom ops (bf16)", notes=notes, device=device,
-                             out_dir=args.out)
-        common.plot_panels(name, rows, x="tokens", y="pct_copy", series="op", panel="hidden",
-                           title=f"ours: % of copy bandwidth ({copy_gbps:.0f} GB/s), bf16, {common.env_header(device)}",
-                           ylabel="% of copy bandwidth", logx=True, hlines={"85%": 85.0}, out_dir=args.out)
-
-    run(tokens, hidden, names, device, torch.bfloat16, save, dynamic_column=not args.no_dynamic)
+    run(tokens, hidden, names, device, torch.bfloat16,
+        lambda rows, copy_gbps: save(name, rows, copy_gbps, device, args.out), dynamic_column=not args.no_dynamic)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ __all__ = [
     "debug_dump_path",
     "use_bytecode_hook",
     "torch_compile_disabled",
+    "pdl",
 ]
 
 #: name -> one-line description; the CLI and README list these.
@@ -26,6 +27,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_USE_BYTECODE_HOOK": "1: dispatch captured bytecode (default); 0: stay in Dynamo, drop guards",
     "DYNAMO_ONCE_DEBUG": "1: check shape guards and CUDA-graph input addresses on every call",
     "DYNAMO_ONCE_DEBUG_DUMP_PATH": "directory for dumps of captured code (disassembly, source, FX graph)",
+    "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -88,3 +90,7 @@ def debug() -> bool:
 def debug_dump_path() -> str | None:
     value = _get("DYNAMO_ONCE_DEBUG_DUMP_PATH")
     return value or None
+
+
+def pdl() -> bool:
+    return _bool("DYNAMO_ONCE_PDL", True)

@@ -129,6 +129,9 @@ class LLM:
             bookkeeping and the next step's inputs overlap the GPU's work. A sequence that ends on its
             end-of-sequence token has computed one step more, whose token is dropped. Greedy tokens are
             the same as without; sampled ones are reproducible for a seed, drawn in another order.
+            None (default): on for a CUDA model, where it makes a decode step of ``generate`` 6-9%
+            faster (llama-3.2-1b on an H200, batch 1-128); off on the CPU, where the host runs the
+            model itself and there is nothing to overlap.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -136,9 +139,8 @@ class LLM:
                  block_size: int = 16, dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None,
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool | None = None) -> None:
         self.chunked_prefill = chunked_prefill
-        self.async_scheduling = async_scheduling
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
@@ -168,6 +170,7 @@ class LLM:
         self.level = compiled[0].compilation_level if compiled else config.level
         param = next(self.model.parameters())
         self.device = param.device
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.dtype = param.dtype
         self.vocab_size: int = self.model.config.vocab_size
         self.max_model_len: int = self.model.config.max_position_embeddings

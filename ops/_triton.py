@@ -10,6 +10,7 @@ annotation.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "known_int",
     "needs_int64",
     "SMALL_ELEMENTS",
+    "pdl_launch",
 ]
 
 #: At most this many elements (16 tokens x 8192) an op is launch-latency bound: on the H200 it moves
@@ -126,3 +128,29 @@ def use_triton(x: torch.Tensor) -> bool:
     adds no shape guard. Fake tensors report the device they stand for.
     """
     return HAS_TRITON and x.device.type == "cuda"
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_launch(x: torch.Tensor, small: bool) -> bool:
+    """Whether a kernel on ``x`` launches with programmatic dependent launch (PDL).
+
+    With PDL (Hopper and newer) a kernel may be launched while the one before it on the stream still
+    runs: its programs start, then wait (``gdc_wait``, before any global memory access) for that
+    kernel's end, and each signals (``gdc_launch_dependents``) that the next may launch in turn. That
+    hides a launch's latency, the larger part of a call at <= 16 tokens (~1.2 us a CUDA-graph kernel
+    node on the H200); FlashInfer's norm and activation kernels do the same on Hopper.
+
+    Only for ``small`` (latency-bound, one wave of programs) launches: on a large grid, the next
+    kernel's early programs would hold SM slots the running one still needs. Only in eager mode (CUDA
+    graph capture included) on a real CUDA tensor: under torch.compile, Inductor launches the kernel
+    itself. ``DYNAMO_ONCE_PDL=0`` turns it off.
+    """
+    if not small or type(x) is not torch.Tensor or x.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    from dispatcher import envs
+
+    return envs.pdl() and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())

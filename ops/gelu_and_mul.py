@@ -19,8 +19,8 @@ _APPROXIMATE = ("none", "tanh")
 
 
 def _launch_gelu_and_mul(x: torch.Tensor, approximate: str, config: tuple[int, int, int] | None = None,
-                         rows_on_y: bool | None = None) -> torch.Tensor:
-    return launch_act_and_mul(x, GELU_TANH if approximate == "tanh" else GELU, config, rows_on_y)
+                         pdl: bool | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, GELU_TANH if approximate == "tanh" else GELU, config, pdl)
 
 
 @triton_op("dynamo_once::gelu_and_mul", mutates_args=())

@@ -18,7 +18,18 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
-from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
+from ._triton import (
+    SMALL_ELEMENTS,
+    cdiv,
+    known_int,
+    needs_int64,
+    next_power_of_2,
+    pdl_launch,
+    tl,
+    triton,
+    triton_op,
+    use_triton,
+)
 from .custom_op import CustomOp
 
 __all__ = [
@@ -55,10 +66,13 @@ _PARTIALS_BLOCK = 4096
 
 @triton.jit
 def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr, INT64: tl.constexpr,
-                             EVEN: tl.constexpr):
+                             EVEN: tl.constexpr, PDL: tl.constexpr):
     # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
     # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
     # EVEN: n is a known multiple of BLOCK, so no masks.
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
@@ -173,13 +187,13 @@ def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, MIN_S: tl.co
 
 def static_fp8_quant_config(n: int | None, element_size: int) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` for ``n`` elements (None: a symbolic size, which gets the large-input config)."""
-    vec = max(1, 16 // element_size)  # elements per 16-byte vector: 8 bf16, 4 fp32
     if n is not None and n <= SMALL_ELEMENTS:
-        # Launch-latency bound: 1024-element blocks on 8 warps (4 elements per thread). Swept on the H200
-        # (bench_ops --sweep-small), 4096 / 65536 bf16 elements: 1.32 / 1.48 us, against 1.46 / 1.62 for
-        # one 16-byte vector per thread on 1-2 warps and 1.31 / 1.41 for compile.
-        block = min(1024, max(32 * vec, next_power_of_2(n)))
-        return block, max(1, min(8, block // 128))
+        # Launch-latency bound: many small programs on 8 warps, 1 element a thread up to 8192 elements
+        # (one token), 2 beyond. Swept on the H200 (bench_ops --sweep-small, interleaved timing, 1 and 16
+        # tokens x hidden 2048 / 4096 / 8192): (256, 8) at 1 token 1.002x compile's time on average,
+        # (512, 8) at 16 tokens 1.000x; the former 4-element (1024, 8) 1.06x / 1.02x.
+        block = min(256 if n <= 8192 else 512, max(32, next_power_of_2(n)))
+        return block, max(1, min(8, block // 32))
     return _BLOCK, 8
 
 
@@ -195,16 +209,20 @@ def dynamic_fp8_quant_single_config(n: int, element_size: int) -> tuple[int, int
     return block, cdiv(n, block), num_warps
 
 
-def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor,
-                             config: tuple[int, int] | None = None) -> torch.Tensor:
+def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor, config: tuple[int, int] | None = None,
+                             pdl: bool | None = None) -> torch.Tensor:
+    """``config``: ``(BLOCK, num_warps)``; ``pdl``: programmatic dependent launch (default: ``pdl_launch``)."""
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     n = x.numel()
     known_n = known_int(n)
     block, num_warps = config or static_fp8_quant_config(known_n, x.element_size())
+    if pdl is None:
+        pdl = pdl_launch(x, known_n is not None and known_n <= SMALL_ELEMENTS)
     wrap_triton(_static_fp8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block),
-        EVEN=known_n is not None and known_n % block == 0, num_warps=num_warps
+        EVEN=known_n is not None and known_n % block == 0, PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return q
 

@@ -21,7 +21,18 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
-from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
+from ._triton import (
+    SMALL_ELEMENTS,
+    cdiv,
+    known_int,
+    needs_int64,
+    next_power_of_2,
+    pdl_launch,
+    tl,
+    triton,
+    triton_op,
+    use_triton,
+)
 from .custom_op import CustomOp
 
 __all__ = [
@@ -53,9 +64,13 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     INT64: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # A [ROWS, BLOCK_N] tile: several short rows per program keep enough bytes
     # in flight per SM when the hidden size is small.
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
@@ -125,7 +140,9 @@ def _launch_rms_norm(
     eps: float,
     gemma: bool,
     config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``config``: ``(BLOCK_N, ROWS, num_warps)``; ``pdl``: programmatic dependent launch (default: ``pdl_launch``)."""
     n_cols = x.shape[-1]
     weight = weight.contiguous()
     # Rows may be strided (a slice of a wider tensor); the last dim must be dense.
@@ -140,6 +157,7 @@ def _launch_rms_norm(
     known_rows = known_int(n_rows)
     block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
+    pdl = pdl_launch(x2, small) if pdl is None else pdl
     wrap_triton(_rms_norm_kernel)[(cdiv(n_rows, rows),)](
         x2,
         r2,
@@ -157,7 +175,9 @@ def _launch_rms_norm(
         ROWS=rows,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small,
+        PDL=pdl,
         num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, res_out
 

@@ -10,7 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
-from ._triton import SMALL_ELEMENTS, cdiv, known_int, needs_int64, next_power_of_2, tl, triton, triton_op, use_triton
+from ._triton import (
+    SMALL_ELEMENTS,
+    cdiv,
+    known_int,
+    needs_int64,
+    next_power_of_2,
+    pdl_launch,
+    tl,
+    triton,
+    triton_op,
+    use_triton,
+)
 from .custom_op import CustomOp
 
 __all__ = [
@@ -35,23 +46,19 @@ def _act_and_mul_kernel(
     ROWS: tl.constexpr,
     INT64: tl.constexpr,
     EVEN: tl.constexpr,
-    ROWS_ON_Y: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # act(x[:, :d]) * x[:, d:] for SiLU and both GELUs (ACT): one kernel, the activation a constexpr branch.
-    # One axis walks the row blocks, the other the column blocks of one row: rows on axis 0 (up to 2**31
-    # programs) unless ROWS_ON_Y (a known count of at most 65535 row blocks), which puts the column
-    # blocks of a row on axis 0, consecutive programs reading consecutive memory, as a flat grid does.
+    # Axis 0 walks rows (up to 2**31 programs), axis 1 the column blocks of one row.
     # EVEN: the tiles cover the tensor exactly (known sizes only), so no masks.
-    if ROWS_ON_Y:
-        pid = tl.program_id(1)
-        col_pid = tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
-        col_pid = tl.program_id(1)
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS)
-    cols = col_pid * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_offs = rows[:, None] * x_row_stride + cols[None, :]
     out_offs = rows[:, None] * d + cols[None, :]
     if EVEN:  # a constexpr branch: only one side is compiled
@@ -83,14 +90,14 @@ def act_and_mul_config(d: int, element_size: int, n_rows: int | None = None) -> 
     bandwidth config then depends on the hidden size only, adding no guard on a symbolic size.
     """
     if n_rows is not None and n_rows * d <= SMALL_ELEMENTS:
-        # Launch-latency bound (<= 16 x 8192 outputs): 512-wide column blocks on 4 warps, two rows per
-        # program from 8 tokens; shorter rows stacked to the same tile. Two sweeps on the H200 (bench_ops
-        # --sweep-small, d = 4096 bf16; differences under ~0.05 us are run-to-run noise): at 1 token
-        # (512, 1, 4) was within 0.02 us of the best for silu and gelu in both, at 16 tokens (512, 2, 4)
-        # or (512, 2, 8) led in the second; all within 0.1 us of compile (1.3-1.6 us).
-        block_d = min(next_power_of_2(d), 512)
-        rows = min((2 if n_rows >= 8 else 1) * max(1, 512 // block_d), next_power_of_2(n_rows))
-        return block_d, rows, max(1, min(4, block_d * rows // 128))
+        # Launch-latency bound (<= 16 x 8192 outputs): 512-element tiles on 8 warps, 2 elements a thread:
+        # one row of 512 columns below 8 tokens, 2 rows of 256 from 8; shorter rows stacked to the tile.
+        # Swept on the H200 (bench_ops --sweep-small, interleaved timing, hidden 2048 / 4096 / 8192):
+        # the best mean over the hidden sizes at 1 token ((512, 1, 8): 1.005x compile's time) and at 16
+        # ((256, 2, 8): 1.001x), the spread between the ten best configs ~0.02 us of ~1.2 us.
+        block_d = min(next_power_of_2(d), 256 if n_rows >= 8 else 512)
+        rows = min(max(1, 512 // block_d), next_power_of_2(n_rows))
+        return block_d, rows, max(1, min(8, block_d * rows // 64))
     # Measured on H200, 4096 x 4096 bf16: one 4096-wide row per program with 16 warps reaches 95% of the
     # copy bandwidth, 2048-wide blocks x 4 rows 87%. Short rows are stacked up to 1024 outputs per program.
     block_d = min(next_power_of_2(d), 4096)
@@ -115,15 +122,13 @@ def _act_input_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-#: A CUDA grid's axes 1 and 2 hold at most this many programs (axis 0: 2**31 - 1).
-_MAX_GRID_Y = 65535
-
-
 def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] | None = None,
-                       rows_on_y: bool | None = None) -> torch.Tensor:
+                       pdl: bool | None = None) -> torch.Tensor:
     """``act(x[..., :d]) * x[..., d:]`` with the Triton kernel; ``act`` one of SILU, GELU, GELU_TANH.
 
-    ``rows_on_y``: which grid axis walks the row blocks (None: axis 1 when their count is known and fits it).
+    ``config``: ``(BLOCK_D, ROWS, num_warps)`` (default :func:`act_and_mul_config`); ``pdl``: launch with
+    programmatic dependent launch (default :func:`ops._triton.pdl_launch`; True needs a CUDA device of
+    compute capability >= 9.0).
     """
     d = x.shape[-1] // 2
     x2 = _act_input_2d(x)
@@ -131,13 +136,10 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
     block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
-    row_blocks, col_blocks = cdiv(n_rows, rows), cdiv(d, block_d)
-    if rows_on_y is None:
-        rows_on_y = known_rows is not None and cdiv(known_rows, rows) <= _MAX_GRID_Y
-    elif rows_on_y and (known_rows is None or cdiv(known_rows, rows) > _MAX_GRID_Y):
-        raise ValueError(f"launch_act_and_mul: rows_on_y=True needs a known count of at most {_MAX_GRID_Y} row "
-                         f"blocks; got {n_rows} rows in blocks of {rows}")
-    wrap_triton(_act_and_mul_kernel)[(col_blocks, row_blocks) if rows_on_y else (row_blocks, col_blocks)](
+    if pdl is None:
+        known_d = known_int(d)
+        pdl = pdl_launch(x2, known_rows is not None and known_d is not None and known_rows * known_d <= SMALL_ELEMENTS)
+    wrap_triton(_act_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
         x2,
         out,
         n_rows,
@@ -148,15 +150,16 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         EVEN=act_tiles_even(known_rows, d, rows, block_d),
-        ROWS_ON_Y=rows_on_y,
+        PDL=pdl,
         num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
 
 def _launch_silu_and_mul(x: torch.Tensor, config: tuple[int, int, int] | None = None,
-                         rows_on_y: bool | None = None) -> torch.Tensor:
-    return launch_act_and_mul(x, SILU, config, rows_on_y)
+                         pdl: bool | None = None) -> torch.Tensor:
+    return launch_act_and_mul(x, SILU, config, pdl)
 
 
 @triton_op("dynamo_once::silu_and_mul", mutates_args=())

@@ -70,20 +70,11 @@ def test_act_and_mul(t, d, dtype, kind):
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("rows_on_y", [False, True], ids=["rows_on_x", "rows_on_y"])
 @pytest.mark.parametrize("config", [(64, 1, 2), (128, 4, 4), (256, 16, 8), (512, 2, 4)], ids=str)
-def test_act_and_mul_configs(config, rows_on_y):
-    """Small and multi-row tiles (the sweep's candidates), over 37 rows: a partial last program; both
-    grid layouts (row blocks on axis 0 or on axis 1)."""
+def test_act_and_mul_configs(config):
+    """Small and multi-row tiles (the sweep's candidates), over 37 rows: a partial last program."""
     x = randn(37, 2 * 768, dtype=torch.bfloat16, scale=3.0)
-    assert_close(act._launch_silu_and_mul(x, config, rows_on_y), act.silu_and_mul_ref(x))
-
-
-def test_act_and_mul_rows_on_y_needs_a_grid_that_fits():
-    x = randn(4, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match="rows_on_y=True needs a known count of at most 65535"):
-        act._launch_silu_and_mul(torch.empty(65536, 16), (8, 1, 1), rows_on_y=True)
-    assert_close(act._launch_silu_and_mul(x, (8, 1, 1), rows_on_y=True), act.silu_and_mul_ref(x))
+    assert_close(act._launch_silu_and_mul(x, config), act.silu_and_mul_ref(x))
 
 
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])

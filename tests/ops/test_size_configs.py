@@ -43,21 +43,23 @@ def test_bandwidth_configs_are_the_swept_ones():
 
 def test_latency_configs():
     """Known sizes <= 16 x 8192 elements get the configs that beat torch.compile in the H200 sweep."""
-    # act_and_mul: 512-wide column blocks on 4 warps, 2 rows per program from 8 tokens, short rows stacked.
-    assert act.act_and_mul_config(4096, BF16, 1) == (512, 1, 4)  # 8 programs
-    assert act.act_and_mul_config(4096, BF16, 16) == (512, 2, 4)  # 64 programs
-    assert act.act_and_mul_config(8192, BF16, 16) == (512, 2, 4)  # 16 x 8192 == SMALL_ELEMENTS: still small
+    # act_and_mul: 512-element tiles on 8 warps (2 elements a thread): a 512-wide row block below 8
+    # tokens, 2 rows of 256 from 8 tokens; short rows stacked.
+    assert act.act_and_mul_config(4096, BF16, 1) == (512, 1, 8)  # 8 programs
+    assert act.act_and_mul_config(4096, BF16, 16) == (256, 2, 8)  # 128 programs
+    assert act.act_and_mul_config(8192, BF16, 16) == (256, 2, 8)  # 16 x 8192 == SMALL_ELEMENTS: still small
     assert act.act_and_mul_config(8, BF16, 7) == (8, 8, 1)  # short rows stacked, no more than the rows
-    assert act.act_and_mul_config(4096, 4, 1) == (512, 1, 4)
+    assert act.act_and_mul_config(4096, 4, 1) == (512, 1, 8)
     # rms_norm: one row per program, two 16-byte vectors per thread.
     assert rms.rms_norm_config(2048, BF16, 16) == (2048, 1, 4)
     assert rms.rms_norm_config(4096, BF16, 1) == (4096, 1, 8)
     assert rms.rms_norm_config(8192, BF16, 16) == (8192, 1, 16)
     assert rms.rms_norm_config(8, BF16, 7) == (8, 8, 1)
-    # static fp8: 1024-element blocks on 8 warps; smaller tensors in one block of >= one vector per thread.
-    assert quant.static_fp8_quant_config(4096, BF16) == (1024, 8)
-    assert quant.static_fp8_quant_config(16 * 4096, BF16) == (1024, 8)
-    assert quant.static_fp8_quant_config(7, BF16) == (256, 2)
+    # static fp8: 8 warps, 1 element a thread up to one 8192-wide token, 2 beyond; tiny tensors in one block.
+    assert quant.static_fp8_quant_config(4096, BF16) == (256, 8)
+    assert quant.static_fp8_quant_config(8192, BF16) == (256, 8)
+    assert quant.static_fp8_quant_config(16 * 4096, BF16) == (512, 8)
+    assert quant.static_fp8_quant_config(7, BF16) == (32, 1)
     # Single-program dynamic quant (n <= 8192): one 16-byte vector per thread, up to 16 warps.
     assert quant._SINGLE_PROGRAM_MAX == 8192 and quant._PARTIALS_MAX == 1 << 20
     assert quant.dynamic_fp8_quant_single_config(4096, BF16) == (4096, 1, 16)

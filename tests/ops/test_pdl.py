@@ -1,0 +1,89 @@
+"""Programmatic dependent launch (PDL) of the latency-bound kernels: when it is used, and that a chain of
+PDL launches, each reading the one before, gives the results of plain launches (eager and in a CUDA graph).
+"""
+
+import importlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dispatcher import envs
+from ops._triton import SMALL_ELEMENTS, pdl_launch
+
+act = importlib.import_module("ops.silu_and_mul")
+gelu = importlib.import_module("ops.gelu_and_mul")
+rms = importlib.import_module("ops.rms_norm")
+quant = importlib.import_module("ops.quant_fp8")
+
+
+def test_pdl_is_never_used_off_cuda_or_on_fake_tensors(monkeypatch):
+    monkeypatch.delenv("DYNAMO_ONCE_PDL", raising=False)
+    assert not pdl_launch(torch.ones(4), small=True)
+    with FakeTensorMode():
+        fake = torch.empty(4, 8)
+    assert not pdl_launch(fake, small=True)
+
+
+@pytest.mark.parametrize("value,expected", [("0", False), ("off", False), ("1", True), ("yes", True)])
+def test_pdl_switch(monkeypatch, value, expected):
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", value)
+    assert envs.pdl() is expected
+
+
+def test_bad_pdl_switch_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "fast")
+    with pytest.raises(ValueError, match=r"DYNAMO_ONCE_PDL='fast'.*0, 1"):
+        envs.pdl()
+
+
+@pytest.mark.cuda
+def test_pdl_only_for_small_launches_on_hopper(monkeypatch):
+    monkeypatch.delenv("DYNAMO_ONCE_PDL", raising=False)
+    x = torch.ones(4, 8, device="cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert pdl_launch(x, small=True) is hopper
+    assert not pdl_launch(x, small=False)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    assert not pdl_launch(x, small=True)
+
+
+def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
+    """Ops back to back, each reading the last one's output (read-after-write across launches), and each
+    writing a buffer the allocator may have just freed (write-after-read)."""
+    outs = []
+    h = x
+    for _ in range(8):
+        h2, res = rms._launch_rms_norm(h, h, w, 1e-6, False, pdl=pdl)
+        g = act._launch_silu_and_mul(torch.cat([h2, res], dim=-1), pdl=pdl)
+        g = gelu._launch_gelu_and_mul(torch.cat([g, h2], dim=-1), "tanh", pdl=pdl)
+        outs.append(quant._launch_static_fp8_quant(g, scale, pdl=pdl))
+        h = g
+    return outs + [h]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (16, 8192), (7, 769)])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_pdl_chain_equals_plain_launches(tokens, hidden, graph):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    assert tokens * hidden <= SMALL_ELEMENTS
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([0.05], device="cuda")
+    expected = _chain(x, scale, w, pdl=False)
+    if graph:
+        _chain(x, scale, w, pdl=True)  # compile the PDL variants outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = _chain(x, scale, w, pdl=True)
+        g.replay()  # twice: the second replay's first kernel follows the first's last
+        g.replay()
+    else:
+        got = _chain(x, scale, w, pdl=True)
+    torch.cuda.synchronize()
+    for a, b in zip(got, expected):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
