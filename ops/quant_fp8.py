@@ -93,10 +93,13 @@ def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr, IN
 @triton.jit
 def _dynamic_fp8_quant_single_kernel(
     x_ptr, q_ptr, scale_ptr, n, MIN_S: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: amax over the whole tensor, the scale, then the quantization; no atomics, no memset.
     # n < 2**31 here (small inputs only): int32 offsets.
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if NUM_BLOCKS == 1:
         # The tensor fits one block: read once, kept in registers between the amax and the quantization.
         # EVEN: n == BLOCK, no masks.
@@ -129,8 +132,11 @@ def _dynamic_fp8_quant_single_kernel(
 
 
 @triton.jit
-def _block_absmax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+def _block_absmax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # n < 2**20 here: int32 offsets.
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -139,8 +145,12 @@ def _block_absmax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dynamic_fp8_quant_partials_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, n, num_partials,
-                                       MIN_S: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr):
+                                       MIN_S: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
+                                       PDL: tl.constexpr):
     # Every program reduces all partials (<= 256 floats, from L2) to the scale: no grid-wide sync needed.
+    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p_offs = tl.arange(0, P_BLOCK)
     partials = tl.load(partial_ptr + p_offs, mask=p_offs < num_partials, other=0.0)
     scale = tl.maximum(tl.div_rn(tl.max(partials, axis=0), 448.0), tl.full([], MIN_S, tl.float32))
@@ -235,20 +245,23 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor, single_config: tuple[int, int, in
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
     known_n = known_int(n)
+    pdl = pdl_launch(x, known_n is not None and known_n <= SMALL_ELEMENTS)
+    launch_pdl = {"launch_pdl": True} if pdl else {}
     if single_config is not None or (known_n is not None and known_n <= _SINGLE_PROGRAM_MAX):
         block, num_blocks, num_warps = single_config or dynamic_fp8_quant_single_config(known_n, x.element_size())
         wrap_triton(_dynamic_fp8_quant_single_kernel)[(1,)](
-            x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, EVEN=known_n == block,
-            num_warps=num_warps
+            x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, EVEN=known_n == block, PDL=pdl,
+            num_warps=num_warps, **launch_pdl,
         )
         return q, scale
     if known_n is not None and known_n <= _PARTIALS_MAX:
         num_partials = cdiv(known_n, _PARTIALS_BLOCK)
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
-        wrap_triton(_block_absmax_kernel)[(num_partials,)](x, partials, n, BLOCK=_PARTIALS_BLOCK, num_warps=4)
+        wrap_triton(_block_absmax_kernel)[(num_partials,)](x, partials, n, BLOCK=_PARTIALS_BLOCK, PDL=pdl,
+                                                           num_warps=4, **launch_pdl)
         wrap_triton(_dynamic_fp8_quant_partials_kernel)[(num_partials,)](
             x, partials, q, scale, n, num_partials, MIN_S=MIN_SCALE, BLOCK=_PARTIALS_BLOCK,
-            P_BLOCK=max(16, next_power_of_2(num_partials)), num_warps=4,
+            P_BLOCK=max(16, next_power_of_2(num_partials)), PDL=pdl, num_warps=4, **launch_pdl,
         )
         return q, scale
     # Large or symbolic sizes: per-block amax with one float atomic max per program into a zeroed fp32

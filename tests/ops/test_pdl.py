@@ -48,16 +48,17 @@ def test_pdl_only_for_small_launches_on_hopper(monkeypatch):
     assert not pdl_launch(x, small=True)
 
 
-def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
+def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
     """Ops back to back, each reading the last one's output (read-after-write across launches), and each
-    writing a buffer the allocator may have just freed (write-after-read)."""
+    writing a buffer the allocator may have just freed (write-after-read). PDL as ``DYNAMO_ONCE_PDL`` says."""
     outs = []
     h = x
     for _ in range(8):
-        h2, res = rms._launch_rms_norm(h, h, w, 1e-6, False, pdl=pdl)
-        g = act._launch_silu_and_mul(torch.cat([h2, res], dim=-1), pdl=pdl)
-        g = gelu._launch_gelu_and_mul(torch.cat([g, h2], dim=-1), "tanh", pdl=pdl)
-        outs.append(quant._launch_static_fp8_quant(g, scale, pdl=pdl))
+        h2, res = rms._launch_rms_norm(h, h, w, 1e-6, False)
+        g = act._launch_silu_and_mul(torch.cat([h2, res], dim=-1))
+        g = gelu._launch_gelu_and_mul(torch.cat([g, h2], dim=-1), "tanh")
+        outs.append(quant._launch_static_fp8_quant(g, scale))
+        outs.extend(quant._launch_dynamic_fp8_quant(g))  # one program up to 8192 elements, else two kernels
         h = g
     return outs + [h]
 
@@ -65,7 +66,7 @@ def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, pdl: bool) -> 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden", [(1, 4096), (16, 8192), (7, 769)])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
-def test_pdl_chain_equals_plain_launches(tokens, hidden, graph):
+def test_pdl_chain_equals_plain_launches(monkeypatch, tokens, hidden, graph):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
     assert tokens * hidden <= SMALL_ELEMENTS
@@ -73,17 +74,21 @@ def test_pdl_chain_equals_plain_launches(tokens, hidden, graph):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     scale = torch.tensor([0.05], device="cuda")
-    expected = _chain(x, scale, w, pdl=False)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    expected = _chain(x, scale, w)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
+    assert pdl_launch(x, small=True)
     if graph:
-        _chain(x, scale, w, pdl=True)  # compile the PDL variants outside the capture
+        _chain(x, scale, w)  # compile the PDL variants outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            got = _chain(x, scale, w, pdl=True)
+            got = _chain(x, scale, w)
         g.replay()  # twice: the second replay's first kernel follows the first's last
         g.replay()
     else:
-        got = _chain(x, scale, w, pdl=True)
+        got = _chain(x, scale, w)
     torch.cuda.synchronize()
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
