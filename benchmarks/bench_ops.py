@@ -491,7 +491,8 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
             save()
 
 
-def save(name: str, rows: list, copy_gbps: float, device: str, out_dir: str | None, header: str | None = None) -> None:
+def save(name: str, rows: list, copy_gbps: float, device: str, out_dir: str | None, header: str | None = None,
+         extra_notes: list[str] = ()) -> None:
     """The table (targets in its notes), CSV and plot of ``rows``; ``header``: the environment line of
     rows measured elsewhere (``merge``)."""
     notes = [
@@ -511,6 +512,7 @@ def save(name: str, rows: list, copy_gbps: float, device: str, out_dir: str | No
         "correct); Triton's fp32 `/` is the approximate div.full.f32, ours the correctly rounded div_rn",
         "compile_rn (fp8 ops): torch.compile with Inductor's correctly rounded division option "
         f"({', '.join(division_rounding_option()) or 'not in this torch'}), the bit-exact comparator",
+        *extra_notes,
         *targets(rows, copy_gbps),
     ]
     # Saved after every op, so a run cut short still leaves its results.
@@ -522,18 +524,23 @@ def save(name: str, rows: list, copy_gbps: float, device: str, out_dir: str | No
 
 def merge(dirs: list[str], out_dir: str | None) -> None:
     """One ``bench_ops`` table from the ``bench_ops.csv`` of each of ``dirs`` (parts of one CUDA run)."""
-    rows, headers = [], []
+    rows, headers, part_copies = [], [], []
     for d in dirs:
         with open(os.path.join(d, "bench_ops.csv")) as f:
             headers.append(f.readline().lstrip("# ").strip())
-            for r in csv.DictReader(f):
-                rows.append({k: _parse_cell(v) for k, v in r.items()})
+            part = [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        rows.extend(part)
+        # pct_copy is against the part's own copy bandwidth: recover it from the rows (the largest ones
+        # round least).
+        big = max((r for r in part if r["pct_copy"]), key=lambda r: r["MB"])
+        part_copies.append(big["ours_GBps"] / (big["pct_copy"] / 100))
     order = {s.name: i for i, s in enumerate(SPECS)}
     rows.sort(key=lambda r: (r["op"] not in BANDWIDTH_TARGET_OPS, order[r["op"]], r["hidden"], r["tokens"]))
-    # Each part measured the copy bandwidth; pct_copy is against its own: recover it per row, report the mean.
-    copies = [r["ours_GBps"] / (r["pct_copy"] / 100) for r in rows if r["pct_copy"]]
     header = headers[0] + f" ({len(dirs)} parts on one machine, merged)"
-    save("bench_ops", rows, sum(copies) / len(copies), "cuda", out_dir, header=header)
+    save("bench_ops", rows, sum(part_copies) / len(part_copies), "cuda", out_dir, header=header,
+         extra_notes=[f"merged from {len(dirs)} parts ({', '.join(os.path.basename(d.rstrip('/')) for d in dirs)}), "
+                      f"each with its own copy-bandwidth measurement ({', '.join(f'{c:.0f}' for c in part_copies)} "
+                      "GB/s), against which its pct_copy is computed"])
 
 
 def _parse_cell(v: str):
