@@ -49,6 +49,21 @@ def env_header(device: torch.device | str | None = None) -> str:
             f"{date}")
 
 
+def capture_graph(fn: Callable[[], Any], calls: int, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, after ``warmup`` calls on a side stream (as capture needs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
+
+
 def bench_gpu(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100, cuda_graph: bool = False,
               graph_iters: int = 20) -> float:
     """Median µs per call of ``fn`` on the current CUDA stream, timed with CUDA events.
@@ -61,17 +76,7 @@ def bench_gpu(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100, cuda
         fn()
     torch.cuda.synchronize()
     if cuda_graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(graph_iters):
-                fn()
-        run, per = g.replay, graph_iters
+        run, per = capture_graph(fn, graph_iters).replay, graph_iters
     else:
         run, per = fn, 1
     for _ in range(3):
@@ -97,19 +102,7 @@ def bench_gpu_interleaved(fns: dict[str, Callable[[], Any]], *, graph_iters: int
     graph in each round (in a rotated order) exposes them all to the same clock and temperature drift,
     which separate measurements, minutes apart, do not.
     """
-    graphs = {}
-    for name, fn in fns.items():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(graph_iters):
-                fn()
-        graphs[name] = g
+    graphs = {name: capture_graph(fn, graph_iters, warmup) for name, fn in fns.items()}
     names = list(graphs)
     for name in names:  # one untimed replay each: clocks up, instruction caches warm
         graphs[name].replay()
