@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dispatcher import envs
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "needs_int64",
     "SMALL_ELEMENTS",
     "pdl_launch",
+    "pdl_args",
 ]
 
 #: At most this many elements (16 tokens x 8192) an op is launch-latency bound: on the H200 it moves
@@ -135,8 +138,9 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def pdl_launch(x: torch.Tensor, small: bool) -> bool:
-    """Whether a kernel on ``x`` launches with programmatic dependent launch (PDL).
+def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
+    """Whether a kernel on ``x`` covering ``n`` elements (None: not known without a guard) launches with
+    programmatic dependent launch (PDL).
 
     With PDL (Hopper and newer) a kernel may be launched while the one before it on the stream still
     runs: its programs start, then wait (``gdc_wait``, before any global memory access) for that
@@ -144,13 +148,17 @@ def pdl_launch(x: torch.Tensor, small: bool) -> bool:
     hides a launch's latency, the larger part of a call at <= 16 tokens (~1.2 us a CUDA-graph kernel
     node on the H200); FlashInfer's norm and activation kernels do the same on Hopper.
 
-    Only for ``small`` (latency-bound, one wave of programs) launches: on a large grid, the next
-    kernel's early programs would hold SM slots the running one still needs. Only in eager mode (CUDA
+    Only for latency-bound launches (``n <= SMALL_ELEMENTS``, one wave of programs): on a large grid, the
+    next kernel's early programs would hold SM slots the running one still needs. Only in eager mode (CUDA
     graph capture included) on a real CUDA tensor: under torch.compile, Inductor launches the kernel
     itself. ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
-    if not small or type(x) is not torch.Tensor or x.device.type != "cuda" or torch.compiler.is_compiling():
+    if n is None or n > SMALL_ELEMENTS or type(x) is not torch.Tensor or x.device.type != "cuda" \
+            or torch.compiler.is_compiling():
         return False
-    from dispatcher import envs
-
     return envs.pdl() and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(pdl: bool) -> dict[str, bool]:
+    """A kernel's ``PDL`` constexpr and, when on, the launch option that goes with it."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}

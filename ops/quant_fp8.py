@@ -24,6 +24,7 @@ from ._triton import (
     known_int,
     needs_int64,
     next_power_of_2,
+    pdl_args,
     pdl_launch,
     tl,
     triton,
@@ -228,12 +229,10 @@ def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor, config: tuple
     n = x.numel()
     known_n = known_int(n)
     block, num_warps = config or static_fp8_quant_config(known_n, x.element_size())
-    if pdl is None:
-        pdl = pdl_launch(x, known_n is not None and known_n <= SMALL_ELEMENTS)
     wrap_triton(_static_fp8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block),
-        EVEN=known_n is not None and known_n % block == 0, PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        EVEN=known_n is not None and known_n % block == 0, num_warps=num_warps,
+        **pdl_args(pdl_launch(x, known_n) if pdl is None else pdl),
     )
     return q
 
@@ -246,23 +245,22 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor, single_config: tuple[int, int, in
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
     known_n = known_int(n)
-    pdl = pdl_launch(x, known_n is not None and known_n <= SMALL_ELEMENTS)
-    launch_pdl = {"launch_pdl": True} if pdl else {}
+    pdl = pdl_args(pdl_launch(x, known_n))
     if single_config is not None or (known_n is not None and known_n <= _SINGLE_PROGRAM_MAX):
         block, num_blocks, num_warps = single_config or dynamic_fp8_quant_single_config(known_n, x.element_size())
         wrap_triton(_dynamic_fp8_quant_single_kernel)[(1,)](
-            x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, EVEN=known_n == block, PDL=pdl,
-            num_warps=num_warps, **launch_pdl,
+            x, q, scale, n, MIN_S=MIN_SCALE, BLOCK=block, NUM_BLOCKS=num_blocks, EVEN=known_n == block,
+            num_warps=num_warps, **pdl,
         )
         return q, scale
     if known_n is not None and known_n <= _PARTIALS_MAX:
         num_partials = cdiv(known_n, _PARTIALS_BLOCK)
         partials = torch.empty(num_partials, dtype=torch.float32, device=x.device)
-        wrap_triton(_block_absmax_kernel)[(num_partials,)](x, partials, n, BLOCK=_PARTIALS_BLOCK, PDL=pdl,
-                                                           num_warps=4, **launch_pdl)
+        wrap_triton(_block_absmax_kernel)[(num_partials,)](x, partials, n, BLOCK=_PARTIALS_BLOCK, num_warps=4,
+                                                           **pdl)
         wrap_triton(_dynamic_fp8_quant_partials_kernel)[(num_partials,)](
             x, partials, q, scale, n, num_partials, MIN_S=MIN_SCALE, BLOCK=_PARTIALS_BLOCK,
-            P_BLOCK=max(16, next_power_of_2(num_partials)), PDL=pdl, num_warps=4, **launch_pdl,
+            P_BLOCK=max(16, next_power_of_2(num_partials)), num_warps=4, **pdl,
         )
         return q, scale
     # Large or symbolic sizes: per-block amax with one float atomic max per program into a zeroed fp32

@@ -27,6 +27,7 @@ from ._triton import (
     known_int,
     needs_int64,
     next_power_of_2,
+    pdl_args,
     pdl_launch,
     tl,
     triton,
@@ -157,7 +158,7 @@ def _launch_rms_norm(
     known_rows = known_int(n_rows)
     block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
-    pdl = pdl_launch(x2, small) if pdl is None else pdl
+    pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     wrap_triton(_rms_norm_kernel)[(cdiv(n_rows, rows),)](
         x2,
         r2,
@@ -175,9 +176,8 @@ def _launch_rms_norm(
         ROWS=rows,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small,
-        PDL=pdl,
         num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_args(pdl),
     )
     return out, res_out
 

@@ -16,6 +16,7 @@ from ._triton import (
     known_int,
     needs_int64,
     next_power_of_2,
+    pdl_args,
     pdl_launch,
     tl,
     triton,
@@ -139,7 +140,7 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
     block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
     if pdl is None:
         known_d = known_int(d)
-        pdl = pdl_launch(x2, known_rows is not None and known_d is not None and known_rows * known_d <= SMALL_ELEMENTS)
+        pdl = pdl_launch(x2, known_rows * known_d if known_rows is not None and known_d is not None else None)
     wrap_triton(_act_and_mul_kernel)[(cdiv(n_rows, rows), cdiv(d, block_d))](
         x2,
         out,
@@ -151,9 +152,8 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         EVEN=act_tiles_even(known_rows, d, rows, block_d),
-        PDL=pdl,
         num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_args(pdl),
     )
     return out
 

@@ -19,10 +19,10 @@ quant = importlib.import_module("ops.quant_fp8")
 
 def test_pdl_is_never_used_off_cuda_or_on_fake_tensors(monkeypatch):
     monkeypatch.delenv("DYNAMO_ONCE_PDL", raising=False)
-    assert not pdl_launch(torch.ones(4), small=True)
+    assert not pdl_launch(torch.ones(4), 4)
     with FakeTensorMode():
         fake = torch.empty(4, 8)
-    assert not pdl_launch(fake, small=True)
+    assert not pdl_launch(fake, 32)
 
 
 @pytest.mark.parametrize("value,expected", [("0", False), ("off", False), ("1", True), ("yes", True)])
@@ -42,10 +42,10 @@ def test_pdl_only_for_small_launches_on_hopper(monkeypatch):
     monkeypatch.delenv("DYNAMO_ONCE_PDL", raising=False)
     x = torch.ones(4, 8, device="cuda")
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert pdl_launch(x, small=True) is hopper
-    assert not pdl_launch(x, small=False)
+    assert pdl_launch(x, 32) is hopper
+    assert not pdl_launch(x, SMALL_ELEMENTS + 1) and not pdl_launch(x, None)
     monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
-    assert not pdl_launch(x, small=True)
+    assert not pdl_launch(x, 32)
 
 
 def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
@@ -77,7 +77,7 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, tokens, hidden, graph):
     monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
     expected = _chain(x, scale, w)
     monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
-    assert pdl_launch(x, small=True)
+    assert pdl_launch(x, x.numel())
     if graph:
         _chain(x, scale, w)  # compile the PDL variants outside the capture
         torch.cuda.synchronize()
