@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib
 import os
 import sys
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -191,10 +192,14 @@ def _mark_tokens_dynamic(args: tuple, t: int) -> None:
             torch._dynamo.mark_dynamic(a, 0)
 
 
+def _arg_sets(args: tuple, nbytes: int) -> list[tuple]:
+    """``args`` and copies of it, together over the L2 (``common.copies_to_exceed_cache``), to rotate over."""
+    return [args] + [tuple(a.clone() for a in args) for _ in range(common.copies_to_exceed_cache(nbytes) - 1)]
+
+
 def _time(fn: Callable, args: tuple, nbytes: int, device: str) -> float:
     """µs per call of ``fn`` under CUDA-graph replay, rotating over copies of ``args`` that exceed the L2."""
-    n_copies = common.copies_to_exceed_cache(nbytes) if device == "cuda" else 1
-    arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+    arg_sets = _arg_sets(args, nbytes) if device == "cuda" else [args]
     # Latency-bound sizes differ from compile by tenths of a microsecond: 100 replays for their median.
     iters = 100 * GRAPH_ITERS if nbytes < (8 << 20) else 200
     return common.bench(common.rotating(fn, arg_sets), device, cuda_graph=True, graph_iters=GRAPH_ITERS, iters=iters)
@@ -204,23 +209,15 @@ def _without_pdl(fn: Callable) -> Callable:
     """``fn`` with ``DYNAMO_ONCE_PDL=0`` while it runs (the launchers read it at each call, so also while a
     CUDA graph captures it)."""
     def call(*args):
-        old = os.environ.get("DYNAMO_ONCE_PDL")
-        os.environ["DYNAMO_ONCE_PDL"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {"DYNAMO_ONCE_PDL": "0"}):
             return fn(*args)
-        finally:
-            if old is None:
-                del os.environ["DYNAMO_ONCE_PDL"]
-            else:
-                os.environ["DYNAMO_ONCE_PDL"] = old
 
     return call
 
 
 def _time_interleaved(fns: dict[str, Callable], args: tuple, nbytes: int) -> dict[str, float]:
     """µs per call of each of ``fns`` (CUDA), their graphs replayed in turn (``common.bench_gpu_interleaved``)."""
-    n_copies = common.copies_to_exceed_cache(nbytes)
-    arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+    arg_sets = _arg_sets(args, nbytes)
     return common.bench_gpu_interleaved({k: common.rotating(fn, arg_sets) for k, fn in fns.items()},
                                         graph_iters=LATENCY_GRAPH_ITERS, rounds=LATENCY_ROUNDS)
 
@@ -360,8 +357,7 @@ def sweep(device: str, out_dir: str) -> None:
             "silu_and_mul": (lambda cfg, a: act._launch_silu_and_mul(a[0], cfg), (x2,), 3 * t * h * 2),
         }
         for name, (launch, args, nbytes) in kernels.items():
-            n_copies = common.copies_to_exceed_cache(nbytes)
-            arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
+            arg_sets = _arg_sets(args, nbytes)
             default = rms.rms_norm_config(h, 2) if name != "silu_and_mul" else act.act_and_mul_config(h, 2)
             for rows_per in (1, 2, 4):
                 for warps in (4, 8, 16):
@@ -478,10 +474,7 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
                 correct[label] = _check(spec, launch(None, args, False), expected)
                 fns[label] = lambda *a, launch=launch: launch(None, a, False)
             # All candidates and compile in one interleaved measurement: their differences are tens of ns.
-            n_copies = common.copies_to_exceed_cache(spec.nbytes(t, h, 2))
-            arg_sets = [args] + [tuple(a.clone() for a in args) for _ in range(n_copies - 1)]
-            times = common.bench_gpu_interleaved({k: common.rotating(fn, arg_sets) for k, fn in fns.items()},
-                                                 graph_iters=LATENCY_GRAPH_ITERS, rounds=LATENCY_ROUNDS)
+            times = _time_interleaved(fns, args, spec.nbytes(t, h, 2))
             compile_us = times["torch.compile(ref)"]
             for label, us in times.items():
                 rows.append({"op": name, "tokens": t, "hidden": h, "config": label, "us": round(us, 3),
