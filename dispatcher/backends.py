@@ -48,11 +48,9 @@ def resolve_backend(config: CompilationConfig, level: CompilationLevel) -> str |
 def _compile_with(backend: str | Callable[..., Any], gm: torch.fx.GraphModule, example_inputs: list[Any],
                   options: dict[str, Any]) -> Callable[..., Any]:
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs, config_patches=options)
+        return compat.inductor_compile(gm, example_inputs, options)
     if isinstance(backend, str):
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+        return compat.lookup_backend(backend)(gm, example_inputs)
     return backend(gm, example_inputs)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx
 
 __all__ = [
     "TORCH_VERSION",
@@ -25,6 +26,12 @@ __all__ = [
     "mark_dynamic",
     "is_compiling",
     "tracing_on_this_thread",
+    "graph_break_in_chain",
+    "inductor_compile",
+    "lookup_backend",
+    "fake_mode_of",
+    "python_dispatcher",
+    "is_static_input",
 ]
 
 
@@ -86,6 +93,55 @@ def is_graph_break(exc: BaseException) -> bool:
     from torch._dynamo import exc as dynamo_exc
 
     return isinstance(exc, (dynamo_exc.Unsupported, dynamo_exc.UserError))
+
+
+def graph_break_in_chain(exc: BaseException) -> BaseException | None:
+    """The first exception in ``exc``'s cause/context chain that is a Dynamo graph break, or None.
+
+    Under ``fullgraph=True`` Dynamo may wrap its ``Unsupported`` in another error (a backend
+    failure, a user error), so the whole chain is searched.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if is_graph_break(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                     options: dict[str, Any]) -> Callable[..., Any]:
+    """Inductor's ``torch._inductor.compile_fx.compile_fx`` with ``options`` as config patches."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=options)
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """A registered Dynamo backend by name (``torch._dynamo.lookup_backend``)."""
+    return torch._dynamo.lookup_backend(name)
+
+
+def fake_mode_of(example_inputs: list[Any]) -> Any:
+    """The FakeTensorMode of a backend's example inputs (``torch._guards.detect_fake_mode``), else a new one."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return detect_fake_mode(example_inputs) or FakeTensorMode()
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager[None]:
+    """``torch._dispatch.python.enable_python_dispatcher``: needed to run a graph with symbolic shapes."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
+def is_static_input(t: torch.Tensor) -> bool:
+    """Whether Dynamo passed ``t`` as a graph input that never moves: a parameter, or a buffer Dynamo
+    flagged static (``_dynamo_static_input_type``, set on module buffers it lifts)."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
 
 
 def mark_dynamic(t: torch.Tensor, dims: list[int]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .levels import CompilationLevel
+
 __all__ = [
     "ENV_VARS",
     "compile_level",
@@ -60,8 +62,6 @@ def torch_compile_disabled() -> bool:
 
 def compile_level() -> int | None:
     """``DYNAMO_ONCE_COMPILE_LEVEL`` as an int 0-4, or None when unset."""
-    from .config import CompilationLevel
-
     value = _get("DYNAMO_ONCE_COMPILE_LEVEL")
     if value is None or value == "":
         return None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from . import compat
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
 from .cuda_graph import capturing_full_graph
@@ -77,16 +78,14 @@ def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
 
 def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
     """Inductor-compile one piece; a piece returning a single value keeps returning it unwrapped."""
-    from torch._inductor.compile_fx import compile_fx
-
     if _returns_tuple(gm):
-        compiled = compile_fx(gm, example_inputs, config_patches=options)
+        compiled = compat.inductor_compile(gm, example_inputs, options)
     else:
         wrapped = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
         (output,) = (n for n in wrapped.graph.nodes if n.op == "output")
         output.args = ((output.args[0],),)
         wrapped.recompile()
-        inner = compile_fx(wrapped, example_inputs, config_patches=options)
+        inner = compat.inductor_compile(wrapped, example_inputs, options)
 
         def compiled(*args: Any) -> Any:
             return inner(*args)[0]
@@ -202,9 +201,6 @@ class PiecewiseBackend:
         self.pool = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         t0 = time.perf_counter()
         split_gm, items = split_graph(gm, self.config.splitting_ops)
         compilation_counter.add("num_piecewise_graphs_seen", len(items))
@@ -222,7 +218,7 @@ class PiecewiseBackend:
             from .cuda_graph import CUDAGraphPool
 
             self.pool = CUDAGraphPool()
-        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        fake_mode = compat.fake_mode_of(example_inputs)
         fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         # The dynamic sizes are the symbols of tensor shapes. Not of storage offsets: a view at a
         # nonzero offset (the runner's input_ids and positions are rows of one buffer) gets a symbolic
@@ -239,9 +235,7 @@ class PiecewiseBackend:
             logger.warning("%s: %d dynamic sizes; per-size compiles and CUDA graphs are off (one is supported)",
                            self.owner, len(symbols))
         # Parameters and buffers: graph inputs that never move between calls.
-        static_ptrs = {t.data_ptr() for t in example_inputs
-                       if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter)
-                                                           or getattr(t, "_dynamo_static_input_type", None))}
+        static_ptrs = {t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor) and compat.is_static_input(t)}
 
         def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:
             piece = PiecewisePiece(f"{self.owner}:{name}", getattr(split_gm, name), args, size_symbol,
@@ -249,9 +243,7 @@ class PiecewiseBackend:
             self.pieces[name] = piece
             return piece.symbolic if piece.trivial else piece
 
-        from torch._dispatch.python import enable_python_dispatcher
-
-        with fake_mode, enable_python_dispatcher():
+        with fake_mode, compat.python_dispatcher():
             _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)
         self.split_gm, self.items = split_gm, items
         logger.info("%s: %d pieces (%d compiled) in %.1fs", self.owner, len(items), len(capturable),

@@ -253,7 +253,7 @@ class TorchCompileWrapperWithCustomDispatcher:
             recompile = _find_in_chain(e, RecompileError)
             if recompile is not None:
                 raise recompile from e
-            if compat.is_graph_break(e) or _find_in_chain(e, torch._dynamo.exc.Unsupported):
+            if compat.graph_break_in_chain(e) is not None:
                 raise GraphBreakError(
                     f"{self._do_name} cannot be captured as one graph, which level "
                     f"{level.name} requires (fullgraph=True). Remove the graph break below, or run it "
