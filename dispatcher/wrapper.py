@@ -36,7 +36,7 @@ from .errors import GraphBreakError, RecompileError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchCompileWrapperWithCustomDispatcher"]
+__all__ = ["TorchCompileWrapperWithCustomDispatcher", "CompiledCallable"]
 
 _UNBOUND = object()
 # Bound once: the fast path calls torch's flag directly (Dynamo folds it to True while tracing) and
@@ -58,6 +58,43 @@ def _swap_lock(fn: Any) -> threading.RLock:
         if lock is None:
             lock = _swap_locks[fn] = threading.RLock()
         return lock
+
+
+@contextlib.contextmanager
+def _swapped_code(fn: types.FunctionType, code: types.CodeType) -> Iterator[None]:
+    """Within the block ``fn`` runs ``code``; serialized per function and always undone."""
+    with _swap_lock(fn):
+        previous = fn.__code__
+        fn.__code__ = code
+        try:
+            yield
+        finally:
+            fn.__code__ = previous
+
+
+class CompiledCallable:
+    """``wrapper.compiled_callable``: what calls before (or instead of) dispatching go through.
+
+    Wraps the callable a subclass passed (or the ``torch.compile`` the wrapper built) so that
+    however a subclass calls it, from the default ``__call__`` or its own, a trace of ``forward``
+    is captured into this instance's ``compiled_codes`` in compile order. At level 0 it runs
+    ``forward`` eagerly; at level 1 it calls the wrapped callable as is (stock torch.compile).
+    The wrapped callable is ``__wrapped__``.
+    """
+
+    __slots__ = ("_owner", "__wrapped__", "_swap_code")
+
+    def __init__(self, owner: TorchCompileWrapperWithCustomDispatcher, inner: Callable[..., Any] | None,
+                 swap_code: bool):
+        self._owner = owner
+        self.__wrapped__ = inner
+        self._swap_code = swap_code
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._do_compiled_call(self.__wrapped__, self._swap_code, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"CompiledCallable({self._owner._do_name}, {self.__wrapped__!r})"
 
 
 def _function_from_code(template: types.FunctionType, code: types.CodeType) -> types.FunctionType:
@@ -87,12 +124,19 @@ class TorchCompileWrapperWithCustomDispatcher:
     then runs ``compiled_codes[0]`` directly. A subclass may override
     ``__call__`` to choose among several captured codes, either with
     ``dispatch_to_code(i)`` (swaps ``type(self).forward.__code__`` for the
-    duration of a ``with`` block) or with :meth:`dispatch_fn`.
+    duration of a ``with`` block) or with :meth:`dispatch_fn`. Whatever a
+    subclass does with ``self.compiled_callable`` (a :class:`CompiledCallable`
+    around the callable given, or the one built here), each trace Dynamo makes
+    of ``forward`` during the call is appended to this instance's
+    ``compiled_codes``, in compile order; no private call is needed.
 
     Args:
         compiled_callable: what to call until a code is captured; by default
             ``torch.compile`` of this instance's ``forward`` with the level's
-            backend and ``fullgraph=True``.
+            backend and ``fullgraph=True``. A callable given here compiles
+            ``forward``'s code, which all instances share: while it runs, this
+            instance's private copy stands in for it, so each instance traces and
+            captures its own codes (no ``torch._dynamo.reset()`` needed between instances).
         compilation_level: overrides ``get_compilation_config().level``.
     """
 
@@ -133,6 +177,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         self._do_traced_code = self.original_code_object.replace()
         traced_fn = _function_from_code(function, self._do_traced_code)
         target = traced_fn if bound_to is _UNBOUND else types.MethodType(traced_fn, bound_to)
+        given = compiled_callable is not None
         if compiled_callable is None and level >= CompilationLevel.DYNAMO_AS_IS:
             self._do_backend = RecordingBackend(config, level, self._do_name)
             options = None
@@ -141,7 +186,8 @@ class TorchCompileWrapperWithCustomDispatcher:
             fullgraph = config.fullgraph if level >= CompilationLevel.DYNAMO_ONCE else False
             compiled_callable = torch.compile(target, backend=self._do_backend, fullgraph=fullgraph,
                                               dynamic=False, options=options)
-        self.compiled_callable = compiled_callable
+        # What a subclass calls: any trace it makes of forward is captured into compiled_codes.
+        self.compiled_callable = CompiledCallable(self, compiled_callable, swap_code=given)
 
     # ------------------------------------------------------------ the hook
     def bytecode_hook(self, old_code: types.CodeType, new_code: types.CodeType) -> None:
@@ -167,10 +213,13 @@ class TorchCompileWrapperWithCustomDispatcher:
             dump_captured_code(path, self._do_name, index, new_code, graphs)
 
     @contextlib.contextmanager
-    def _capturing(self) -> Iterator[None]:
+    def _capturing(self, swap_code: bool) -> Iterator[None]:
         """Register a bytecode hook for this instance for the duration of one compiled call.
 
-        Held by at most one thread at a time (see ``_TRACE_LOCK``).
+        Held by at most one thread at a time (see ``_TRACE_LOCK``). ``swap_code``: a callable the
+        subclass compiled itself traces ``forward``'s own code, which every instance shares; for the
+        call, ``forward`` runs this instance's copy instead, so that Dynamo's cache and this trace
+        belong to this instance (restored when the call returns or raises).
         """
         ref = weakref.ref(self)
         thread = threading.get_ident()
@@ -184,7 +233,8 @@ class TorchCompileWrapperWithCustomDispatcher:
                 owner.bytecode_hook(old_code, new_code)
             return None
 
-        with _TRACE_LOCK:
+        with _TRACE_LOCK, (_swapped_code(self._do_function, self._do_traced_code) if swap_code
+                           else contextlib.nullcontext()):
             with compat.compile_lock():
                 handle = compat.register_bytecode_hook(hook)
             try:
@@ -192,6 +242,36 @@ class TorchCompileWrapperWithCustomDispatcher:
             finally:
                 with compat.compile_lock():
                     handle.remove()
+
+    def _do_compiled_call(self, inner: Callable[..., Any], swap_code: bool, args: tuple, kwargs: dict) -> Any:
+        """A call of ``compiled_callable``: eager at level 0 (and inside an outer trace), else ``inner``
+        with this instance's bytecode hook registered.
+
+        The first call marks the dynamic dims when the wrapper built ``inner`` (``dynamic=False``: the
+        marks are all that is dynamic); a callable the subclass compiled itself keeps its own choice
+        of what is dynamic (its ``torch.compile`` arguments, its own ``mark_dynamic`` calls).
+        """
+        level = self.compilation_level
+        if level == CompilationLevel.NO_COMPILATION or compat.is_compiling():
+            return self._do_eager(args, kwargs)
+        if not self._do_traced and not swap_code:
+            self._do_prepare_first_call(args, kwargs)
+        if level == CompilationLevel.DYNAMO_AS_IS:
+            return inner(*args, **kwargs)
+        try:
+            with self._capturing(swap_code):
+                return inner(*args, **kwargs)
+        except Exception as e:
+            recompile = _find_in_chain(e, RecompileError)
+            if recompile is not None:
+                raise recompile from e
+            if compat.graph_break_in_chain(e) is not None:
+                raise GraphBreakError(
+                    f"{self._do_name} cannot be captured as one graph, which level "
+                    f"{level.name} requires (fullgraph=True). Remove the graph break below, or run it "
+                    f"at level 1 (DYNAMO_AS_IS).\n{e}"
+                ) from e
+            raise
 
     # --------------------------------------------------------- dispatching
     def dispatch_fn(self, index: int) -> Callable[..., Any]:
@@ -209,14 +289,8 @@ class TorchCompileWrapperWithCustomDispatcher:
         The swap mutates the class's function, so it is serialized per function
         and always undone, also when the block raises.
         """
-        fn = self._do_function
-        with _swap_lock(fn):
-            previous = fn.__code__
-            fn.__code__ = self.compiled_codes[index]
-            try:
-                yield
-            finally:
-                fn.__code__ = previous
+        with _swapped_code(self._do_function, self.compiled_codes[index]):
+            yield
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fast = self._do_fast
@@ -244,28 +318,15 @@ class TorchCompileWrapperWithCustomDispatcher:
             self._do_prepare_first_call(args, kwargs)
         elif self._do_check is not None:
             self._do_check(args, kwargs)
-        if level == CompilationLevel.DYNAMO_AS_IS:
-            return self.compiled_callable(*args, **kwargs)
-        try:
-            with self._capturing():
-                out = self.compiled_callable(*args, **kwargs)
-        except Exception as e:
-            recompile = _find_in_chain(e, RecompileError)
-            if recompile is not None:
-                raise recompile from e
-            if compat.graph_break_in_chain(e) is not None:
-                raise GraphBreakError(
-                    f"{self._do_name} cannot be captured as one graph, which level "
-                    f"{level.name} requires (fullgraph=True). Remove the graph break below, or run it "
-                    f"at level 1 (DYNAMO_AS_IS).\n{e}"
-                ) from e
-            raise
-        if first:
+        out = self.compiled_callable(*args, **kwargs)
+        if first and level >= CompilationLevel.DYNAMO_ONCE:
             self._do_finish_first_call()
         return out
 
     def _do_prepare_first_call(self, args: tuple, kwargs: dict) -> None:
-        """Mark dynamic dims and record what the trace will be valid for."""
+        """Mark dynamic dims and record what the trace will be valid for (once)."""
+        if self._do_traced:
+            return
         self._do_traced = True
         compilation_counter.add("num_models_seen")
         skip_first = self._do_bound is not _UNBOUND

@@ -135,10 +135,8 @@ class TwoCodes(TorchCompileWrapperWithCustomDispatcher, torch.nn.Module):
 
     def __call__(self, x, bias=None):
         key = bias is not None
-        if key not in self.which:
-            torch._dynamo.mark_dynamic(x, 0)
-            with self._capturing():
-                out = self.compiled_callable(x, bias)
+        if key not in self.which:  # the wrapper's own compiled_callable: its traces are captured
+            out = self.compiled_callable(x, bias)
             self.which[key] = len(self.compiled_codes) - 1
             return out
         with self.dispatch_to_code(self.which[key]):
@@ -239,16 +237,129 @@ def test_hook_ignores_other_code_and_other_threads():
     net = Net(1.0, level=2)
     net.bytecode_hook(Fails.forward.__code__, Fails.forward.__code__)
     assert net.compiled_codes == []
-    # While net's hook is registered, another thread compiles Net.forward (the very code object net
-    # would accept from a user-given compiled_callable) with plain torch.compile: net must ignore it.
-    other = Net(1.0, level=0)
+    # While one instance's hook is registered (inside its compiled_callable), another thread compiles the
+    # same class's forward with plain torch.compile: only the instance's own trace is captured.
     seen = []
-    with net._capturing():
-        t = threading.Thread(target=lambda: seen.append(
-            torch.compile(other.forward, backend="eager")(torch.randn(4, 16))))
-        t.start()
-        t.join()
-    assert len(seen) == 1 and net.compiled_codes == []
+
+    class Spy(TorchCompileWrapperWithCustomDispatcher, torch.nn.Module):
+        def __init__(self, scale):
+            torch.nn.Module.__init__(self)
+            self.scale = scale
+            inner = torch.compile(self.forward, backend="eager")
+
+            def compiled(x):
+                if scale == 1.0:
+                    other = Spy(2.0)
+                    t = threading.Thread(target=lambda: seen.append(
+                        torch.compile(other.forward, backend="eager")(torch.randn(4, 16))))
+                    t.start()
+                    t.join()
+                return inner(x)
+
+            TorchCompileWrapperWithCustomDispatcher.__init__(self, compiled, compilation_level=2)
+
+        def forward(self, x):
+            return x * self.scale
+
+    spy = Spy(1.0)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(spy(x), x)
+    assert len(seen) == 1 and len(spy.compiled_codes) == 1
+    torch.testing.assert_close(seen[0].shape, torch.Size([4, 16]))
+    with compilation_counter.expect(num_dispatched_calls=1, num_codes_captured=0):
+        torch.testing.assert_close(spy(x[:3]), x[:3])
+
+
+class CacheModel(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache=None):
+        y = self.lin(x)
+        return y if cache is None else y + cache
+
+
+class MyWrapper(TorchCompileWrapperWithCustomDispatcher):
+    """vLLM's wrapper-test pattern, word for word: the subclass builds its own compiled callable and
+    overrides __call__, never calling anything private."""
+
+    def __init__(self, model):
+        self.model = model
+        compiled_callable = torch.compile(self.forward, backend="eager")
+        super().__init__(compiled_callable, compilation_level=CompilationLevel.DYNAMO_ONCE)
+
+    def forward(self, x, cache=None):
+        return self.model(x, cache)
+
+    def __call__(self, x, cache=None):
+        if len(self.compiled_codes) >= 2:
+            with self.dispatch_to_code(0 if cache is None else 1):
+                return self.forward(x, cache)
+        return self.compiled_callable(x, cache)
+
+
+def _frames_traced():
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+@pytest.mark.parametrize("reset_between", [False, True])
+def test_subclass_overriding_call_captures_and_dispatches(reset_between):
+    """After w(x) and w(x, cache), each instance holds its two codes in compile order, and later calls
+    run them with no Dynamo involved (even with Dynamo's caches dropped)."""
+    wrappers = []
+    for seed in range(3):  # several instances alive at once
+        if reset_between:
+            torch._dynamo.reset()
+        w = MyWrapper(CacheModel(seed))
+        x, cache = torch.randn(4, 8), torch.randn(4, 8)
+        with compilation_counter.expect(num_codes_captured=2):
+            torch.testing.assert_close(w(x), w.model(x))
+            torch.testing.assert_close(w(x, cache), w.model(x, cache))
+        assert len(w.compiled_codes) == 2
+        wrappers.append(w)
+    assert len({id(c) for w in wrappers for c in w.compiled_codes}) == 6  # each instance its own
+    torch._dynamo.reset()  # a call that went through Dynamo would now trace again
+    frames = _frames_traced()
+    for w in wrappers:
+        for n in (4, 2, 7):
+            x, cache = torch.randn(n, 8), torch.randn(n, 8)
+            torch.testing.assert_close(w(x), w.model(x))
+            torch.testing.assert_close(w(x, cache), w.model(x, cache))
+        assert len(w.compiled_codes) == 2
+    assert _frames_traced() == frames
+    assert MyWrapper.forward.__code__ is wrappers[0].original_code_object  # nothing left swapped
+
+
+def test_subclass_compiled_callable_that_fails_leaves_nothing_registered_or_swapped():
+    class Broken(torch.nn.Module):
+        def forward(self, x, cache=None):
+            raise RuntimeError("the model failed")
+
+    hooks_before = len(compat.bytecode_hooks())
+    w = MyWrapper(Broken())
+    with pytest.raises(RuntimeError, match="the model failed"):
+        w(torch.randn(4, 8))
+    assert MyWrapper.forward.__code__ is w.original_code_object
+    assert len(compat.bytecode_hooks()) == hooks_before and w.compiled_codes == []
+
+
+def test_subclass_pattern_at_level_0_and_1():
+    """Level 0: compiled_callable runs forward eagerly (Dynamo never runs); level 1: stock torch.compile,
+    nothing captured."""
+    for level, frames_delta in ((0, 0), (1, 1)):
+        class AtLevel(MyWrapper):
+            def __init__(self, model):
+                self.model = model
+                TorchCompileWrapperWithCustomDispatcher.__init__(
+                    self, torch.compile(self.forward, backend="eager"), compilation_level=level)
+
+        w = AtLevel(CacheModel(0))
+        frames = _frames_traced()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(w(x), w.model(x))
+        assert _frames_traced() - frames == frames_delta and w.compiled_codes == []
 
 
 def test_user_compiled_callable():
