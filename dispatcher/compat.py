@@ -32,6 +32,7 @@ __all__ = [
     "fake_mode_of",
     "python_dispatcher",
     "is_static_input",
+    "reset",
 ]
 
 
@@ -142,6 +143,11 @@ def is_static_input(t: torch.Tensor) -> bool:
     """Whether Dynamo passed ``t`` as a graph input that never moves: a parameter, or a buffer Dynamo
     flagged static (``_dynamo_static_input_type``, set on module buffers it lifts)."""
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def reset() -> None:
+    """Drop every compiled frame Dynamo caches (``torch._dynamo.reset``), e.g. between benchmark cases."""
+    torch._dynamo.reset()
 
 
 def mark_dynamic(t: torch.Tensor, dims: list[int]) -> None:

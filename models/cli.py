@@ -8,9 +8,9 @@ import sys
 
 
 def _overhead(argv: list[str]) -> int:
-    from benchmarks import guard_overhead
+    from models import overhead
 
-    guard_overhead.main(argv)
+    overhead.main(argv, default_out=".")
     return 0
 
 

@@ -1,0 +1,153 @@
+"""Result tables and plots: a Markdown table printed, CSV / Markdown / PNG written where asked.
+
+Every result states the device, torch (and Triton) version and date. Nothing is written unless an
+``out_dir`` is given: results never land in an installed tree by default.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["device_name", "env_header", "markdown_table", "write_results", "plot_panels", "plot_lines"]
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+
+def env_header(device: torch.device | str | None = None) -> str:
+    """One line: device, torch, Triton (if importable), Python, UTC date."""
+    try:
+        import triton
+
+        tri = f", triton {triton.__version__}"
+    except ImportError:
+        tri = ""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"{device_name(device)}, torch {torch.__version__}{tri}, Python {platform.python_version()}, "
+            f"{date}")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 1e-2 and v != 0 else str(v)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    columns = list(columns or (rows[0].keys() if rows else []))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, *,
+                  title: str = "", notes: Sequence[str] = (), device: torch.device | str | None = None,
+                  out_dir: str | None = None, header: str | None = None) -> str:
+    """Print a Markdown table and, with ``out_dir``, save ``<name>.csv`` and ``<name>.md`` there;
+    returns the Markdown.
+
+    ``header`` replaces the environment line (for rows measured elsewhere and assembled here).
+    """
+    columns = list(columns or (rows[0].keys() if rows else []))
+    header = header or env_header(device)
+    md = "\n".join([f"# {title or name}", "", header, "", markdown_table(rows, columns), "",
+                    *[f"- {n}" for n in notes]]) + "\n"
+    print(md)
+    if not out_dir:
+        return md
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, f"{name}.csv"), "w", newline="") as f:
+        f.write(f"# {header}\n")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return md
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'dynamo-once[bench]')")
+        return None
+    return plt
+
+
+def _draw(ax: Any, rows: Sequence[dict[str, Any]], x: str, y: str, series: str, logx: bool, logy: bool,
+          hlines: dict[str, float] | None) -> None:
+    """One line per value of ``series`` (rows without ``y`` skipped), dashed ``hlines``, log axes."""
+    for s in dict.fromkeys(r[series] for r in rows):
+        pts = [(r[x], r[y]) for r in rows if r[series] == s and r[y] not in ("", None)]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(s))
+    for label, value in (hlines or {}).items():
+        ax.axhline(value, linestyle="--", color="gray")
+        ax.annotate(label, (0.01, value), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, panel: str | None,
+                title: str = "", xlabel: str = "", ylabel: str = "", logx: bool = False, logy: bool = False,
+                hlines: dict[str, float] | None = None, out_dir: str | None = None) -> str | None:
+    """Save ``<name>.png``: one subplot per value of ``panel`` (side by side, shared y; ``None``: one plot),
+    each with ``y`` against ``x``, one line per value of ``series``. None without matplotlib or
+    ``out_dir``."""
+    if not out_dir:
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
+    width = 5 * len(panels) if panel else 8
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5 if panel is None else 4.5), sharey=True,
+                             squeeze=False)
+    for ax, p in zip(axes[0], panels):
+        _draw(ax, [r for r in rows if panel is None or r[panel] == p], x, y, series, logx, logy, hlines)
+        if panel is not None:
+            ax.set_title(f"{panel} = {p}", fontsize=9)
+        ax.set_xlabel(xlabel or x)
+    axes[0][0].set_ylabel(ylabel or y)
+    axes[0][-1].legend(fontsize=8 if panel is None else 7)
+    if panel is None:
+        axes[0][0].set_title(title or name, fontsize=10)
+    else:
+        fig.suptitle(title or name, fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, **kwargs: Any) -> str | None:
+    """Save ``<name>.png``: ``y`` against ``x``, one line per value of ``series`` (one panel of :func:`plot_panels`)."""
+    return plot_panels(name, rows, x=x, y=y, series=series, panel=None, **kwargs)
