@@ -7,6 +7,13 @@ from .config import (
     set_compilation_config,
 )
 from .counters import CompilationCounter, compilation_counter
+from .cuda_graph import (
+    CUDAGraphAddressError,
+    CUDAGraphCaptureError,
+    CUDAGraphMode,
+    CUDAGraphNotCapturedError,
+    CUDAGraphs,
+)
 from .decorators import compile_once, dispatcher_of, support_torch_compile
 from .errors import (
     DynamoOnceError,
@@ -18,6 +25,11 @@ from .errors import (
 from .wrapper import TorchCompileWrapperWithCustomDispatcher
 
 __all__ = [
+    "CUDAGraphAddressError",
+    "CUDAGraphCaptureError",
+    "CUDAGraphMode",
+    "CUDAGraphNotCapturedError",
+    "CUDAGraphs",
     "CompilationConfig",
     "CompilationCounter",
     "CompilationLevel",

@@ -2,10 +2,18 @@
 
 Each piece between splitting ops is compiled once for a symbolic token count
 and once more, lazily, for each size in ``compile_sizes``; the splitting ops
-(attention) run eagerly between pieces. With CUDA graphs on, each piece is
-captured once per size in ``cudagraph_capture_sizes`` (first call at a size:
-warm-up, second: capture, then replay), all in one memory pool; other sizes
-run the compiled pieces without graphs.
+(attention) run eagerly between pieces.
+
+CUDA graphs are captured only when the caller asks for them, through a
+``dispatcher.cuda_graph.CUDAGraphs``: in a PIECEWISE step that it runs (or
+captures), each piece replays (or captures) its graph for its runtime token
+count, and the model's outputs that a graph wrote are cloned for the caller.
+Outside such a step, a model on CUDA runs its compiled pieces, no graphs. A
+piece that cannot have graphs (no CUDA, ``use_cudagraph=False``,
+``cudagraph_mode="none"``, no dependence on the one dynamic size) and has no
+per-size compile is called directly by the split graph. A trace with more than
+one dynamic size gets neither per-size compiles nor graphs
+(``num_dynamic_sizes`` on the backend and the wrapper tells).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch.fx
 from . import compat
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
-from .cuda_graph import capturing_full_graph
+from .cuda_graph import thread_state
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +119,15 @@ def _find_size(fake_args: list[Any], symbol: Any) -> tuple[int, int | None] | No
 
 
 class PiecewisePiece:
-    """Runs one compiled piece: the symbolic-shape compile, per-size compiles, per-size CUDA graphs."""
+    """Runs one compiled piece: the symbolic-shape compile, per-size compiles, and (in a PIECEWISE step of
+    ``dispatcher.cuda_graph.CUDAGraphs``) its CUDA graph for its runtime size."""
 
     def __init__(self, name: str, graph: torch.fx.GraphModule, fake_args: list[Any], size_symbol: Any,
-                 config: CompilationConfig, options: dict[str, Any], pool: Any, static_ptrs: set[int]):
+                 config: CompilationConfig, options: dict[str, Any], graphs_on: bool, static_ptrs: set[int]):
         self.name = name
         self.graph = graph
         self.config = config
         self.options = options
-        self.pool = pool
         self.static_ptrs = static_ptrs
         self.input_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
         t0 = time.perf_counter()
@@ -127,13 +135,11 @@ class PiecewisePiece:
         logger.debug("%s: compiled for a symbolic token count in %.2fs", name, time.perf_counter() - t0)
         self.size_at = _find_size(fake_args, size_symbol)
         self.compile_sizes = set(config.compile_sizes) if self.size_at is not None else set()
-        self.capture_sizes = (set(config.cudagraph_capture_sizes)
-                              if self.size_at is not None and pool is not None else set())
+        # A piece that does not depend on the token count gets no graph (nothing tells its graphs apart).
+        self.graphs_on = graphs_on and self.size_at is not None
         self.by_size: dict[int, Callable[..., Any]] = {}
-        self.graphs: dict[int, Any] = {}
-        self.warmed: set[int] = set()
         # Nothing per size (the common CPU case): the split graph can call the symbolic compile directly.
-        self.trivial = not self.compile_sizes and not self.capture_sizes
+        self.trivial = not self.compile_sizes and not self.graphs_on
 
     def runtime_size(self, args: tuple[Any, ...]) -> int | None:
         if self.size_at is None:
@@ -141,33 +147,34 @@ class PiecewisePiece:
         i, d = self.size_at
         return int(args[i]) if d is None else args[i].shape[d]
 
-    def __call__(self, *args: Any) -> Any:
-        size = self.runtime_size(args)
-        if size is None or (size not in self.compile_sizes and size not in self.capture_sizes):
-            return self.symbolic(*args)
+    def code_for(self, size: int | None, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The compiled code for ``size``: its own compile for a size in ``compile_sizes`` (made on first
+        use, with ``args`` as example inputs), else the symbolic one."""
+        if size not in self.compile_sizes:
+            return self.symbolic
         fn = self.by_size.get(size)
         if fn is None:
-            if size in self.compile_sizes:
-                t0 = time.perf_counter()
-                fn = _compile_inductor(self.graph, list(args), self.options)
-                logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
-            else:
-                fn = self.symbolic
-            self.by_size[size] = fn
-        if size not in self.capture_sizes or capturing_full_graph():
-            return fn(*args)
-        graph = self.graphs.get(size)
-        if graph is not None:
-            return graph.replay(args)
-        if size not in self.warmed:
-            self.warmed.add(size)
-            return fn(*args)
-        from .cuda_graph import CapturedGraph
+            t0 = time.perf_counter()
+            fn = self.by_size[size] = _compile_inductor(self.graph, list(args), self.options)
+            logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
+        return fn
 
-        graph = CapturedGraph(f"{self.name}[{size} tokens]", fn, args, self.pool, self.input_names,
-                              self.static_ptrs, self.config.debug)
-        self.graphs[size] = graph
-        return graph.output
+    def run_compiled(self, *args: Any) -> Any:
+        """A call without CUDA graphs (graphs off for this piece)."""
+        return self.code_for(self.runtime_size(args), args)(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        """A call with graphs on: replay (or capture) in a PIECEWISE step, else the compiled code."""
+        i, d = self.size_at
+        size = int(args[i]) if d is None else args[i].shape[d]
+        step = thread_state.step
+        if step is not None:
+            # The hot path of a replayed step: one thread-local read and one dict lookup.
+            graph = step.get(self)
+            if graph is not None and size == step.size:
+                return graph.replay(args)
+            return step.miss(self, size, args)
+        return self.code_for(size, args)(*args)
 
 
 class _CompileInterpreter(torch.fx.Interpreter):
@@ -186,8 +193,55 @@ class _CompileInterpreter(torch.fx.Interpreter):
         return out
 
 
+def _dynamic_symbols(fake_args: list[Any]) -> set[Any]:
+    """The dynamic sizes of a trace: the free symbols of its (fake) tensor inputs' shapes.
+
+    Not of storage offsets: a view at a nonzero offset (the runner's input_ids and positions are rows of
+    one buffer) gets a symbolic offset as soon as one of its dims is dynamic, and Dynamo passes it as a
+    SymInt argument.
+    """
+    symbols = set()
+    for a in fake_args:
+        if isinstance(a, torch.Tensor):
+            for s in a.shape:
+                if isinstance(s, torch.SymInt):
+                    symbols |= s.node.expr.free_symbols
+    return symbols
+
+
+def _graphs_possible(config: CompilationConfig, example_inputs: list[Any]) -> bool:
+    """Whether the pieces may have CUDA graphs (captured only when a caller asks, through ``CUDAGraphs``):
+    graphs not turned off in the config, and the trace's tensors on CUDA."""
+    return (config.use_cudagraph and config.cudagraph_mode != "none" and torch.cuda.is_available()
+            and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs))
+
+
+def _clone_pool_outputs(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` whose outputs are the caller's: in a PIECEWISE step, an output that a piece graph wrote
+    (in the pool) is cloned, so that the next replay does not overwrite it."""
+
+    def run(*args: Any) -> Any:
+        out = forward(*args)
+        step = thread_state.step
+        if step is None:
+            return out
+        ptrs = step.owner.output_ptrs
+        if isinstance(out, (tuple, list)):
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) and o.data_ptr() in ptrs else o for o in out)
+        if isinstance(out, torch.Tensor) and out.data_ptr() in ptrs:
+            return out.clone()
+        return out
+
+    return run
+
+
 class PiecewiseBackend:
-    """The Dynamo backend of levels 3-4: split, compile the pieces, return the split graph."""
+    """The Dynamo backend of levels 3-4: split, compile the pieces, return the split graph.
+
+    Attributes:
+        num_dynamic_sizes: the number of dynamic sizes of the trace (None before it); per-size
+            compiles and CUDA graphs need exactly one, the token count.
+    """
 
     def __init__(self, config: CompilationConfig, level: CompilationLevel, options: dict[str, Any], owner: str):
         self.config = config
@@ -198,7 +252,7 @@ class PiecewiseBackend:
         self.items: list[SplitItem] = []
         self.pieces: dict[str, PiecewisePiece] = {}
         self.size_symbol: Any = None  # the one dynamic size (token count) of the traced graph, if there is one
-        self.pool = None
+        self.num_dynamic_sizes: int | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         t0 = time.perf_counter()
@@ -206,7 +260,15 @@ class PiecewiseBackend:
         compilation_counter.add("num_piecewise_graphs_seen", len(items))
         capturable = {it.name for it in items if not it.is_splitting_op}
         compilation_counter.add("num_piecewise_capturable_graphs_seen", len(capturable))
-        use_graphs = self.config.use_cudagraph and self.config.cudagraph_mode != "none" and torch.cuda.is_available()
+        fake_mode = compat.fake_mode_of(example_inputs)
+        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        symbols = _dynamic_symbols(fake_args)
+        self.num_dynamic_sizes = len(symbols)
+        self.size_symbol = next(iter(symbols)) if len(symbols) == 1 else None
+        if len(symbols) > 1:
+            logger.warning("%s: %d dynamic sizes; per-size compiles and CUDA graphs are off (one is supported)",
+                           self.owner, len(symbols))
+        use_graphs = _graphs_possible(self.config, example_inputs)
         if len(items) == 1 and not items[0].is_splitting_op and not use_graphs and not self.config.compile_sizes:
             # No split point and nothing per size: one Inductor compile of the whole graph, called
             # directly (no split module around it: one frame and one pass of every argument less a call).
@@ -214,52 +276,26 @@ class PiecewiseBackend:
             compiled = _compile_inductor(gm, example_inputs, self.options)
             logger.info("%s: 1 piece (no splitting op) in %.1fs", self.owner, time.perf_counter() - t0)
             return compiled
-        if use_graphs and self.pool is None:
-            from .cuda_graph import CUDAGraphPool
-
-            self.pool = CUDAGraphPool()
-        fake_mode = compat.fake_mode_of(example_inputs)
-        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-        # The dynamic sizes are the symbols of tensor shapes. Not of storage offsets: a view at a
-        # nonzero offset (the runner's input_ids and positions are rows of one buffer) gets a symbolic
-        # offset as soon as one of its dims is dynamic, and Dynamo passes it as a SymInt argument.
-        symbols = set()
-        for a in fake_args:
-            if isinstance(a, torch.Tensor):
-                for s in a.shape:
-                    if isinstance(s, torch.SymInt):
-                        symbols |= s.node.expr.free_symbols
-        size_symbol = next(iter(symbols)) if len(symbols) == 1 else None
-        self.size_symbol = size_symbol
-        if len(symbols) > 1:
-            logger.warning("%s: %d dynamic sizes; per-size compiles and CUDA graphs are off (one is supported)",
-                           self.owner, len(symbols))
-        # Parameters and buffers: graph inputs that never move between calls.
-        static_ptrs = {t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor) and compat.is_static_input(t)}
-
-        def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:
-            piece = PiecewisePiece(f"{self.owner}:{name}", getattr(split_gm, name), args, size_symbol,
-                                   self.config, self.options, self.pool if use_graphs else None, static_ptrs)
-            self.pieces[name] = piece
-            return piece.symbolic if piece.trivial else piece
-
-        with fake_mode, compat.python_dispatcher():
-            _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)
+        self._compile_pieces(split_gm, capturable, example_inputs, fake_mode, fake_args, use_graphs)
         self.split_gm, self.items = split_gm, items
         logger.info("%s: %d pieces (%d compiled) in %.1fs", self.owner, len(items), len(capturable),
                     time.perf_counter() - t0)
         # The generated forward, not Module.__call__: its hook handling costs ~1.5 µs a call.
-        forward = split_gm.forward
-        if not use_graphs:
-            return forward
-        pool = self.pool
+        return _clone_pool_outputs(split_gm.forward) if use_graphs else split_gm.forward
 
-        def run(*args: Any) -> Any:
-            out = forward(*args)
-            # A graph's outputs are overwritten by its next replay: hand the caller its own copy.
-            if isinstance(out, (tuple, list)):
-                return type(out)(o.clone() if isinstance(o, torch.Tensor) and o.data_ptr() in pool.output_ptrs
-                                 else o for o in out)
-            return out
+    def _compile_pieces(self, split_gm: torch.fx.GraphModule, capturable: set[str], example_inputs: list[Any],
+                        fake_mode: Any, fake_args: list[Any], use_graphs: bool) -> None:
+        """Compile each piece on its fake (symbolic) arguments; it replaces its submodule in ``split_gm``."""
+        # Parameters and buffers: graph inputs that never move between calls.
+        static_ptrs = {t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor) and compat.is_static_input(t)}
 
-        return run
+        def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:
+            piece = PiecewisePiece(f"{self.owner}:{name}", getattr(split_gm, name), args, self.size_symbol,
+                                   self.config, self.options, use_graphs, static_ptrs)
+            self.pieces[name] = piece
+            if piece.trivial:
+                return piece.symbolic
+            return piece if piece.graphs_on else piece.run_compiled
+
+        with fake_mode, compat.python_dispatcher():
+            _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)

@@ -405,5 +405,16 @@ class TorchCompileWrapperWithCustomDispatcher:
         bound = self._do_bound
         return lambda args, kwargs: checker((bound, *args), kwargs)
 
+    @property
+    def num_dynamic_sizes(self) -> int | None:
+        """Levels 3-4: how many dynamic sizes the trace has (None before the trace, and below level 3).
+
+        Per-size compiles and CUDA graphs need exactly one (the token count); with more, the pieces run
+        their symbolic compile and a PIECEWISE capture raises.
+        """
+        backend = self._do_backend
+        piecewise = None if backend is None else backend.piecewise
+        return None if piecewise is None else piecewise.num_dynamic_sizes
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must define forward")

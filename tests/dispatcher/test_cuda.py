@@ -6,6 +6,8 @@ import torch
 from threads_testing import run_in_threads
 
 from dispatcher import (
+    CUDAGraphMode,
+    CUDAGraphs,
     InputMismatchError,
     ShapeGuardError,
     compilation_counter,
@@ -88,3 +90,36 @@ def test_threads_on_cuda(level):
 
     run_in_threads(work, [(ms[i % 3], i) for i in range(6)])
     assert all(len(m.compiled_codes) == 1 for m in ms)
+
+
+@torch.no_grad()
+def test_level_3_captures_no_graph_unless_asked(level):
+    """Graphs are captured only through CUDAGraphs: repeated calls at any size run the compiled code."""
+    with level(3):
+        m = Block().cuda()
+    with compilation_counter.expect(num_cudagraph_captured=0):
+        for _ in range(3):
+            for n in (8, 1, 2, 4):
+                x = torch.randn(n, 256, device="cuda")
+                torch.testing.assert_close(m(x), reference(m, x), rtol=1e-3, atol=1e-3)
+
+
+@torch.no_grad()
+def test_piecewise_graphs_of_a_model_without_splitting_op(level):
+    with level(3):
+        m = Block().cuda()
+    buf = torch.randn(64, 256, device="cuda")
+    graphs = CUDAGraphs()
+    graphs.mark_static(buf)
+    m(buf[:16])
+
+    def step(n):
+        return m(buf[:n])
+
+    with compilation_counter.expect(num_cudagraph_captured=3):  # one piece (no splitting op), 3 sizes
+        graphs.capture([1, 8, 64], CUDAGraphMode.PIECEWISE, step)
+    for n in (8, 1, 64):
+        buf.copy_(torch.randn_like(buf))
+        y = graphs.run(CUDAGraphMode.PIECEWISE, n, step)
+        torch.testing.assert_close(y, graphs.run(CUDAGraphMode.NONE, n, step), rtol=0, atol=0)
+        torch.testing.assert_close(y, reference(m, buf[:n]), rtol=1e-3, atol=1e-3)

@@ -1,52 +1,25 @@
 """Levels 3-4: splitting at the splitting ops, piecewise Inductor compiles, CUDA graphs per size."""
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
+from piecewise_testing import CAPTURABLE, N_LAYERS, PIECES, Toy, TwoSizes, config, eager
 
-from dispatcher import CompilationConfig, compilation_counter, set_compilation_config, support_torch_compile
-from dispatcher.cuda_graph import CUDAGraphAddressError
+from dispatcher import (
+    CompilationConfig,
+    CUDAGraphAddressError,
+    CUDAGraphCaptureError,
+    CUDAGraphMode,
+    CUDAGraphNotCapturedError,
+    CUDAGraphs,
+    compilation_counter,
+    set_compilation_config,
+)
+from dispatcher.cuda_graph import CapturedGraph
 
-
-# A stand-in for attention: opaque to Dynamo and Inductor, so it is a split point.
-@torch.library.custom_op("dynamo_once_test::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    return x.cumsum(0) / (1 + torch.arange(x.shape[0], device=x.device, dtype=x.dtype))[:, None]
-
-
-@mix.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-N_LAYERS = 3
-
-
-@support_torch_compile
-class Toy(torch.nn.Module):
-    def __init__(self, hidden: int = 32):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(N_LAYERS))
-        self.out = torch.nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.ops.dynamo_once_test.mix(torch.relu(layer(x)))
-        return self.out(x)
-
-
-def eager(m, x):
-    for layer in m.layers:
-        x = mix(torch.relu(layer(x)))
-    return m.out(x)
-
-
-def config(**kw):
-    kw.setdefault("use_cudagraph", False)
-    return CompilationConfig(level=3, splitting_ops=["dynamo_once_test::mix"], **kw)
-
-
-PIECES = 2 * N_LAYERS + 1  # piece, mix, piece, mix, piece, mix, piece
-CAPTURABLE = N_LAYERS + 1  # the pieces between (and around) the splitting ops
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
 
 @torch.no_grad()
@@ -97,83 +70,182 @@ def test_config_validation():
 SIZES = [1, 2, 4, 8]
 
 
-@pytest.mark.cuda
-@torch.no_grad()
-def test_cuda_graphs_per_piece_per_size():
-    torch.manual_seed(0)
-    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=SIZES)):
+@contextlib.contextmanager
+def counting_replays():
+    """The names of the piece graphs replayed inside the block, in order."""
+    names = []
+    replay = CapturedGraph.replay
+
+    def counted(self, args):
+        names.append(self.name)
+        return replay(self, args)
+
+    with mock.patch.object(CapturedGraph, "replay", counted):
+        yield names
+
+
+def cuda_toy(**kw):
+    """A level-3 Toy on CUDA with graphs possible, traced at 16 tokens (no size a test captures)."""
+    with set_compilation_config(config(use_cudagraph=True, **kw)):
         m = Toy().cuda()
-    with set_compilation_config(config(use_cudagraph=False)):
-        plain = Toy().cuda()
-    plain.load_state_dict(m.state_dict())
-    m(torch.randn(16, 32, device="cuda"))  # first call traces (16: not a capture size)
-    plain(torch.randn(16, 32, device="cuda"))
+    m(torch.randn(16, 32, device="cuda"))
+    return m
+
+
+@pytest.mark.cuda
+def test_piecewise_graphs_per_piece_per_size():
+    torch.manual_seed(0)
+    m = cuda_toy()
+    graphs = CUDAGraphs()
+    x = torch.randn(max(SIZES), 32, device="cuda")
     with compilation_counter.expect(num_cudagraph_captured=CAPTURABLE * len(SIZES),  # one per piece per size
-                                    num_graphs_seen=0):
-        for n in SIZES:
-            for _ in range(2):  # warm-up, then capture: both calls' outputs are real
-                x = torch.randn(n, 32, device="cuda")
-                torch.testing.assert_close(m(x), plain(x), rtol=0, atol=0)
-    outs = []
-    with compilation_counter.expect(num_cudagraph_captured=0, num_backend_compilations=0):
-        for n in SIZES + [5, 300]:  # 5 and 300: no graph, compiled pieces
+                                    num_graphs_seen=0, num_backend_compilations=0):
+        seconds = graphs.capture(SIZES, PIECEWISE, lambda n: m(x[:n]))
+    assert seconds > 0
+    assert graphs.sizes(PIECEWISE) == SIZES and graphs.sizes(FULL) == []
+    assert (PIECEWISE, 4) in graphs and (PIECEWISE, 5) not in graphs and (FULL, 4) not in graphs
+    with compilation_counter.expect(num_cudagraph_captured=0, num_backend_compilations=0, num_graphs_seen=0):
+        for n in SIZES + [4]:
             x = torch.randn(n, 32, device="cuda")
-            y = m(x)
-            outs.append(y)
-            torch.testing.assert_close(y, plain(x), rtol=0, atol=0)  # bitwise: same kernels, replayed
+            with counting_replays() as replays:
+                y = graphs.run(PIECEWISE, n, lambda k: m(x))
+            assert len(replays) == CAPTURABLE and all(r.endswith(f"[{n} tokens]") for r in replays)
+            with counting_replays() as replays:
+                plain = graphs.run(NONE, n, lambda k: m(x))  # the compiled pieces, no graphs
+            assert replays == []
+            torch.testing.assert_close(y, plain, rtol=0, atol=0)  # bitwise: the same kernels, replayed
             torch.testing.assert_close(y, eager(m, x), rtol=1e-3, atol=1e-3)
-    # Returned outputs are the caller's: a later replay does not overwrite them.
+
+
+@pytest.mark.cuda
+def test_sizes_not_captured_and_calls_outside_a_step_run_without_graphs():
+    m = cuda_toy()
+    graphs = CUDAGraphs()
+    x = torch.randn(8, 32, device="cuda")
+    graphs.capture([4, 8], PIECEWISE, lambda n: m(x[:n]))
+    with counting_replays() as replays, compilation_counter.expect(num_cudagraph_captured=0):
+        for n in (5, 300, 4, 8):  # 4 and 8 are captured, but no step is declared: no graph either
+            x = torch.randn(n, 32, device="cuda")
+            torch.testing.assert_close(m(x), graphs.run(NONE, n, lambda k: m(x)), rtol=0, atol=0)
+            torch.testing.assert_close(m(x), eager(m, x), rtol=1e-3, atol=1e-3)
+    assert replays == []
+    with pytest.raises(CUDAGraphNotCapturedError, match=r"\(PIECEWISE, 5\).*captured: \[4, 8\]"):
+        graphs.run(PIECEWISE, 5, lambda k: m(torch.randn(5, 32, device="cuda")))
+
+
+@pytest.mark.cuda
+def test_outputs_of_a_piecewise_step_are_the_callers():
+    m = cuda_toy()
+    graphs = CUDAGraphs()
     x = torch.randn(4, 32, device="cuda")
-    first = m(x)
+    graphs.capture([4], PIECEWISE, lambda n: m(x))
+    first = graphs.run(PIECEWISE, 4, lambda n: m(torch.randn(4, 32, device="cuda")))
+    assert first.data_ptr() not in graphs.output_ptrs  # the last piece's output was cloned
     kept = first.clone()
-    m(torch.randn(4, 32, device="cuda"))
+    graphs.run(PIECEWISE, 4, lambda n: m(torch.randn(4, 32, device="cuda")))
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
 @pytest.mark.cuda
-@torch.no_grad()
+def test_a_piecewise_step_captures_every_compiled_model_it_calls():
+    a, b = cuda_toy(), cuda_toy()
+    graphs = CUDAGraphs()
+    x = torch.randn(8, 32, device="cuda")
+
+    def step(n):
+        return b(a(x[:n]))
+
+    with compilation_counter.expect(num_cudagraph_captured=2 * CAPTURABLE * 2):  # 2 models, 2 sizes
+        graphs.capture([2, 8], PIECEWISE, step)
+    for n in (2, 8, 2):
+        x.copy_(torch.randn(8, 32, device="cuda"))
+        with counting_replays() as replays:
+            y = graphs.run(PIECEWISE, n, step)
+        assert len(replays) == 2 * CAPTURABLE
+        torch.testing.assert_close(y, graphs.run(NONE, n, step), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
 def test_debug_mode_catches_parameter_reassigned_after_capture():
-    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=[4], debug=True)):
-        m = Toy().cuda()
-    m(torch.randn(8, 32, device="cuda"))
-    for _ in range(3):
-        m(torch.randn(4, 32, device="cuda"))
+    m = cuda_toy(debug=True)
+    graphs = CUDAGraphs()
+    x = torch.randn(4, 32, device="cuda")
+    graphs.capture([4], PIECEWISE, lambda n: m(x))
+    graphs.run(PIECEWISE, 4, lambda n: m(x))
     m.layers[1].weight = torch.nn.Parameter(torch.randn(32, 32, device="cuda"))
     with pytest.raises(CUDAGraphAddressError, match="captured reading it at"):
-        m(torch.randn(4, 32, device="cuda"))
+        graphs.run(PIECEWISE, 4, lambda n: m(x))
 
 
 @pytest.mark.cuda
-@torch.no_grad()
 def test_full_graph_captures_whole_step_including_splitting_ops():
-    from dispatcher.cuda_graph import FullGraphs
+    m = cuda_toy()
+    buf = torch.randn(8, 32, device="cuda")  # a runner's persistent input buffer
+    graphs = CUDAGraphs()
+    graphs.mark_static(buf)
 
-    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=[4])):
-        m = Toy().cuda()
-    m(torch.randn(8, 32, device="cuda"))
-    buf = torch.randn(4, 32, device="cuda")  # a runner's persistent input buffer
-    graphs = FullGraphs()
-    with compilation_counter.expect(num_cudagraph_captured=1):  # one whole-step graph, no piece graphs
-        out = graphs.capture(4, lambda: m(buf))
-    for _ in range(3):
-        buf.copy_(torch.randn(4, 32, device="cuda"))
-        graphs.replay(4)
-        torch.testing.assert_close(out, eager(m, buf), rtol=1e-3, atol=1e-3)
+    def step(n):
+        return m(buf[:n])
+
+    def not_called(n):
+        raise AssertionError("a FULL step replays its graph; fn is not called")
+
+    prepared = []
+    with compilation_counter.expect(num_cudagraph_captured=2):  # one whole-step graph per size, no piece graphs
+        graphs.capture([2, 4], FULL, step, prepare=prepared.append)
+    assert prepared == [4, 2] and graphs.sizes(FULL) == [2, 4] and graphs.sizes(PIECEWISE) == []
+    # PIECEWISE graphs of the same model in the same pool, replayed in turn with the whole-step ones.
+    with compilation_counter.expect(num_cudagraph_captured=CAPTURABLE * 2):
+        graphs.capture([2, 4], PIECEWISE, step)
+    for mode, n in [(FULL, 4), (PIECEWISE, 2), (FULL, 2), (PIECEWISE, 4), (FULL, 4)]:
+        buf.copy_(torch.randn(8, 32, device="cuda"))
+        with counting_replays() as replays:
+            out = graphs.run(mode, n, not_called if mode is FULL else step)
+        assert len(replays) == (0 if mode is FULL else CAPTURABLE)
+        assert out.shape == (n, 32)
+        torch.testing.assert_close(out, eager(m, buf[:n]), rtol=1e-3, atol=1e-3)
+    with pytest.raises(CUDAGraphNotCapturedError, match=r"\(FULL, 8\)"):
+        graphs.run(FULL, 8, not_called)
 
 
 @pytest.mark.cuda
-@torch.no_grad()
 def test_views_of_static_buffers_are_read_in_place_and_checked():
-    from dispatcher.cuda_graph import mark_static_buffers
-
-    with set_compilation_config(config(use_cudagraph=True, cudagraph_capture_sizes=[4])):
-        m = Toy().cuda()
+    m = cuda_toy()
     buf = torch.randn(16, 32, device="cuda")
-    mark_static_buffers(buf)
-    m(buf[:8])
-    for _ in range(2):
-        m(buf[:4])
-    buf[:4] = torch.randn(4, 32, device="cuda")
-    torch.testing.assert_close(m(buf[:4]), eager(m, buf[:4]), rtol=1e-3, atol=1e-3)
+    graphs = CUDAGraphs()
+    graphs.mark_static(buf)
+    graphs.capture([4], PIECEWISE, lambda n: m(buf[:n]))
+    buf[:4] = torch.randn(4, 32, device="cuda")  # written in place: the graph reads it with no copy
+    torch.testing.assert_close(graphs.run(PIECEWISE, 4, lambda n: m(buf[:n])), eager(m, buf[:4]),
+                               rtol=1e-3, atol=1e-3)
     with pytest.raises(CUDAGraphAddressError, match="view of a persistent buffer"):
-        m(buf[4:8])
+        graphs.run(PIECEWISE, 4, lambda n: m(buf[4:4 + n]))
+    # Another CUDAGraphs object did not mark buf: its graphs copy the view in, at any offset.
+    other = CUDAGraphs()
+    other.capture([4], PIECEWISE, lambda n: m(buf[:n]))
+    torch.testing.assert_close(other.run(PIECEWISE, 4, lambda n: m(buf[4:4 + n])), eager(m, buf[4:8]),
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+def test_piecewise_capture_without_any_piece_graph_raises():
+    graphs = CUDAGraphs()
+    # Two dynamic sizes: the pieces cannot tell their token count.
+    with set_compilation_config(config(use_cudagraph=True)):
+        two = TwoSizes().cuda()
+    x, y = torch.randn(8, 32, device="cuda"), torch.randn(3, 32, device="cuda")
+    two(x, y)
+    assert two.num_dynamic_sizes == 2
+    with pytest.raises(CUDAGraphCaptureError, match="PIECEWISE at size 4 captured no graph"):
+        graphs.capture([4], PIECEWISE, lambda n: two(x[:n], y))
+    # CUDA graphs off in the config.
+    with set_compilation_config(config(use_cudagraph=False)):
+        plain = Toy().cuda()
+    plain(x)
+    with pytest.raises(CUDAGraphCaptureError, match="size 4"):
+        graphs.capture([4], PIECEWISE, lambda n: plain(x[:n]))
+    # A size larger than the inputs hold: the pieces see 8 tokens, not 16.
+    m = cuda_toy()
+    with pytest.raises(CUDAGraphCaptureError, match="size 16"):
+        graphs.capture([16], PIECEWISE, lambda n: m(x[:n]))
+    assert graphs.sizes(PIECEWISE) == []
