@@ -43,10 +43,12 @@ class CompilationConfig:
         splitting_ops: levels 3-4 split the graph at calls of these ops (``"namespace::name"``);
             they run eagerly between the compiled pieces.
         compile_sizes: levels 3-4 also compile each piece for these exact token counts.
-        cudagraph_capture_sizes: token counts captured in CUDA graphs (one graph per piece per size).
-        use_cudagraph: capture CUDA graphs at levels 3-4 (default: when CUDA is available).
-        cudagraph_mode: ``"none"``, ``"piecewise"`` or ``"full_and_piecewise"`` (also capture
-            whole decode steps, attention included; default on CUDA).
+        cudagraph_capture_sizes: the token counts a caller (``models.LLM``) captures with
+            ``dispatcher.CUDAGraphs.capture`` (one graph per piece per size, or one per whole step).
+            Nothing is captured unless a caller asks: graphs are explicit.
+        use_cudagraph: allow CUDA graphs of the pieces at levels 3-4 (default: when CUDA is available).
+        cudagraph_mode: ``"none"``, ``"piecewise"`` or ``"full_and_piecewise"``: which modes the
+            runner captures (the latter also whole decode steps, attention included; default on CUDA).
     """
 
     level: CompilationLevel = CompilationLevel.INDUCTOR
