@@ -328,7 +328,7 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
     """End to end: the median decode step of ``models.LLM.generate`` at level 3 (host scheduling, input
     copies, graph replay, greedy sampling with its host sync), one LLM for every batch size; without and
     with ``async_scheduling`` (the next step launched before the last one's tokens are read)."""
-    from models.runner import LLM
+    from models import LLM
 
     max_b = max(batches)
     llm = LLM(name, level=3, max_num_tokens=max(512, max_b), max_num_seqs=max_b, dtype=dtype, device=device,
@@ -354,7 +354,7 @@ def startup_child(name: str) -> None:
     import json
 
     from dispatcher import compilation_counter
-    from models.runner import LLM
+    from models import LLM
 
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()

@@ -7,7 +7,7 @@ from .gemma2 import Gemma2Config, Gemma2ForCausalLM, Gemma2Model
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .loader import CheckpointError, load_model, supported_architectures
 from .registry import BUILTIN_MODELS
-from .runner import LLM, GenerateStats
+from .engine import LLM, GenerateStats
 
 __all__ = [
     "Attention",

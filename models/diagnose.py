@@ -25,7 +25,7 @@ from torch import nn
 
 from dispatcher import CompilationLevel, compilation_counter
 
-from .runner import LLM
+from .engine import LLM
 
 logger = logging.getLogger(__name__)
 

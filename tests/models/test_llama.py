@@ -5,6 +5,7 @@ import torch
 
 from dispatcher import CompilationConfig, compilation_counter
 from models import LLM, LlamaForCausalLM, load_model
+from models.engine.graphs import check_one_dynamic_size
 
 from models_testing import PROMPTS, hf_greedy, hf_last_logits, save_hf_llama
 
@@ -82,11 +83,11 @@ def test_steps_padded_to_capture_sizes_give_the_same_tokens(hf_reference):
     (the same step code, no graphs), padded steps give the tokens of unpadded ones."""
     path, _, ref_tokens = hf_reference
     llm = LLM(path, level=0, max_num_tokens=32, max_num_seqs=8)
-    llm.piece_sizes = [1, 2, 4, 8, 16, 32]  # what _setup_cuda_graphs sets on CUDA
+    llm.piece_sizes = [1, 2, 4, 8, 16, 32]  # what llm.graphs.setup sets on CUDA
     llm.pad_block = llm.kv_cache.allocate(1)[0]
     plans = []
-    padding = llm._padding
-    llm._padding = lambda b, t, nd, images: plans.append(((b, t), padding(b, t, nd, images))) or plans[-1][1]
+    padding = llm.graphs.padding
+    llm.graphs.padding = lambda b, t, nd, images: plans.append(((b, t), padding(b, t, nd, images))) or plans[-1][1]
     # Prompts of 7, 2, 13 and 1 tokens: a prefill step of 23 tokens pads to 32; decode steps of 3 sequences to 4.
     assert llm.generate(PROMPTS, max_new_tokens=16) == ref_tokens
     assert llm.generate(PROMPTS[:3], max_new_tokens=8) == [t[:8] for t in ref_tokens[:3]]
@@ -156,10 +157,10 @@ def test_runner_refuses_a_step_traced_with_two_dynamic_sizes():
     backend = SimpleNamespace(pieces={"submod_0": object()}, size_symbol=None, owner="LlamaModel.forward")
     wrapper = SimpleNamespace(_do_backend=SimpleNamespace(piecewise=backend))
     with pytest.raises(RuntimeError, match="LlamaModel.forward was traced with more than one dynamic size"):
-        LLM._check_one_dynamic_size([wrapper])
+        check_one_dynamic_size([wrapper])
     backend.size_symbol = "s0"
-    LLM._check_one_dynamic_size([wrapper])  # one size: fine
-    LLM._check_one_dynamic_size([SimpleNamespace(_do_backend=None)])  # levels 0-2: nothing to check
+    check_one_dynamic_size([wrapper])  # one size: fine
+    check_one_dynamic_size([SimpleNamespace(_do_backend=None)])  # levels 0-2: nothing to check
 
 
 def test_run_hands_fp32_logits_and_greedy_generate_agrees_in_bf16():

@@ -1,0 +1,147 @@
+"""CUDA graphs of the engine's steps: their capture at start-up, and which graph a step runs.
+
+Levels 3-4 on CUDA. Piecewise graphs (one per piece per size, attention eager between them) serve every
+step of up to the largest capture size, its tokens padded up to the next size; the compiled pieces
+replay them by themselves. With ``full_and_piecewise``, a decode-only step of up to ``max_num_seqs``
+sequences instead replays one whole-step graph (attention included), padded with dummy sequences that
+attend to, and write into, one reserved cache block.
+
+Everything the engine does with CUDA graphs is here, so that the mechanism can change in this file
+alone: :func:`check_one_dynamic_size` after the trace, :meth:`StepGraphs.setup` at start-up, and at
+each step :meth:`StepGraphs.padding` (which graph, how much padding) and :meth:`StepGraphs.replay`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dispatcher import CompilationConfig, CompilationLevel, TorchCompileWrapperWithCustomDispatcher
+from dispatcher.cuda_graph import FullGraphs, capture_sizes, mark_static_buffers
+
+from ..attention import Attention
+from ..forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from ..kv_cache import KVCache
+from .input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepGraphs", "check_one_dynamic_size"]
+
+
+def check_one_dynamic_size(compiled: Sequence[TorchCompileWrapperWithCustomDispatcher]) -> None:
+    """Levels 3-4: the traced step must have one dynamic size (the token count); with two, the
+    piecewise backend would run without per-size compiles and CUDA graphs, only logging a warning.
+    The runner's inputs are built for one, so a second is a bug here, not a model's choice."""
+    for wrapper in compiled:
+        backend = getattr(getattr(wrapper, "_do_backend", None), "piecewise", None)
+        if backend is not None and backend.pieces and backend.size_symbol is None:
+            raise RuntimeError(f"LLM: {backend.owner} was traced with more than one dynamic size, so its "
+                               f"pieces get no per-size compiles or CUDA graphs; the runner expects the "
+                               f"token count alone (see the warning logged by dispatcher.piecewise)")
+
+
+def _next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (sorted) that holds ``n``; None if none does."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return None
+
+
+class StepGraphs:
+    """The CUDA graphs a step may run, over ``inputs``' persistent buffers; none until :meth:`setup`.
+
+    Attributes:
+        piece_sizes: token counts with piecewise graphs (empty: no graphs, no padding).
+        full_sizes: decode batch sizes with whole-step graphs.
+        full_graphs: the whole-step graphs, None without.
+    """
+
+    def __init__(self, inputs: InputBatch, max_num_tokens: int, max_num_seqs: int) -> None:
+        self.inputs = inputs
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.piece_sizes: list[int] = []
+        self.full_sizes: list[int] = []
+        self.full_graphs: FullGraphs | None = None
+        self._full_md: dict[int, AttentionMetadata] = {}
+
+    def setup(self, model: nn.Module, layers: dict[str, Attention], kv_cache: KVCache,
+              level: CompilationLevel, config: CompilationConfig) -> float:
+        """Levels 3-4 on CUDA: capture every capture size of ``config`` at start-up (reserving the pad
+        block in ``kv_cache``); returns seconds taken."""
+        inputs = self.inputs
+        if (inputs.device.type != "cuda" or level < CompilationLevel.INDUCTOR or not config.use_cudagraph
+                or config.cudagraph_mode == "none"):
+            return 0.0
+        sizes = config.cudagraph_capture_sizes
+        self.piece_sizes = [n for n in sizes if n <= self.max_num_tokens]
+        if config.cudagraph_mode == "full_and_piecewise":
+            self.full_sizes = [n for n in sizes if n <= self.max_num_seqs]
+            self.full_graphs = FullGraphs()
+        inputs.pad_block = kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
+        mark_static_buffers(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
+
+        def capture(n: int) -> None:
+            if n in self.piece_sizes:  # warm-up, then capture; attention (eager between pieces) gets no metadata
+                for _ in range(2):
+                    with set_forward_context(ForwardContext(layers, None)), torch.inference_mode():
+                        model(inputs.input_ids[:n], inputs.positions[:n])
+            if n in self.full_sizes:
+                self._full_md[n] = self._dummy_decodes(n)
+                self.full_graphs.capture(n, lambda: self._decode_step(model, layers, n))
+
+        dt = capture_sizes(capture, sorted(set(self.piece_sizes) | set(self.full_sizes)),
+                           desc=f"capturing CUDA graphs ({config.cudagraph_mode})")
+        logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
+                    len(self.piece_sizes), len(self.full_sizes), dt)
+        return dt
+
+    def padding(self, b: int, t: int, num_decodes: int, images: bool) -> tuple[bool, int, int]:
+        """How a step of ``b`` sequences and ``t`` tokens is padded for the CUDA graphs:
+        ``(whole-step graph, dummy sequences, padding tokens)``.
+
+        A decode-only step is padded with dummy sequences (one token at position 0, in the reserved pad
+        block) up to the next whole-step graph size, else up to the next piecewise size; another step with
+        padding tokens of no sequence (their keys and values go to the pad block). Steps with images, and
+        steps above the largest size, run unpadded without graphs.
+        """
+        if not self.piece_sizes or images:
+            return False, 0, 0
+        n = _next_size(self.full_sizes, b) if num_decodes == b else None
+        if n is not None:
+            return True, n - b, 0
+        padded = _next_size(self.piece_sizes, t)
+        if padded is None:
+            return False, 0, 0
+        if num_decodes == b:
+            return False, (padded - b if padded <= self.max_num_seqs else 0), 0
+        return False, 0, padded - t
+
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """Replay the whole-step graph of ``num_seqs`` (padded) decodes on the staged inputs: logits
+        ``[num_seqs, vocab]``, in the graph's output buffer."""
+        return self.full_graphs.replay(num_seqs)
+
+    def _dummy_decodes(self, n: int) -> AttentionMetadata:
+        """``n`` dummy decode sequences in the persistent buffers and their metadata: what a whole-step
+        graph is captured on."""
+        inputs = self.inputs
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        inputs.add_padding(ids, pos, slots, starts, lens, n, 0)
+        inputs.stage(ids, pos, slots, starts, lens, torch.full((n, 1), inputs.pad_block, dtype=torch.int32))
+        inputs.forget_table()
+        return AttentionMetadata(
+            slot_mapping=inputs.slot_mapping[:n], query_start_loc=inputs.query_start_loc[:n + 1],
+            seq_lens=inputs.seq_lens[:n], block_table=inputs.block_table[:n], num_decodes=n,
+            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, max_seq_len=1)
+
+    def _decode_step(self, model: nn.Module, layers: dict[str, Attention], n: int) -> torch.Tensor:
+        """A decode-only step of ``n`` sequences over the persistent buffers: logits ``[n, vocab]``."""
+        inputs = self.inputs
+        with set_forward_context(ForwardContext(layers, self._full_md[n])), torch.inference_mode():
+            return model.compute_logits(model(inputs.input_ids[:n], inputs.positions[:n]))
