@@ -8,7 +8,8 @@ attend to, and write into, one reserved cache block.
 
 Everything the engine does with CUDA graphs is here, so that the mechanism can change in this file
 alone: :func:`check_one_dynamic_size` after the trace, :meth:`StepGraphs.setup` at start-up, and at
-each step :meth:`StepGraphs.padding` (which graph, how much padding) and :meth:`StepGraphs.replay`.
+each step :meth:`StepGraphs.padding` (which graph, how much padding), then :meth:`StepGraphs.replay` (a
+whole-step graph) or :meth:`StepGraphs.forward` (the model, its pieces on their graphs).
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class StepGraphs:
         if num_decodes == b:
             return False, (padded - b if padded <= self.max_num_seqs else 0), 0
         return False, 0, padded - t
+
+    def forward(self, model: nn.Module, num_tokens: int) -> torch.Tensor:
+        """The model on the first ``num_tokens`` staged tokens (padded), in the caller's forward context:
+        hidden states ``[T, hidden]``; the compiled pieces replay their graphs of that size, if captured."""
+        return model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens])
 
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Replay the whole-step graph of ``num_seqs`` (padded) decodes on the staged inputs: logits

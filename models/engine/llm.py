@@ -207,7 +207,7 @@ class LLM:
                 embeds = self.model.embed_multimodal(self.input_ids[:t], images)  # [T, hidden]
                 hidden = self.model(self.input_ids[:t], self.positions[:t], embeds)
             else:
-                hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])  # [T, hidden]
+                hidden = self.graphs.forward(self.model, num_tokens)  # [T, hidden]
             # Each sequence's last token: the first b rows when every sequence has one (no gather), else
             # at query_start_loc[1:] - 1, already on the device.
             last = hidden[:b] if t == b else hidden[self.query_start_loc[1:b + 1] - 1]
