@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from dispatcher import CompilationConfig, set_compilation_config
-from dispatcher.cuda_graph import FullGraphs
+from dispatcher import CompilationConfig, CUDAGraphMode, CUDAGraphs, set_compilation_config
 from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from models.kv_cache import KVCache, attention_layers
 from models.loader import load_model
@@ -207,8 +206,11 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
-        full = FullGraphs() if cuda and mode in ("level 3", "level 3 +ops", "full-graph floor") else None
-        floor_graphs = FullGraphs() if floor_with_level1 and mode == "level 1" else None
+        full = cuda and mode in ("level 3", "level 3 +ops", "full-graph floor")
+        pieces = cuda and graph_mode == "piecewise"
+        # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
+        graphs = CUDAGraphs() if full or pieces else None
+        floor_graphs = CUDAGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)
             if mode == "reduce-overhead":
@@ -224,24 +226,19 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                                  compile_s=round(compile_b, 1)))
                 print(rows[-1], flush=True)
                 continue
-            if full is not None:
-                t0 = time.perf_counter()
-                full.capture(b, h.step)
-                capture_s += time.perf_counter() - t0
-                us = _time(lambda: full.replay(b), device, iters)
+            if graphs is not None:
+                graph_mode_b = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
+                capture_s += graphs.capture([b], graph_mode_b, lambda n: h.step())
+                us = _time(lambda: graphs.run(graph_mode_b, b, lambda n: h.step()),  # noqa: B023 - called here
+                           device, iters)
             else:
-                if cuda and graph_mode == "piecewise":
-                    t0 = time.perf_counter()
-                    h.step()
-                    h.step()  # warm-up, capture
-                    capture_s += time.perf_counter() - t0
                 us = _time(h.step, device, iters)
             rows.append(dict(model=name, mode=mode, batch=b, us_per_step=round(us, 1),
                              compile_s=round(compile_s, 1)))
             print(rows[-1], flush=True)
             if floor_graphs is not None:
-                floor_graphs.capture(b, h.step)
-                us = _time(lambda: floor_graphs.replay(b), device, iters)  # noqa: B023 - called right here
+                floor_graphs.capture([b], CUDAGraphMode.FULL, lambda n: h.step())
+                us = _time(lambda: floor_graphs.run(CUDAGraphMode.FULL, b, None), device, iters)  # noqa: B023
                 rows.append(dict(model=name, mode="full-graph floor", batch=b, us_per_step=round(us, 1),
                                  compile_s=round(compile_s, 1)))
                 print(rows[-1], flush=True)

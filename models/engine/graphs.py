@@ -2,7 +2,7 @@
 
 Levels 3-4 on CUDA. Piecewise graphs (one per piece per size, attention eager between them) serve every
 step of up to the largest capture size, its tokens padded up to the next size; the compiled pieces
-replay them by themselves. With ``full_and_piecewise``, a decode-only step of up to ``max_num_seqs``
+replay them inside a PIECEWISE step the engine declares (``CUDAGraphs.run``). With ``full_and_piecewise``, a decode-only step of up to ``max_num_seqs``
 sequences instead replays one whole-step graph (attention included), padded with dummy sequences that
 attend to, and write into, one reserved cache block.
 
@@ -20,8 +20,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dispatcher import CompilationConfig, CompilationLevel, TorchCompileWrapperWithCustomDispatcher
-from dispatcher.cuda_graph import FullGraphs, capture_sizes, mark_static_buffers
+from dispatcher import (
+    CompilationConfig,
+    CompilationLevel,
+    CUDAGraphMode,
+    CUDAGraphs,
+    TorchCompileWrapperWithCustomDispatcher,
+)
 
 from ..attention import Attention
 from ..forward_context import AttentionMetadata, ForwardContext, set_forward_context
@@ -38,10 +43,10 @@ def check_one_dynamic_size(compiled: Sequence[TorchCompileWrapperWithCustomDispa
     piecewise backend would run without per-size compiles and CUDA graphs, only logging a warning.
     The runner's inputs are built for one, so a second is a bug here, not a model's choice."""
     for wrapper in compiled:
-        backend = getattr(getattr(wrapper, "_do_backend", None), "piecewise", None)
-        if backend is not None and backend.pieces and backend.size_symbol is None:
-            raise RuntimeError(f"LLM: {backend.owner} was traced with more than one dynamic size, so its "
-                               f"pieces get no per-size compiles or CUDA graphs; the runner expects the "
+        n = wrapper.num_dynamic_sizes
+        if n is not None and n > 1:
+            raise RuntimeError(f"LLM: {type(wrapper).__qualname__}.forward was traced with {n} dynamic sizes, "
+                               f"so its pieces get no per-size compiles or CUDA graphs; the runner expects the "
                                f"token count alone (see the warning logged by dispatcher.piecewise)")
 
 
@@ -59,7 +64,7 @@ class StepGraphs:
     Attributes:
         piece_sizes: token counts with piecewise graphs (empty: no graphs, no padding).
         full_sizes: decode batch sizes with whole-step graphs.
-        full_graphs: the whole-step graphs, None without.
+        cuda_graphs: every graph of the model (piecewise and whole-step), None without.
     """
 
     def __init__(self, inputs: InputBatch, max_num_tokens: int, max_num_seqs: int) -> None:
@@ -68,7 +73,8 @@ class StepGraphs:
         self.max_num_seqs = max_num_seqs
         self.piece_sizes: list[int] = []
         self.full_sizes: list[int] = []
-        self.full_graphs: FullGraphs | None = None
+        self.cuda_graphs: CUDAGraphs | None = None
+        self._captured_pieces: frozenset[int] = frozenset()  # token counts with piecewise graphs
         self._full_md: dict[int, AttentionMetadata] = {}
 
     def setup(self, model: nn.Module, layers: dict[str, Attention], kv_cache: KVCache,
@@ -81,23 +87,20 @@ class StepGraphs:
             return 0.0
         sizes = config.cudagraph_capture_sizes
         self.piece_sizes = [n for n in sizes if n <= self.max_num_tokens]
+        graphs = self.cuda_graphs = CUDAGraphs()
+        inputs.pad_block = kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
+        graphs.mark_static(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
+
+        def piece_step(n: int) -> torch.Tensor:  # attention, eager between the pieces, gets no metadata
+            with set_forward_context(ForwardContext(layers, None)), torch.inference_mode():
+                return model(inputs.input_ids[:n], inputs.positions[:n])
+
+        dt = graphs.capture(self.piece_sizes, CUDAGraphMode.PIECEWISE, piece_step)
+        self._captured_pieces = frozenset(graphs.sizes(CUDAGraphMode.PIECEWISE))
         if config.cudagraph_mode == "full_and_piecewise":
             self.full_sizes = [n for n in sizes if n <= self.max_num_seqs]
-            self.full_graphs = FullGraphs()
-        inputs.pad_block = kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
-        mark_static_buffers(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
-
-        def capture(n: int) -> None:
-            if n in self.piece_sizes:  # warm-up, then capture; attention (eager between pieces) gets no metadata
-                for _ in range(2):
-                    with set_forward_context(ForwardContext(layers, None)), torch.inference_mode():
-                        model(inputs.input_ids[:n], inputs.positions[:n])
-            if n in self.full_sizes:
-                self._full_md[n] = self._dummy_decodes(n)
-                self.full_graphs.capture(n, lambda: self._decode_step(model, layers, n))
-
-        dt = capture_sizes(capture, sorted(set(self.piece_sizes) | set(self.full_sizes)),
-                           desc=f"capturing CUDA graphs ({config.cudagraph_mode})")
+            dt += graphs.capture(self.full_sizes, CUDAGraphMode.FULL, lambda n: self._decode_step(model, layers, n),
+                                 prepare=lambda n: self._full_md.__setitem__(n, self._dummy_decodes(n)))
         logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
                     len(self.piece_sizes), len(self.full_sizes), dt)
         return dt
@@ -125,13 +128,17 @@ class StepGraphs:
 
     def forward(self, model: nn.Module, num_tokens: int) -> torch.Tensor:
         """The model on the first ``num_tokens`` staged tokens (padded), in the caller's forward context:
-        hidden states ``[T, hidden]``; the compiled pieces replay their graphs of that size, if captured."""
-        return model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens])
+        hidden states ``[T, hidden]``. A size with piecewise graphs runs as a PIECEWISE step (the compiled
+        pieces replay their graphs of that size); any other without graphs."""
+        ids, pos = self.inputs.input_ids, self.inputs.positions
+        if num_tokens in self._captured_pieces:
+            return self.cuda_graphs.run(CUDAGraphMode.PIECEWISE, num_tokens, lambda n: model(ids[:n], pos[:n]))
+        return model(ids[:num_tokens], pos[:num_tokens])
 
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Replay the whole-step graph of ``num_seqs`` (padded) decodes on the staged inputs: logits
-        ``[num_seqs, vocab]``, in the graph's output buffer."""
-        return self.full_graphs.replay(num_seqs)
+        ``[num_seqs, vocab]``, in the graph's output buffer (overwritten by the next step with graphs)."""
+        return self.cuda_graphs.run(CUDAGraphMode.FULL, num_seqs, None)
 
     def _dummy_decodes(self, n: int) -> AttentionMetadata:
         """``n`` dummy decode sequences in the persistent buffers and their metadata: what a whole-step

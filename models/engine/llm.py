@@ -25,6 +25,7 @@ from torch import nn
 from dispatcher import (
     CompilationConfig,
     CompilationLevel,
+    CUDAGraphs,
     TorchCompileWrapperWithCustomDispatcher,
     get_compilation_config,
     set_compilation_config,
@@ -165,9 +166,10 @@ class LLM:
         self.graphs.full_sizes = sizes
 
     @property
-    def full_graphs(self) -> Any:
-        """The whole-step CUDA graphs, None without."""
-        return self.graphs.full_graphs
+    def cuda_graphs(self) -> CUDAGraphs | None:
+        """Every CUDA graph of the model (``dispatcher.CUDAGraphs``: piecewise and whole-step, by mode and
+        size), None without graphs."""
+        return self.graphs.cuda_graphs
 
     @property
     def pad_block(self) -> int | None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dispatcher import CompilationConfig, compilation_counter
+from dispatcher import CompilationConfig, CUDAGraphMode, compilation_counter
 from models import LLM
 
 pytestmark = pytest.mark.cuda
@@ -25,9 +25,12 @@ def test_capture_counts_at_start_up():
                                     num_cudagraph_captured=PIECES * len(SIZES) + 4):
         m = llm("full_and_piecewise")
     assert m.piece_sizes == SIZES and m.full_sizes == [1, 2, 4, 8]
+    assert m.cuda_graphs.sizes(CUDAGraphMode.PIECEWISE) == SIZES
+    assert m.cuda_graphs.sizes(CUDAGraphMode.FULL) == [1, 2, 4, 8]
     with compilation_counter.expect(num_cudagraph_captured=PIECES * len(SIZES)):
         p = llm("piecewise")
-    assert p.full_graphs is None
+    assert p.full_sizes == [] and p.cuda_graphs.sizes(CUDAGraphMode.FULL) == []
+    assert llm("none").cuda_graphs is None
 
 
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dispatcher import CompilationConfig, compilation_counter
+from dispatcher import CompilationConfig, compilation_counter, set_compilation_config
 from models import LLM, LlamaForCausalLM, load_model
 from models.engine.graphs import check_one_dynamic_size
 
@@ -151,16 +151,33 @@ def test_level3_runner_compiles_per_size(hf_reference):
 
 def test_runner_refuses_a_step_traced_with_two_dynamic_sizes():
     """Had the runner's inputs given the traced step a second dynamic size, pieces would silently lose their
-    per-size compiles and CUDA graphs: the runner raises instead."""
-    from types import SimpleNamespace
+    per-size compiles and CUDA graphs: the engine raises instead (checked on real level-3 traces)."""
+    from dispatcher import support_torch_compile
 
-    backend = SimpleNamespace(pieces={"submod_0": object()}, size_symbol=None, owner="LlamaModel.forward")
-    wrapper = SimpleNamespace(_do_backend=SimpleNamespace(piecewise=backend))
-    with pytest.raises(RuntimeError, match="LlamaModel.forward was traced with more than one dynamic size"):
-        check_one_dynamic_size([wrapper])
-    backend.size_symbol = "s0"
-    check_one_dynamic_size([wrapper])  # one size: fine
-    check_one_dynamic_size([SimpleNamespace(_do_backend=None)])  # levels 0-2: nothing to check
+    @support_torch_compile
+    class TwoSizes(torch.nn.Module):
+        def __init__(self, related: bool = False):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.related = related
+
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            if self.related:  # as in a real model: the two sizes are the same token count
+                return self.lin(input_ids) + self.lin(positions)
+            return self.lin(input_ids) + self.lin(positions).sum(0)  # no relation between the two sizes
+
+    cfg = CompilationConfig(level=3, use_cudagraph=False)
+    with set_compilation_config(cfg):
+        two, one = TwoSizes(), TwoSizes(related=True)
+    two(torch.randn(6, 8), torch.randn(3, 8))
+    one(torch.randn(6, 8), torch.randn(6, 8))
+    with pytest.raises(RuntimeError, match="TwoSizes.forward was traced with 2 dynamic sizes"):
+        check_one_dynamic_size([two])
+    check_one_dynamic_size([one])  # one size: fine
+    with set_compilation_config(CompilationConfig(level=2)):
+        level2 = TwoSizes()
+    level2(torch.randn(6, 8), torch.randn(3, 8))
+    check_one_dynamic_size([level2])  # levels 0-2: nothing to check
 
 
 def test_run_hands_fp32_logits_and_greedy_generate_agrees_in_bf16():
