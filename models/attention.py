@@ -16,21 +16,16 @@ Implementations:
 - CUDA + Triton: the cache write is one Triton launch (both halves, any
   slot order); the decode sequences go through a split-KV ("flash-decoding")
   Triton kernel, the prefill ones through per-sequence SDPA (a fused kernel;
-  a whole prompt reads this step's k, v directly). Decode batches of 1-256
-  sequences are where per-step latency lives: one query row per sequence
-  gives too little parallelism per sequence for a tile-per-sequence kernel at
-  small batch, so the kernel splits each sequence's pages over
-  ``num_splits`` programs (chosen from the batch size only, so a CUDA graph
-  captured per batch size stays valid) and a second kernel merges the
-  partial softmaxes. One program serves all query heads of a KV head (GQA:
-  K and V are read once per group), with ``tl.dot`` on a 16-row tile. The
-  decode path reads only device tensors (``block_table``, ``seq_lens``,
+  a whole prompt reads this step's k, v directly). The kernels are
+  :mod:`ops.paged_attention`'s, called through their launchers
+  (``write_kv_cache_triton``, ``paged_decode_triton``): this op already runs
+  eagerly, and another op dispatch per layer would cost host time every step.
+  The decode path reads only device tensors (``block_table``, ``seq_lens``,
   ``slot_mapping``): no host sync, safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -39,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from ops._triton import HAS_TRITON, cdiv, next_power_of_2, tl, triton
+from ops import HAS_TRITON, paged_decode_triton, write_kv_cache_triton
+from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
+from ops.triton_utils import cdiv
 
 from .forward_context import AttentionMetadata, get_forward_context
 
@@ -49,14 +46,6 @@ __all__ = ["Attention", "attention", "attention_native", "write_kv_cache", "writ
 
 
 # ----------------------------------------------------------------- native
-def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``k``, ``v`` (``[T, Hkv * D]``) to the flat slots ``slot_mapping`` of ``kv_cache``."""
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, k.reshape(-1, num_kv_heads, head_size).to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.reshape(-1, num_kv_heads, head_size).to(kv_cache.dtype))
-
-
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
     """One sequence. q: [Lq, Hq, D] (the last Lq of L positions); k, v: [L, Hkv, D] -> [Lq, Hq, D]."""
@@ -133,209 +122,11 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
     return out
 
 
-# ------------------------------------------------------------------ Triton
-@triton.jit
-def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, half_stride,
-                           ROW: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per new token: its Hkv * D keys and values to its slot in each half of the cache.
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < ROW
-    k = tl.load(k_ptr + t.to(tl.int64) * stride_k + offs, mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64) * stride_v + offs, mask=mask)
-    dst = cache_ptr + slot * ROW + offs
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
-    """:func:`write_kv_cache` in one launch (instead of two ``index_copy_`` and their reshapes and casts).
-
-    Slots must be valid (the runner sends padding tokens to a reserved block); the cache is contiguous.
-    """
-    num_tokens = k.shape[0]
-    if num_tokens == 0:
-        return
-    row = kv_cache.shape[-2] * kv_cache.shape[-1]
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    block = next_power_of_2(row)
-    _write_kv_cache_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-        ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)),
-    )
-
-
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    stride_q_t, stride_q_h,
-    stride_c_b, stride_c_s, stride_c_h,
-    stride_bt,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    scale, soft_cap, window,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-):
-    # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = 0
-    if USE_WINDOW:
-        start = tl.maximum(seq_len - window, 0)  # the query sits at seq_len - 1
-    first_page = start // PAGE
-    n_pages = (seq_len + PAGE - 1) // PAGE
-    per_split = (n_pages - first_page + NUM_SPLITS - 1) // NUM_SPLITS
-    p0 = first_page + s * per_split
-    p1 = tl.minimum(p0 + per_split, n_pages)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_D
-    heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for pos0 in range(p0 * PAGE, p1 * PAGE, BLOCK_N):
-        k_pos = pos0 + offs_n
-        n_mask = (k_pos < seq_len) & (k_pos >= start) & (k_pos < p1 * PAGE)
-        block = tl.load(block_table_ptr + b * stride_bt + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale  # [BLOCK_G, BLOCK_N]
-        if USE_SOFTCAP:
-            qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)  # tanh
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        # Every chunk holds at least one valid key (pages p0..p1-1 all start inside [start, seq_len)).
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-    mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
-    tl.store(mo, out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    stride_o_t, stride_o_h,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_D
-    lse = tl.load(mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s)  # [S]; split 0 is never empty
-    o = tl.load(mid_o_ptr + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
-                mask=d_mask[None, :], other=0.0)
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = tl.where(lse == float("-inf"), 0.0, w)
-    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + b * stride_o_t + h * stride_o_h + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (CPU tensors, tests): small, and still more than one split
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence: about two waves of programs over the SMs, from the batch size only.
-
-    Depends on nothing but shapes, so one CUDA graph per batch size stays valid.
-    E.g. H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 1 (256 programs already).
-    """
-    sms = _num_sms(device)
-    want = cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(32, next_power_of_2(want)))
-
-
-def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Decode attention, one query token per sequence, from the paged cache.
-
-    Args:
-        q: ``[B, Hq * D]``.
-        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (already holding this step's keys).
-        block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32.
-    Returns:
-        ``[B, Hq * D]`` in q's dtype.
-    """
-    num_seqs = q.shape[0]
-    _, _, page, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
-    q3 = q.view(num_seqs, num_heads, head_size)
-    if q3.stride(-1) != 1:
-        q3 = q3.contiguous()
-    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
-        raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
-                         f"them in one block) or None; got {num_splits}")
-    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, q.device)
-    block_d = next_power_of_2(head_size)
-    block_g = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows
-    block_n = max(page, 64 if block_d <= 128 else 32)
-    mid_o = torch.empty(num_seqs, num_heads, splits, head_size, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q3, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
-        q3.stride(0), q3.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        scale, logits_soft_cap or 1.0, sliding_window or 0,
-        GROUP=group, BLOCK_G=block_g, HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=splits, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4,
-    )
-    out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
-    )
-    return out.view(num_seqs, num_heads * head_size)
-
-
+# ------------------------------------------------------------------ CUDA
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Triton split-KV decode for the decode sequences, SDPA per prefill sequence."""
+    """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, SDPA per prefill sequence."""
     if kv_cache.is_contiguous():
         write_kv_cache_triton(kv_cache, k, v, md.slot_mapping)
     else:

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from ops._triton import cdiv
+from ops.triton_utils import cdiv
 
 from .attention import Attention
 

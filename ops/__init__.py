@@ -1,12 +1,22 @@
 """dynamo-once's custom ops: Triton kernels registered as ``torch.ops.dynamo_once.*``, their
 ``CustomOp`` modules (switched per op by ``CompilationConfig.custom_ops``) and fp32 references.
 
-Triton is optional: without it every op runs its reference on any device.
+Triton is optional: without it every op runs its reference on any device. The paged-attention
+ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers.
 """
 
-from ._triton import HAS_TRITON
+from .triton_utils import HAS_TRITON
 from .custom_op import CustomOp, OpStatus, enabled_custom_ops, parse_custom_ops, uses_inductor
 from .gelu_and_mul import GeluAndMul, gelu_and_mul, gelu_and_mul_ref
+from .paged_attention import (
+    decode_num_splits,
+    paged_decode,
+    paged_decode_ref,
+    paged_decode_triton,
+    write_kv_cache,
+    write_kv_cache_ref,
+    write_kv_cache_triton,
+)
 from .quant_fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -41,6 +51,8 @@ TORCH_OP_NAMES = (
     "rotary_embedding",
     "static_scaled_fp8_quant",
     "dynamic_scaled_fp8_quant",
+    "write_kv_cache",
+    "paged_decode",
 )
 
 __all__ = [
@@ -61,6 +73,11 @@ __all__ = [
     "compute_cos_sin_cache",
     "static_scaled_fp8_quant",
     "dynamic_scaled_fp8_quant",
+    "write_kv_cache",
+    "paged_decode",
+    "write_kv_cache_triton",
+    "paged_decode_triton",
+    "decode_num_splits",
     "RMSNorm",
     "GemmaRMSNorm",
     "SiluAndMul",
@@ -74,6 +91,8 @@ __all__ = [
     "rotary_embedding_ref",
     "static_scaled_fp8_quant_ref",
     "dynamic_scaled_fp8_quant_ref",
+    "write_kv_cache_ref",
+    "paged_decode_ref",
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_SCALE",

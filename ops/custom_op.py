@@ -27,7 +27,7 @@ from torch import nn
 from dispatcher import CompilationConfig, CompilationLevel, get_compilation_config
 from dispatcher.plugins import get_torch_compile_backend
 
-from ._triton import HAS_TRITON
+from .triton_utils import HAS_TRITON
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from ._triton import triton_op, use_triton
+from .triton_utils import triton_op, use_triton
 from .custom_op import CustomOp
 from .silu_and_mul import GELU, GELU_TANH, launch_act_and_mul
 

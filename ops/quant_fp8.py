@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
-from ._triton import (
+from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
     known_int,
@@ -71,7 +71,7 @@ def _static_fp8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr, IN
     # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
     # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
     # EVEN: n is a known multiple of BLOCK, so no masks.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -98,7 +98,7 @@ def _dynamic_fp8_quant_single_kernel(
 ):
     # One program: amax over the whole tensor, the scale, then the quantization; no atomics, no memset.
     # n < 2**31 here (small inputs only): int32 offsets.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if NUM_BLOCKS == 1:
@@ -135,7 +135,7 @@ def _dynamic_fp8_quant_single_kernel(
 @triton.jit
 def _block_absmax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # n < 2**20 here: int32 offsets.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -149,7 +149,7 @@ def _dynamic_fp8_quant_partials_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, n, 
                                        MIN_S: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
                                        PDL: tl.constexpr):
     # Every program reduces all partials (<= 256 floats, from L2) to the scale: no grid-wide sync needed.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p_offs = tl.arange(0, P_BLOCK)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
-from ._triton import (
+from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
     known_int,
@@ -69,7 +69,7 @@ def _rms_norm_kernel(
 ):
     # A [ROWS, BLOCK_N] tile: several short rows per program keep enough bytes
     # in flight per SM when the hidden size is small.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.library import wrap_triton
 
-from ._triton import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from .triton_utils import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
 __all__ = ["rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref"]

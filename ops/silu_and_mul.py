@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
-from ._triton import (
+from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
     known_int,
@@ -52,7 +52,7 @@ def _act_and_mul_kernel(
     # act(x[:, :d]) * x[:, d:] for SiLU and both GELUs (ACT): one kernel, the activation a constexpr branch.
     # Axis 0 walks rows (up to 2**31 programs), axis 1 the column blocks of one row.
     # EVEN: the tiles cover the tensor exactly (known sizes only), so no masks.
-    if PDL:  # launched early (ops._triton.pdl_launch): wait for the kernel before, then let the next launch
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -96,7 +96,7 @@ def act_and_mul_config(d: int, element_size: int, n_rows: int | None = None) -> 
         # Swept on the H200 (bench_ops --sweep-small, interleaved timing, hidden 2048 / 4096 / 8192):
         # without PDL the best mean over the hidden sizes at 1 token ((512, 1, 8): 1.005x compile's time)
         # and at 16 ((256, 2, 8): 1.001x), the ten best within ~0.02 us of ~1.2 us; with PDL (the
-        # default, ops._triton.pdl_launch) 0.73-0.86 us, the best or within 0.015 us of it in each cell.
+        # default, ops.triton_utils.pdl_launch) 0.73-0.86 us, the best or within 0.015 us of it in each cell.
         block_d = min(next_power_of_2(d), 256 if n_rows >= 8 else 512)
         rows = min(max(1, 512 // block_d), next_power_of_2(n_rows))
         return block_d, rows, max(1, min(8, block_d * rows // 64))
@@ -129,7 +129,7 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
     """``act(x[..., :d]) * x[..., d:]`` with the Triton kernel; ``act`` one of SILU, GELU, GELU_TANH.
 
     ``config``: ``(BLOCK_D, ROWS, num_warps)`` (default :func:`act_and_mul_config`); ``pdl``: launch with
-    programmatic dependent launch (default :func:`ops._triton.pdl_launch`; True needs a CUDA device of
+    programmatic dependent launch (default :func:`ops.triton_utils.pdl_launch`; True needs a CUDA device of
     compute capability >= 9.0).
     """
     d = x.shape[-1] // 2

@@ -1,8 +1,12 @@
-"""torch.ops.dynamo_once.attention: one opaque op, mixed batches, no specialization of T, the CUDA decode kernel."""
+"""torch.ops.dynamo_once.attention: one opaque op, mixed batches, no specialization of T, the CUDA decode path.
+
+The kernels themselves (cache write, split-KV decode) are ops.paged_attention's: tests/ops/test_paged_attention.py.
+"""
 
 import pytest
 import torch
 
+import ops
 from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
 from models.attention import _prefill_loop, attention_native, write_kv_cache
@@ -202,24 +206,6 @@ def test_cuda_decode_captures_in_a_cuda_graph():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [1, 5, 300])
-def test_cuda_cache_write_kernel_equals_index_copy(num_tokens):
-    """The one-launch cache write: k and v as column slices of one qkv tensor, slots in any order."""
-    from models.attention import write_kv_cache_triton
-
-    g = torch.Generator().manual_seed(num_tokens)
-    cache = torch.randn(2, 128, BLOCK, KV_HEADS, HEAD, generator=g).to(torch.bfloat16).cuda()
-    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD, generator=g).to(torch.bfloat16).cuda()
-    k = qkv[:, HEADS * HEAD:(HEADS + KV_HEADS) * HEAD]
-    v = qkv[:, (HEADS + KV_HEADS) * HEAD:]
-    slots = torch.randperm(128 * BLOCK, generator=g)[:num_tokens].cuda()
-    expected = cache.clone()
-    write_kv_cache(expected, k, v, slots)
-    write_kv_cache_triton(cache, k, v, slots)
-    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}], ids=["plain", "window"])
 def test_whole_prompts_attend_to_this_steps_keys_as_to_the_cache(kw):
     """The CUDA path's shortcut: a prompt with nothing cached before it reads this step's k, v directly."""
@@ -233,3 +219,14 @@ def test_whole_prompts_attend_to_this_steps_keys_as_to_the_cache(kw):
     _prefill_loop(direct, q, *args, k, v)
     torch.testing.assert_close(direct, from_cache, rtol=0, atol=0)
     assert direct[md.num_decodes:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_native_decodes_equal_the_paged_decode_reference(kw):
+    """The native path on decodes is ops.paged_decode_ref, the reference the decode kernel is tested against."""
+    layer = new_layer(**kw)
+    q, k, v, md = make_batch(layer, [(9, 1), (0, 1), (13, 1), (BLOCK - 1, 1)])
+    window, cap = kw.get("sliding_window"), kw.get("logits_soft_cap")
+    out = attention_native(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5, window, cap)
+    ref = ops.paged_decode_ref(q, layer.kv_cache, md.block_table, md.seq_lens, HEADS, HEAD, HEAD**-0.5, window, cap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,11 +1,12 @@
 """The attention op's CUDA path (Triton cache write, split-KV decode kernel, mixed batches) on CPU tensors
-in Triton's interpreter, against the native path. ``make test`` runs these with ``TRITON_INTERPRET=1``."""
+in Triton's interpreter, against the native path. ``make test`` runs these with ``TRITON_INTERPRET=1``.
+The kernels alone, against their references: tests/ops/test_kernels_interpreted.py."""
 
 import pytest
 import torch
-from test_attention import BLOCK, HEAD, HEADS, KV_HEADS, SPECS, make_batch, new_layer
+from test_attention import BLOCK, HEAD, HEADS, SPECS, make_batch, new_layer
 
-from models.attention import attention_cuda, attention_native, paged_decode_triton, write_kv_cache, write_kv_cache_triton
+from models.attention import attention_cuda, attention_native
 
 pytestmark = pytest.mark.interpret
 
@@ -37,46 +38,12 @@ def test_decode_kernel_matches_native(kw, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
-def test_decode_splits_merge_to_the_same_result(num_splits):
-    """Split-KV: however a sequence's pages are split, the merged result is the same attention."""
-    layer = new_layer(num_blocks=64)
-    q, k, v, md = make_batch(layer, [(50, 1), (9, 1)])
-    write_kv_cache(layer.kv_cache, k, v, md.slot_mapping)
-    out = paged_decode_triton(q, layer.kv_cache, md.block_table, md.seq_lens, HEADS, HEAD, SCALE,
-                              num_splits=num_splits)
-    ref = attention_native(q, k, v, layer.kv_cache.clone(), md, HEADS, HEAD, SCALE)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_decode_splits_must_be_a_power_of_two():
-    layer = new_layer()
-    q, _, _, md = make_batch(layer, [(5, 1)])
-    with pytest.raises(ValueError, match="num_splits must be a power of two .* got 3"):
-        paged_decode_triton(q, layer.kv_cache, md.block_table, md.seq_lens, HEADS, HEAD, SCALE, num_splits=3)
-
-
 def test_mixed_batch_matches_native():
     """Decodes through the kernel, prompts (whole, and a chunk after cached tokens) through SDPA."""
     layer = new_layer()
     q, k, v, md = make_batch(layer, SPECS)
     out, ref = both_paths(layer, q, k, v, md)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("num_tokens", [1, 5, 40])
-def test_cache_write_kernel_equals_index_copy(num_tokens):
-    """k and v as column slices of one qkv tensor (strided rows), slots in any order."""
-    g = torch.Generator().manual_seed(num_tokens)
-    cache = torch.randn(2, 32, BLOCK, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
-    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD, generator=g).to(torch.bfloat16)
-    k = qkv[:, HEADS * HEAD:(HEADS + KV_HEADS) * HEAD]
-    v = qkv[:, (HEADS + KV_HEADS) * HEAD:]
-    slots = torch.randperm(32 * BLOCK, generator=g)[:num_tokens]
-    expected = cache.clone()
-    write_kv_cache(expected, k, v, slots)
-    write_kv_cache_triton(cache, k, v, slots)
-    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("model,level,padded,overlap", [

@@ -1,8 +1,8 @@
 """The ops' Triton kernels, run on CPU tensors in Triton's interpreter, against the references.
 
 CI has no GPU: this is where it checks the kernels' indexing and masking (masked and mask-free
-``EVEN`` tiles, several rows a program, strided rows, odd widths). Speed and the CUDA-only
-details are the CUDA tests' business. ``make test`` runs these in a second pytest with
+``EVEN`` tiles, several rows a program, strided rows, odd widths, paged blocks, KV splits). Speed
+and the CUDA-only details are the CUDA tests' business. ``make test`` runs these in a second pytest with
 ``TRITON_INTERPRET=1`` (set before any kernel is defined); elsewhere they are skipped.
 """
 
@@ -11,6 +11,9 @@ import importlib
 import pytest
 import torch
 from ops_testing import assert_close
+from test_paged_attention import (
+    BLOCK, CONTEXTS, HEAD, HEADS, KV_HEADS, SCALE, TOLERANCES, WINDOW_IDS, WINDOWS, decode_batch,
+)
 
 import ops
 
@@ -138,3 +141,39 @@ def test_dynamic_fp8_quant(n):
 def test_dynamic_fp8_quant_of_zeros_has_a_finite_positive_scale():
     q, scale = fp8._launch_dynamic_fp8_quant(torch.zeros(2, 64, dtype=torch.bfloat16))
     assert torch.isfinite(scale).all() and (scale > 0).all() and (q.float() == 0).all()
+
+
+# fp32 only: the interpreter's tl.dot of bf16 blocks returns garbage (Triton 3.6; a 16x16 bf16 product is off
+# by ~1e10), so bf16 is the CUDA tests' (test_paged_attention.py) alone.
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
+@pytest.mark.parametrize("kw", WINDOWS, ids=WINDOW_IDS)
+def test_paged_decode(kw, dtype):
+    q, cache, table, seq_lens = decode_batch(CONTEXTS, dtype)
+    out = ops.paged_decode_triton(q, cache, table, seq_lens, HEADS, HEAD, SCALE, **kw)
+    ref = ops.paged_decode_ref(q, cache, table, seq_lens, HEADS, HEAD, SCALE, **kw)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
+def test_paged_decode_splits_merge_to_the_same_result(num_splits):
+    """Split-KV: however a sequence's pages are split, the merged result is the same attention."""
+    q, cache, table, seq_lens = decode_batch([50, 9])
+    out = ops.paged_decode_triton(q, cache, table, seq_lens, HEADS, HEAD, SCALE, num_splits=num_splits)
+    torch.testing.assert_close(out, ops.paged_decode_ref(q, cache, table, seq_lens, HEADS, HEAD, SCALE),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_write_kv_cache_equals_index_copy(num_tokens):
+    """k and v as column slices of one qkv tensor (strided rows), slots in any order."""
+    g = torch.Generator().manual_seed(num_tokens)
+    cache = torch.randn(2, 32, BLOCK, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD, generator=g).to(torch.bfloat16)
+    k = qkv[:, HEADS * HEAD:(HEADS + KV_HEADS) * HEAD]
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD:]
+    slots = torch.randperm(32 * BLOCK, generator=g)[:num_tokens]
+    expected = cache.clone()
+    ops.write_kv_cache_ref(expected, k, v, slots)
+    ops.write_kv_cache_triton(cache, k, v, slots)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)

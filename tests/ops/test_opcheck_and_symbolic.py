@@ -12,16 +12,31 @@ HEAD_SIZE = 64
 EPS = 1e-6
 
 
+def _write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``ops.write_kv_cache``, returning the cache it wrote in place (the op returns nothing)."""
+    ops.write_kv_cache(kv_cache, k, v, slots)
+    return kv_cache
+
+
 def _samples(num_tokens: int, device: str) -> dict:
-    """torch op name -> (functional wrapper, args): one sample call per op; dim 0 of the first tensor is tokens."""
+    """torch op name -> (functional wrapper, args): one sample call per op; dim 0 of the token (or, for
+    paged_decode, sequence) tensors is ``num_tokens``, every other size is fixed."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g).to(dtype).to(device)
 
+    def ints(high, *shape, dtype=torch.int64):
+        return torch.randint(0, high, shape, generator=g).to(dtype).to(device)
+
     x, r, w = rand(num_tokens, 96), rand(num_tokens, 96), rand(96)
     cache = ops.compute_cos_sin_cache(HEAD_SIZE, 4096, dtype=torch.bfloat16, device=device)
     positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    # Paged KV cache: 32 blocks of 16 tokens, 2 KV heads (4 query heads); up to 4 blocks a sequence, which
+    # may share blocks. A fixed cache shape across token counts: only dim 0 of the others is dynamic.
+    kv_cache = rand(2, 32, 16, 2, HEAD_SIZE)
+    slots = torch.randperm(32 * 16, generator=g)[:num_tokens].to(device)
+    block_table, seq_lens = ints(32, num_tokens, 4, dtype=torch.int32), 1 + ints(64, num_tokens, dtype=torch.int32)
     return {
         "rms_norm": (ops.rms_norm, (x, w, EPS)),
         "gemma_rms_norm": (ops.gemma_rms_norm, (x, w, EPS)),
@@ -35,6 +50,10 @@ def _samples(num_tokens: int, device: str) -> dict:
         ),
         "static_scaled_fp8_quant": (ops.static_scaled_fp8_quant, (x, torch.tensor([0.02], device=device))),
         "dynamic_scaled_fp8_quant": (ops.dynamic_scaled_fp8_quant, (x,)),
+        "write_kv_cache": (_write_kv_cache, (kv_cache, rand(num_tokens, 2 * HEAD_SIZE), rand(num_tokens, 2 * HEAD_SIZE),
+                                             slots)),
+        "paged_decode": (ops.paged_decode, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache, block_table, seq_lens, 4,
+                                            HEAD_SIZE, HEAD_SIZE**-0.5, 48, 50.0)),
     }
 
 

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dispatcher import envs
-from ops._triton import SMALL_ELEMENTS, pdl_launch
+from ops.triton_utils import SMALL_ELEMENTS, pdl_launch
 
 act = importlib.import_module("ops.silu_and_mul")
 gelu = importlib.import_module("ops.gelu_and_mul")

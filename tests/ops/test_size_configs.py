@@ -14,7 +14,7 @@ from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ops
-from ops._triton import known_int, needs_int64
+from ops.triton_utils import known_int, needs_int64
 
 rms = importlib.import_module("ops.rms_norm")
 act = importlib.import_module("ops.silu_and_mul")

@@ -1,4 +1,6 @@
-"""Optional Triton: the kernels' decorators and ``triton_op`` whether Triton imports or not.
+"""What every Triton launcher shares: optional Triton, ``triton_op``, size helpers and the PDL switch.
+
+A public module: the op modules import from it, and so does :mod:`models` (``cdiv``).
 
 CI and most development machines have no Triton (and no GPU). There every op
 must still import, register ``torch.ops.dynamo_once.<name>`` and run its fp32
