@@ -424,7 +424,7 @@ def sweep_small(device: str, out_dir: str | None, ops_filter: list[str] | None =
                                     "warps); dynamic fp8 single program (BLOCK, NUM_BLOCKS, warps), else the launcher's path",
                                     "vs_compile: torch.compile(ref) us / this config's us (> 1: faster than compile)",
                                     "default: the config the launcher picks for this known size",
-                                    "every config launched with programmatic dependent launch (ops._triton.pdl_launch) "
+                                    "every config launched with programmatic dependent launch (ops.triton_utils.pdl_launch) "
                                     "but '<default> no PDL'",
                                     f"each cell's candidates and compile timed together: {LATENCY_GRAPH_ITERS} calls per "
                                     f"CUDA graph, the graphs replayed in turn, median of {LATENCY_ROUNDS} rounds"],
