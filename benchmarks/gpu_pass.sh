@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|failed|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -62,6 +62,21 @@ for step in $steps; do
                 --models llama-3.2-1b --out "$R/llama-3.2-1b" 2>&1 | tee "$R/decode1b.log" | grep -E "^\{|Error" ;;
     decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --generate --iters 30 --models llama-3-8b \
                 --out "$R/llama-3-8b" 2>&1 | tee "$R/decode8b.log" | grep -E "^\{|Error" ;;
+    compare1b|compare8b) # this tree against an earlier checkout in $BEFORE (e.g. `git archive <rev> | tar -x -C before`),
+              # one after the other: level 3 decode and LLM.generate (1b: also the piecewise path)
+              m=llama-3.2-1b; modes="level 3,level 3 piecewise"; [ $step = compare8b ] && m=llama-3-8b && modes="level 3"
+              for v in after before; do
+                d=$PWD; [ $v = before ] && d=$(cd "${BEFORE:-before}" && pwd)
+                (cd "$d" && PYTHONPATH=/tmp/site:$d timeout ${COMPARE_TIMEOUT:-170} python3 -m benchmarks.decode --models $m \
+                  --prefill 0 --iters ${COMPARE_ITERS:-30} --modes "$modes" --generate --out "$R/${v}_$m" 2>&1 \
+                  | tee "$R/${v}_$m.log" | grep -E "^\{|Error")
+              done ;;
+    comparepw) # the piecewise step alone, this tree and $BEFORE alternately, twice
+              for r in 1 2; do for v in after before; do
+                d=$PWD; [ $v = before ] && d=$(cd "${BEFORE:-before}" && pwd)
+                (cd "$d" && PYTHONPATH=/tmp/site:$d:$OLDPWD timeout 80 python3 $OLDPWD/benchmarks/piecewise_step.py --tag $v 2>&1 \
+                  | grep -E "^\{|Error" | tee -a "$R/comparepw.log")
+              done; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -75,3 +75,21 @@ def test_runner_host_measures_every_batch_and_writes_its_files(tmp_path):
     assert all(r["host_us_per_decode_step"] > 0 and r["runner"] == "this checkout" for r in rows)
     for ext in ("csv", "md", "png"):
         assert (tmp_path / f"runner_host.{ext}").stat().st_size > 0
+
+
+def test_results_are_written_only_where_asked(tmp_path, monkeypatch, capsys):
+    """Without out_dir a table is printed and no file is written (no results in an installed tree)."""
+    monkeypatch.chdir(tmp_path)
+    md = common.write_results("nowhere", [{"a": 1}], title="T")
+    assert "| a |" in capsys.readouterr().out and md.startswith("# T")
+    assert common.plot_lines("nowhere", [{"x": 1, "y": 2, "s": "a"}], x="x", y="y", series="s") is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_piecewise_step_refuses_without_a_gpu(capsys):
+    from benchmarks import piecewise_step
+
+    with pytest.raises(SystemExit) as e:
+        piecewise_step.main(["--batches", "1"])
+    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
