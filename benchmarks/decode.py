@@ -35,7 +35,7 @@ import torch
 from benchmarks import common
 from dispatcher import CompilationConfig, CUDAGraphMode, CUDAGraphs, set_compilation_config
 from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from models.kv_cache import KVCache, attention_layers
+from models import KVCache, attention_layers
 from models.loader import load_model
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from .attention import Attention, attention, attention_native, write_kv_cache
 from .forward_context import AttentionMetadata, ForwardContext, get_forward_context, set_forward_context
-from .kv_cache import KVCache, attention_layers
+from .engine.kv_cache import KVCache, attention_layers
 from .gemma2 import Gemma2Config, Gemma2ForCausalLM, Gemma2Model
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .loader import CheckpointError, load_model, supported_architectures

@@ -30,7 +30,7 @@ from dispatcher import (
 
 from ..attention import Attention
 from ..forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from ..kv_cache import KVCache
+from .kv_cache import KVCache
 from .input_batch import InputBatch
 
 logger = logging.getLogger(__name__)

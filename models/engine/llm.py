@@ -32,7 +32,7 @@ from dispatcher import (
 )
 
 from ..forward_context import ForwardContext, set_forward_context
-from ..kv_cache import KVCache, attention_layers
+from .kv_cache import KVCache, attention_layers
 from ..loader import load_model
 from .graphs import StepGraphs, check_one_dynamic_size
 from .input_batch import InputBatch

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kv_cache import KVCache
+from .kv_cache import KVCache
 from .sampling import PendingStep, SampledTokens, Sampler
 from .sequence import Chooser, Seq
 from .stats import GenerateStats

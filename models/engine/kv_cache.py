@@ -15,7 +15,7 @@ from torch import nn
 
 from ops.triton_utils import cdiv
 
-from .attention import Attention
+from ..attention import Attention
 
 logger = logging.getLogger(__name__)
 
