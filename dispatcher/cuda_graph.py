@@ -201,7 +201,7 @@ class CUDAGraphs:
         Raises:
             CUDAGraphNotCapturedError: ``(mode, size)`` (PIECEWISE or FULL) was never captured.
         """
-        # On a decode step's hot path: a dict lookup and, for PIECEWISE, a thread-local set and reset.
+        # On a decode step's hot path: a dict lookup and, for PIECEWISE, a thread-local set and reset (one call).
         if mode is _FULL:
             entry = self._full.get(size)
             if entry is None:
@@ -212,12 +212,7 @@ class CUDAGraphs:
             step = self._steps.get(size)
             if step is None:
                 raise self._not_captured(mode, size)
-            previous = thread_state.step
-            thread_state.step = step
-            try:
-                return fn(size)
-            finally:
-                thread_state.step = previous
+            return self._run_in(step, fn, size)
         if mode is _NONE:
             if not _is_size(size):
                 raise ValueError(f"CUDAGraphs.run: size must be a positive int; got {size!r}")
