@@ -13,7 +13,9 @@ each), the µs of one step (decoder + LM head), for:
 - ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
 - ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
-- ``weight-bandwidth floor``: weight bytes / measured copy bandwidth.
+- ``weights+KV floor``: the bytes a decode step must read (every weight once, and the K and V of every
+  cached token of every sequence in every layer) / measured copy bandwidth; ``pct_of_floor`` is that floor
+  over a row's time.
 
 Also prefill throughput (one ``--prefill`` token prompt) per mode and the
 cold start-up of level 3 (trace + compile, then capture of every capture
@@ -150,6 +152,29 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _kv_bytes_per_token(cache: KVCache) -> float:
+    """Bytes of K and V one cached token holds, over every layer."""
+    total = sum(t.numel() * t.element_size() for t in cache.tensors.values())
+    return total / (cache.num_blocks * cache.block_size)
+
+
+class Floor:
+    """The bandwidth floor of a decode step: weights read once, plus the K and V of every cached token.
+
+    ``us(batch, context)``: µs to read ``weight_bytes + kv_per_token * batch * (context + 1)`` bytes at the
+    measured copy bandwidth (the step reads ``context`` cached tokens and writes, then reads, one more).
+    """
+
+    def __init__(self, weight_bytes: int, kv_per_token: float, copy_bw_gbs: float):
+        self.weight_bytes = weight_bytes
+        self.kv_per_token = kv_per_token
+        self.copy_bw_gbs = copy_bw_gbs
+
+    def us(self, batch: int, context: int) -> float:
+        nbytes = self.weight_bytes + self.kv_per_token * batch * (context + 1)
+        return nbytes / (self.copy_bw_gbs * 1e9) * 1e6
+
+
 def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = True) -> CompilationConfig:
     """The compilation config a benchmark mode builds its model under.
 
@@ -188,7 +213,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     startup: dict[str, Any] = {}
     cuda = device.type == "cuda"
     max_b = max(batches)
-    floor_us = None
+    floor: Floor | None = None
     # The floor replays level 1's compiled step in one CUDA graph: measured on level 1's harness when
     # both are asked for (one model build and compile less).
     floor_with_level1 = cuda and "level 1" in modes and "full-graph floor" in modes
@@ -202,8 +227,8 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         cfg = mode_config(mode, cuda, batches)
         level, graph_mode = cfg.level, cfg.cudagraph_mode
         h = Harness(name, cfg, max_b, context, prefill, device, dtype)
-        if floor_us is None and copy_bw:
-            floor_us = _weight_bytes(h.model) / (copy_bw * 1e9) * 1e6
+        if floor is None and copy_bw:
+            floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw)
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
         full = cuda and mode in ("level 3", "level 3 +ops", "full-graph floor")
@@ -257,19 +282,20 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                                      tokens_per_s=round(prefill / (us * 1e-6))))
             print(prefill_rows[-1], flush=True)
         del h
-        save(_with_floor(rows, floor_us, name, batches), prefill_rows, startup)
-    rows = _with_floor(rows, floor_us, name, batches)
+        save(_with_floor(rows, floor, name, batches, context), prefill_rows, startup)
+    rows = _with_floor(rows, floor, name, batches, context)
     return rows, prefill_rows, startup
 
 
-def _with_floor(rows: list[dict[str, Any]], floor_us: float | None, name: str, batches: list[int]) -> list:
-    """``rows`` plus the weight-bandwidth floor per batch, each with its % of that floor (copies)."""
-    if floor_us is None:
+def _with_floor(rows: list[dict[str, Any]], floor: Floor | None, name: str, batches: list[int],
+                context: int) -> list:
+    """``rows`` plus the weights+KV floor per batch, each row with its % of the floor at its batch size."""
+    if floor is None:
         return list(rows)
-    out = [dict(r) for r in rows] + [dict(model=name, mode="weight-bandwidth floor", batch=b,
-                                          us_per_step=round(floor_us, 1)) for b in batches]
+    out = [dict(r) for r in rows] + [dict(model=name, mode="weights+KV floor", batch=b,
+                                          us_per_step=round(floor.us(b, context), 1)) for b in batches]
     for r in out:
-        r["pct_of_bw_floor"] = round(100 * floor_us / r["us_per_step"], 1) if r["us_per_step"] else ""
+        r["pct_of_floor"] = round(100 * floor.us(r["batch"], context) / r["us_per_step"], 1) if r["us_per_step"] else ""
     return out
 
 
@@ -320,8 +346,14 @@ def profile_step(name: str, modes: list[str], batch: int, context: int, device: 
         del h
 
 
+GENERATE_PROMPT, GENERATE_NEW = 16, 64
+GENERATE_CONTEXT = GENERATE_PROMPT + GENERATE_NEW // 2
+"""The mean context of an LLM.generate decode step in :func:`bench_generate` (its floor's KV part)."""
+
+
 def bench_generate(name: str, batches: list[int], device: torch.device, dtype: torch.dtype,
-                   new_tokens: int = 64, prompt_len: int = 16) -> list[dict[str, Any]]:
+                   new_tokens: int = GENERATE_NEW, prompt_len: int = GENERATE_PROMPT,
+                   copy_bw: float | None = None) -> list[dict[str, Any]]:
     """End to end: the median decode step of ``models.LLM.generate`` at level 3 (host scheduling, input
     copies, graph replay, greedy sampling with its host sync), one LLM for every batch size; without and
     with ``async_scheduling`` (the next step launched before the last one's tokens are read)."""
@@ -330,6 +362,8 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
     max_b = max(batches)
     llm = LLM(name, level=3, max_num_tokens=max(512, max_b), max_num_seqs=max_b, dtype=dtype, device=device,
               num_cache_tokens=max_b * (prompt_len + new_tokens + 16))
+    floor = (Floor(_weight_bytes(llm.model), _kv_bytes_per_token(llm.kv_cache), copy_bw) if copy_bw else None)
+    context = prompt_len + new_tokens // 2
     rows = []
     for b in batches:
         prompts = [[(7 * i + j) % 1000 + 1 for j in range(prompt_len)] for i in range(b)]
@@ -340,6 +374,8 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
             rows.append(dict(model=name, mode="LLM.generate, level 3" + (", async" if overlap else ""), batch=b,
                              us_per_step=round(llm.stats.median_decode_step_s * 1e6, 1),
                              compile_s=round(llm.compile_time_s + llm.capture_time_s, 1)))
+            if floor is not None:  # at the mean context of its steps
+                rows[-1]["pct_of_floor"] = round(100 * floor.us(b, context) / rows[-1]["us_per_step"], 1)
             print(rows[-1], flush=True)
         llm.async_scheduling = False
     del llm
@@ -461,7 +497,9 @@ def main(argv: list[str] | None = None) -> None:
             common.write_results(f"decode{tag}", rows, title="Decode step latency (decoder + LM head)",
                                  device=device, out_dir=a.out,
                                  notes=[f"context {context} cached tokens per sequence; {bw}",
-                                        "pct_of_bw_floor: weight-bandwidth floor / this step's time",
+                                        "pct_of_floor: the weights+KV floor (every weight, and K and V of every "
+                                        "cached token, read once at the copy bandwidth) / this step's time; "
+                                        f"LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} tokens)",
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
                                         f"dynamic-shape kernels): {trace_tokens} tokens"])
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
@@ -479,11 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
                                                   copy_bw, save, trace_tokens=trace_tokens)
         if a.generate:
-            floor = next((r["us_per_step"] for r in rows if r["mode"] == "weight-bandwidth floor"), None)
-            for r in bench_generate(name, batches, device, dtype):
-                if floor:
-                    r["pct_of_bw_floor"] = round(100 * floor / r["us_per_step"], 1)
-                rows.append(r)
+            rows += bench_generate(name, batches, device, dtype, copy_bw=copy_bw)
             save(rows, prefill_rows, startup)
 
 

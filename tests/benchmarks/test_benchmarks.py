@@ -93,3 +93,18 @@ def test_piecewise_step_refuses_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         piecewise_step.main(["--batches", "1"])
     assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_floor_counts_weights_and_every_cached_token():
+    """The floor of a decode step reads every weight once plus K and V of every cached token of every layer."""
+    from models import KVCache, attention_layers, load_model
+
+    model = load_model("tiny-llama", dtype=torch.bfloat16)
+    cache = KVCache(attention_layers(model), 256, 16, dtype=torch.bfloat16)
+    cfg = model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    assert decode._kv_bytes_per_token(cache) == per_token
+    weights = sum(p.numel() * 2 for p in model.parameters())
+    floor = decode.Floor(decode._weight_bytes(model), decode._kv_bytes_per_token(cache), copy_bw_gbs=1.0)
+    assert floor.us(1, 0) == pytest.approx((weights + per_token) / 1e3)  # 1 GB/s: bytes / 1000 = µs
+    assert floor.us(8, 511) - floor.us(1, 511) == pytest.approx(7 * 512 * per_token / 1e3)
