@@ -1,4 +1,5 @@
-"""Per-tensor FP8 (``float8_e4m3fn``) quantization, static (given scale) and dynamic (scale from the data).
+"""FP8 (``float8_e4m3fn``) quantization: per tensor, static (given scale) or dynamic (scale from the data), and
+dynamic per token (one scale a row).
 
 Definition (the references at the end of this file, which the kernels match
 bit for bit):
@@ -10,10 +11,16 @@ bit for bit):
   still gets a finite, positive scale. ``MIN_SCALE = 1 / (448 * 512)``, as
   vLLM uses, keeps ``x / scale`` finite for tiny inputs.
 
-Outputs: ``q`` with ``x``'s shape (contiguous); ``scale`` fp32 of shape ``[1]``.
+- dynamic per token (a row of the last dim): ``scale[t] = max(amax(|x[t]|) / 448, MIN_SCALE)``, then
+  ``q[t] = saturate(x[t] / scale[t])`` as above (the per-token input of a row-wise scaled GEMM).
+
+Outputs: ``q`` with ``x``'s shape (contiguous); ``scale`` fp32 of shape ``[1]``, per token
+``x.shape[:-1] + (1,)`` (``[T, 1]`` for ``x: [T, H]``), so that ``x / scale`` broadcasts.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.library import wrap_triton
@@ -36,9 +43,14 @@ from .custom_op import CustomOp
 __all__ = [
     "static_scaled_fp8_quant",
     "dynamic_scaled_fp8_quant",
+    "dynamic_per_token_scaled_fp8_quant",
     "QuantFP8",
     "static_scaled_fp8_quant_ref",
     "dynamic_scaled_fp8_quant_ref",
+    "dynamic_per_token_scaled_fp8_quant_ref",
+    "check_quant_input",
+    "per_token_quant_config",
+    "launch_per_token_quant",
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_SCALE",
@@ -63,6 +75,14 @@ _SINGLE_PROGRAM_MAX = 8192
 # reduces the (<= 256) partials itself. Two launches, as Inductor's reduction + pointwise, no atomics.
 _PARTIALS_MAX = 1 << 20
 _PARTIALS_BLOCK = 4096
+# Per-token quant: a row up to this width is read once and kept in registers between its amax and its
+# quantization (16384 fp32 on 16 warps: 32 a thread); wider rows, or a width unknown without a guard, loop
+# twice over blocks of _PER_TOKEN_LOOP_BLOCK (the second read mostly from L2).
+_PER_TOKEN_BLOCK_MAX = 16384
+_PER_TOKEN_LOOP_BLOCK = 4096
+# Narrow rows are stacked, several a program, up to tiles of this many elements (and this many rows).
+_PER_TOKEN_TILE = 2048
+_PER_TOKEN_ROWS_MAX = 64
 
 
 @triton.jit
@@ -195,6 +215,46 @@ def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, MIN_S: tl.co
     q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
+@triton.jit
+def _per_token_fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride, MIN_S: tl.constexpr,
+                                BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
+                                INT64: tl.constexpr, PDL: tl.constexpr):
+    # ROWS rows a program, one scale each. ONE_PASS: a row fits one BLOCK and stays in registers between
+    # its amax and its quantization; else two loops over its blocks. Self-contained, as the kernels above.
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK)
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+    q_rows = q_ptr + rows[:, None] * n_cols
+    if ONE_PASS:
+        mask = row_ok[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            mask = row_ok[:, None] & (start + cols[None, :] < n_cols)
+            xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(xb))
+        amax = tl.max(acc, axis=1)
+    scale = tl.maximum(tl.div_rn(amax, 448.0), tl.full([ROWS], MIN_S, tl.float32))
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    if ONE_PASS:
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -448.0), 448.0)
+        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        for start in range(0, n_cols, BLOCK):
+            mask = row_ok[:, None] & (start + cols[None, :] < n_cols)
+            xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(xb, scale[:, None]), -448.0), 448.0)
+            tl.store(q_rows + start + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
 
 def static_fp8_quant_config(n: int | None, element_size: int) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` for ``n`` elements (None: a symbolic size, which gets the large-input config)."""
@@ -276,6 +336,47 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor, single_config: tuple[int, int, in
     return q, scale
 
 
+def per_token_quant_config(n_cols: int | None) -> tuple[int, int, int]:
+    """``(BLOCK, ROWS, num_warps)`` of the per-token quant kernels (fp8 here, int8 in ``quant_int8``) for rows
+    of ``n_cols`` elements (None: a width unknown without a guard). A row is read once when it fits BLOCK."""
+    if n_cols is None:
+        return _PER_TOKEN_LOOP_BLOCK, 1, 8
+    block = next_power_of_2(n_cols)
+    if block > _PER_TOKEN_BLOCK_MAX:
+        block = _PER_TOKEN_LOOP_BLOCK
+    rows = max(1, min(_PER_TOKEN_ROWS_MAX, _PER_TOKEN_TILE // block))
+    # 8 elements a thread (one 16-byte vector of bf16) up to 16 warps.
+    return block, rows, max(1, min(16, block * rows // 256))
+
+
+def launch_per_token_quant(kernel: Any, x: torch.Tensor, q_dtype: torch.dtype, min_scale: float,
+                           config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a per-token quant kernel over the rows of ``x``'s last dim; returns ``(q, scale)``, ``q`` of
+    ``x``'s shape in ``q_dtype``, ``scale`` fp32 of shape ``x.shape[:-1] + (1,)``.
+
+    Shared by ``_per_token_fp8_quant_kernel`` and quant_int8's kernel (same arguments). Rows may be strided
+    (a 2-D ``x`` with unit column stride is read in place). ``config``: ``(BLOCK, ROWS, num_warps)``
+    (default: :func:`per_token_quant_config`).
+    """
+    n_cols = x.shape[-1]
+    x2 = x.reshape(-1, n_cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n_rows = x2.shape[0]
+    q = torch.empty(x.shape, dtype=q_dtype, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    known_cols, known_rows = known_int(n_cols), known_int(n_rows)
+    block, rows, num_warps = config or per_token_quant_config(known_cols)
+    known_n = known_rows * known_cols if known_rows is not None and known_cols is not None else None
+    wrap_triton(kernel)[(cdiv(n_rows, rows),)](
+        x2, q, scale, n_rows, n_cols, x2.stride(0), MIN_S=min_scale, BLOCK=block, ROWS=rows,
+        ONE_PASS=known_cols is not None and known_cols <= block,
+        INT64=needs_int64(n_rows * x2.stride(0), n_rows * n_cols), num_warps=num_warps,
+        **pdl_args(pdl_launch(x, known_n)),
+    )
+    return q, scale
+
+
 @triton_op("dynamo_once::static_scaled_fp8_quant", mutates_args=())
 def _static_scaled_fp8_quant_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not use_triton(x):
@@ -290,6 +391,14 @@ def _dynamic_scaled_fp8_quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return _launch_dynamic_fp8_quant(x)
 
 
+@triton_op("dynamo_once::dynamic_per_token_scaled_fp8_quant", mutates_args=())
+def _dynamic_per_token_scaled_fp8_quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_quant_input("dynamic_per_token_scaled_fp8_quant", x, per_token=True)
+    if not use_triton(x):
+        return dynamic_per_token_scaled_fp8_quant_ref(x)
+    return launch_per_token_quant(_per_token_fp8_quant_kernel, x, FP8_DTYPE, MIN_SCALE)
+
+
 def static_scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``saturate(x / scale)`` as ``float8_e4m3fn``; ``scale`` is a one-element fp32 tensor."""
     return torch.ops.dynamo_once.static_scaled_fp8_quant(x, scale)
@@ -300,17 +409,32 @@ def dynamic_scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.ops.dynamo_once.dynamic_scaled_fp8_quant(x)
 
 
+def dynamic_per_token_scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``, one scale a row of the last dim: ``scale = max(amax(|x[t]|) / 448, MIN_SCALE)``, fp32 of
+    shape ``x.shape[:-1] + (1,)``; ``q = saturate(x / scale)`` as ``float8_e4m3fn``.
+
+    Raises:
+        TypeError: ``x`` is not fp32, fp16 or bf16. ValueError: ``x`` has no rows (0-d, or an empty last dim).
+    """
+    return torch.ops.dynamo_once.dynamic_per_token_scaled_fp8_quant(x)
+
+
 @CustomOp.register("quant_fp8")
 class QuantFP8(CustomOp):
-    """Per-tensor FP8 quantization; ``forward(x, scale=None) -> (q, scale)``.
+    """FP8 quantization; ``forward(x, scale=None) -> (q, scale)``.
 
     Args:
-        static: use the ``scale`` passed to ``forward`` (True) or compute it from ``x`` (False).
+        static: use the per-tensor ``scale`` passed to ``forward`` (True) or compute it from ``x`` (False).
+        per_token: dynamic only: one scale a row of the last dim (``scale: x.shape[:-1] + (1,)``) instead
+            of one for the tensor (``[1]``).
     """
 
-    def __init__(self, static: bool = False) -> None:
+    def __init__(self, static: bool = False, per_token: bool = False) -> None:
+        if static and per_token:
+            raise ValueError("QuantFP8: per_token scales are computed from x; static=True takes a per-tensor scale")
         super().__init__()
         self.static = static
+        self.per_token = per_token
 
     def _check(self, scale: torch.Tensor | None) -> None:
         if self.static and scale is None:
@@ -320,16 +444,20 @@ class QuantFP8(CustomOp):
         self._check(scale)
         if self.static:
             return static_scaled_fp8_quant_ref(x, scale), scale  # type: ignore[arg-type,return-value]
+        if self.per_token:
+            return dynamic_per_token_scaled_fp8_quant_ref(x)
         return dynamic_scaled_fp8_quant_ref(x)
 
     def forward_cuda(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(scale)
         if self.static:
             return static_scaled_fp8_quant(x, scale), scale  # type: ignore[arg-type,return-value]
+        if self.per_token:
+            return dynamic_per_token_scaled_fp8_quant(x)
         return dynamic_scaled_fp8_quant(x)
 
     def extra_repr(self) -> str:
-        return f"static={self.static}"
+        return f"static={self.static}, per_token={self.per_token}"
 
 
 def static_scaled_fp8_quant_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -346,3 +474,36 @@ def dynamic_scaled_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     # rounded reciprocal, which is 1 ulp off the IEEE quotient for some amax (found on the H200).
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return static_scaled_fp8_quant_ref(x, scale), scale
+
+
+def dynamic_per_token_scaled_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: one scale a row of the last dim, from its ``amax(|x|)``, then the fp32 quotient saturated
+    to +-448 and rounded to nearest even (see the module docstring)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # A tensor divisor, for the IEEE quotient (see dynamic_scaled_fp8_quant_ref).
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8_DTYPE).contiguous(), scale
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_quant_input(op: str, x: torch.Tensor, scale: torch.Tensor | None = None, per_token: bool = False) -> None:
+    """Raise TypeError / ValueError, naming ``op``, the argument, what it expects and what it got, for an input
+    the quant ops (fp8 here, int8 in ``quant_int8``) do not take: ``x`` not fp32/fp16/bf16; per token, ``x``
+    without rows (0-d, or an empty last dim); ``scale`` (when given) not a one-element fp32 tensor (shape
+    ``[1]`` or 0-d) on ``x``'s device. Only dtypes, ranks, static sizes and devices: no guard on a token count.
+    """
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: x must be float32, float16 or bfloat16; got {x.dtype}")
+    if per_token and (x.dim() == 0 or x.shape[-1] == 0):
+        raise ValueError(f"{op}: x must have rows to scale (a non-empty last dim); got shape {list(x.shape)}")
+    if scale is None:
+        return
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: scale must be float32; got {scale.dtype}")
+    if scale.dim() > 1 or scale.numel() != 1:
+        raise ValueError(f"{op}: scale must be one per-tensor value of shape [1]; got shape {list(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(f"{op}: scale must be on x's device {x.device}; got {scale.device}")

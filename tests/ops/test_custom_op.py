@@ -6,7 +6,7 @@ from dispatcher import CompilationConfig, set_compilation_config
 from dispatcher import plugins
 from ops import CustomOp
 
-ALL = {"rms_norm", "gemma_rms_norm", "silu_and_mul", "gelu_and_mul", "rotary_embedding", "quant_fp8"}
+ALL = {"rms_norm", "gemma_rms_norm", "silu_and_mul", "gelu_and_mul", "rotary_embedding", "quant_fp8", "quant_int8"}
 
 
 def test_registry():
@@ -86,7 +86,7 @@ def test_reasons():
         ("none,+rms_norm,none", "'none' given twice"),
         ("+rms_norm,-rms_norm", "both enabled .'\\+'. and disabled"),
         ("-silu_and_mul,+silu_and_mul", "both enabled"),
-        ("+layer_norm", "unknown op 'layer_norm'.*registered ops: gelu_and_mul, gemma_rms_norm, quant_fp8, rms_norm"),
+        ("+layer_norm", "unknown op 'layer_norm'.*registered ops: gelu_and_mul, gemma_rms_norm, quant_fp8, quant_int8, rms_norm"),
         ("rms_norm", "bad token 'rms_norm'"),
         ("+", "bad token"),
         ("++rms_norm", "bad token"),

@@ -26,6 +26,7 @@ act = importlib.import_module("ops.silu_and_mul")
 gelu = importlib.import_module("ops.gelu_and_mul")
 rope = importlib.import_module("ops.rotary_embedding")
 fp8 = importlib.import_module("ops.quant_fp8")
+int8 = importlib.import_module("ops.quant_int8")
 
 EPS = 1e-6
 # (tokens, width): one token, a few, a width with no 16-byte vectors, a power of two that tiles exactly.
@@ -141,6 +142,79 @@ def test_dynamic_fp8_quant(n):
 def test_dynamic_fp8_quant_of_zeros_has_a_finite_positive_scale():
     q, scale = fp8._launch_dynamic_fp8_quant(torch.zeros(2, 64, dtype=torch.bfloat16))
     assert torch.isfinite(scale).all() and (scale > 0).all() and (q.float() == 0).all()
+
+
+# Per-token quant: one program per row, many short rows a program (8 wide: 64 rows), a row in registers (769,
+# 5120: masked / exact tiles), and rows wider than one block (20000 > 16384: two loops over 4096-wide blocks).
+PER_TOKEN_SHAPES = [(1, 8), (65, 8), (7, 769), (3, 5120), (2, 20000)]
+# Forced configs (BLOCK, ROWS, num_warps): the loop path on short rows, with one and several rows a program.
+PER_TOKEN_CONFIGS = [(256, 1, 4), (256, 4, 4), (1024, 2, 8)]
+
+
+def _int8_equal(q, ref):
+    assert q.dtype == torch.int8 and q.shape == ref.shape
+    assert torch.equal(q, ref)
+
+
+@pytest.mark.parametrize("n", [8, 4096, 5000, 70000])
+def test_static_int8_quant(n):
+    x = randn(1, n, dtype=torch.bfloat16, scale=4.0)
+    scale = torch.tensor([0.0314])
+    _int8_equal(int8._launch_static_int8_quant(x, scale), int8.static_scaled_int8_quant_ref(x, scale))
+
+
+def test_int8_quant_rounds_ties_to_even():
+    """x / scale exactly k + 0.5 for every k in range: int8 conversion is exact in the interpreter, so the kernels'
+    rounding (the 1.5 * 2**23 addition) is checked here, bit for bit."""
+    ties = torch.arange(-140, 140, dtype=torch.float32) + 0.5
+    q = int8._launch_static_int8_quant(ties.reshape(1, -1), torch.tensor([1.0]))
+    _int8_equal(q, torch.round(ties).clamp(-128, 127).to(torch.int8).reshape(1, -1))
+    assert q[0, 140:144].tolist() == [0, 2, 2, 4]  # 0.5, 1.5, 2.5, 3.5
+    row = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5]])  # scale 1 exactly
+    q, s = int8._launch_dynamic_int8_quant(row)
+    assert s.item() == 1.0 and q.tolist() == [[127, 0, 2, 2, 0, -2, 126, -126]]
+
+
+@pytest.mark.parametrize("t,n", PER_TOKEN_SHAPES)
+def test_dynamic_int8_quant(t, n):
+    x = randn(t, n, dtype=torch.bfloat16, scale=4.0)
+    x[t // 2] = 0  # an all-zero row: INT8_MIN_SCALE, zeros
+    q, scale = int8._launch_dynamic_int8_quant(x)
+    q_ref, scale_ref = int8.dynamic_scaled_int8_quant_ref(x)
+    assert scale.shape == (t, 1) and torch.equal(scale, scale_ref)
+    assert scale[t // 2].item() == int8.INT8_MIN_SCALE
+    _int8_equal(q, q_ref)
+
+
+@pytest.mark.parametrize("config", PER_TOKEN_CONFIGS, ids=str)
+def test_dynamic_int8_quant_configs_and_strided_rows(config):
+    wide = randn(10, 1500, dtype=torch.bfloat16, scale=4.0)
+    x = wide[:, :769]  # rows a slice of wider rows, read in place
+    q, scale = int8._launch_dynamic_int8_quant(x, config)
+    q_ref, scale_ref = int8.dynamic_scaled_int8_quant_ref(x)
+    assert torch.equal(scale, scale_ref)
+    _int8_equal(q, q_ref)
+
+
+@pytest.mark.parametrize("t,n", PER_TOKEN_SHAPES)
+def test_per_token_fp8_quant(t, n):
+    x = randn(t, n, dtype=torch.bfloat16, scale=4.0)
+    x[t // 2] = 0
+    q, scale = fp8.launch_per_token_quant(fp8._per_token_fp8_quant_kernel, x, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+    _, scale_ref = fp8.dynamic_per_token_scaled_fp8_quant_ref(x)
+    assert scale.shape == (t, 1) and torch.equal(scale, scale_ref)
+    assert scale[t // 2].item() == fp8.MIN_SCALE
+    _fp8_equal(q, x, scale_ref)
+
+
+@pytest.mark.parametrize("config", PER_TOKEN_CONFIGS, ids=str)
+def test_per_token_fp8_quant_configs_and_strided_rows(config):
+    wide = randn(10, 1500, dtype=torch.bfloat16, scale=4.0)
+    x = wide[:, :769]
+    q, scale = fp8.launch_per_token_quant(fp8._per_token_fp8_quant_kernel, x, fp8.FP8_DTYPE, fp8.MIN_SCALE, config)
+    _, scale_ref = fp8.dynamic_per_token_scaled_fp8_quant_ref(x)
+    assert torch.equal(scale, scale_ref)
+    _fp8_equal(q, x, scale_ref)
 
 
 # fp32 only: the interpreter's tl.dot of bf16 blocks returns garbage (Triton 3.6; a 16x16 bf16 product is off
