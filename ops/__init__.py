@@ -2,7 +2,8 @@
 ``CustomOp`` modules (switched per op by ``CompilationConfig.custom_ops``) and fp32 references.
 
 Triton is optional: without it every op runs its reference on any device. The paged-attention
-ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers.
+ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers. The
+W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls.
 """
 
 from .triton_utils import HAS_TRITON
@@ -49,6 +50,15 @@ from .rms_norm import (
     rms_norm_ref,
 )
 from .rotary_embedding import RotaryEmbedding, compute_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from .scaled_mm import (
+    FP8_MM_ALIGN,
+    INT8_MM_ALIGN,
+    INT8_MM_MAX_K,
+    fp8_scaled_mm,
+    fp8_scaled_mm_ref,
+    int8_scaled_mm,
+    int8_scaled_mm_ref,
+)
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 
 #: every op registered under ``torch.ops.dynamo_once``
@@ -65,6 +75,8 @@ TORCH_OP_NAMES = (
     "dynamic_per_token_scaled_fp8_quant",
     "static_scaled_int8_quant",
     "dynamic_scaled_int8_quant",
+    "fp8_scaled_mm",
+    "int8_scaled_mm",
     "write_kv_cache",
     "paged_decode",
 )
@@ -90,6 +102,8 @@ __all__ = [
     "dynamic_per_token_scaled_fp8_quant",
     "static_scaled_int8_quant",
     "dynamic_scaled_int8_quant",
+    "fp8_scaled_mm",
+    "int8_scaled_mm",
     "write_kv_cache",
     "paged_decode",
     "write_kv_cache_triton",
@@ -112,6 +126,8 @@ __all__ = [
     "dynamic_per_token_scaled_fp8_quant_ref",
     "static_scaled_int8_quant_ref",
     "dynamic_scaled_int8_quant_ref",
+    "fp8_scaled_mm_ref",
+    "int8_scaled_mm_ref",
     "write_kv_cache_ref",
     "paged_decode_ref",
     "FP8_DTYPE",
@@ -119,4 +135,7 @@ __all__ = [
     "MIN_SCALE",
     "INT8_MAX",
     "INT8_MIN_SCALE",
+    "FP8_MM_ALIGN",
+    "INT8_MM_ALIGN",
+    "INT8_MM_MAX_K",
 ]
