@@ -215,6 +215,7 @@ def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, MIN_S: tl.co
     q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
+
 @triton.jit
 def _per_token_fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride, MIN_S: tl.constexpr,
                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
