@@ -6,6 +6,8 @@ from .engine.kv_cache import KVCache, attention_layers
 from .gemma2 import Gemma2Config, Gemma2ForCausalLM, Gemma2Model
 from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 from .loader import CheckpointError, load_model, supported_architectures
+from .quant_linear import QuantLinear, QuantMergedLinear
+from .quantization import QuantizationConfig, QuantScheme, parse_quantization_config
 from .registry import BUILTIN_MODELS
 from .engine import LLM, GenerateStats
 
@@ -24,11 +26,16 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaModel",
+    "QuantLinear",
+    "QuantMergedLinear",
+    "QuantScheme",
+    "QuantizationConfig",
     "attention",
     "attention_layers",
     "attention_native",
     "get_forward_context",
     "load_model",
+    "parse_quantization_config",
     "set_forward_context",
     "supported_architectures",
     "write_kv_cache",

@@ -32,6 +32,51 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         .replace("%(choices)s", ", ".join(_builtin_names())))
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+    parser.add_argument("--quantization", default=None, metavar="fp8|int8",
+                        help="W8A8: the built-in's quantized variant (--model llama-3-8b --quantization fp8 is "
+                             "llama-3-8b-fp8); a checkpoint directory must already be quantized so")
+
+
+def _quantized_model(model: str, quantization: str | None) -> str:
+    """The model ``--quantization`` asks for: the built-in's quantized variant, or the checkpoint directory
+    itself once its ``quantization_config`` is of that kind.
+
+    Raises:
+        ValueError: a bad value, no such quantized built-in, or a checkpoint quantized otherwise (one line).
+    """
+    import os
+
+    from models.registry import BUILTIN_MODELS, QUANTIZATIONS
+
+    if quantization is None:
+        return model
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization: expected one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if os.path.isdir(model):
+        from models.loader import read_config
+        from models.quantization import parse_quantization_config
+
+        config = parse_quantization_config(read_config(model))
+        kinds = sorted({s.kind for s in config.schemes()}) if config else ["not quantized"]
+        if kinds != [quantization]:
+            raise ValueError(f"--quantization {quantization}: checkpoint {model} is {', '.join(kinds)}")
+        return model
+    name = model if model.endswith(f"-{quantization}") else f"{model}-{quantization}"
+    if name not in BUILTIN_MODELS:
+        quantized = [n for n in BUILTIN_MODELS if n.endswith(tuple(f"-{q}" for q in QUANTIZATIONS))]
+        raise ValueError(f"--quantization {quantization}: no built-in {name!r} (quantized built-ins: "
+                         f"{', '.join(quantized)})")
+    return name
+
+
+def _resolve_model(prog: str, args: argparse.Namespace) -> bool:
+    """Set ``args.model`` to what ``--quantization`` asks for; False (after a one-line error) if it cannot."""
+    try:
+        args.model = _quantized_model(args.model, args.quantization)
+    except ValueError as e:  # CheckpointError included
+        print(f"{prog}: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _builtin_names() -> list[str]:
@@ -61,6 +106,8 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not _resolve_model(p.prog, args):
+        return 2
     llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, dtype=args.dtype,
               device=_device(args.device))
     rng = random.Random(args.seed)
@@ -89,6 +136,8 @@ def _diagnose(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--tolerance", type=float, default=None, help="on max |logits diff| (default 1e-3 fp32, 5e-2 else)")
     args = p.parse_args(argv)
+    if not _resolve_model(p.prog, args):
+        return 2
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     report = diagnose(args.model, levels=levels, max_new_tokens=args.max_new_tokens, tolerance=args.tolerance,
                       dtype=args.dtype, device=_device(args.device))

@@ -17,7 +17,7 @@ from dispatcher import support_torch_compile
 from ops import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
 
 from .attention import Attention
-from .layers import MergedLinear
+from .quant_linear import make_linear, make_merged_linear
 from .llama import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["Gemma2Config", "Gemma2Model", "Gemma2ForCausalLM"]
@@ -34,7 +34,8 @@ class Gemma2Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Gemma2Config:
-        base = dataclasses.asdict(LlamaConfig.from_hf({"tie_word_embeddings": True, **hf}))
+        llama = LlamaConfig.from_hf({"tie_word_embeddings": True, **hf})
+        base = {f.name: getattr(llama, f.name) for f in dataclasses.fields(llama)}  # not asdict: keeps quantization
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma2Config: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)")
@@ -48,12 +49,13 @@ class Gemma2Config(LlamaConfig):
 
 
 class Gemma2MLP(nn.Module):
-    def __init__(self, config: Gemma2Config) -> None:
+    def __init__(self, config: Gemma2Config, prefix: str) -> None:
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"])
+        inter, quant = config.intermediate_size, config.quantization
+        self.gate_up_proj = make_merged_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"], False,
+                                               quant, prefix)
         self.act_fn = GeluAndMul(approximate="tanh")
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.down_proj = make_linear(inter, config.hidden_size, False, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -65,9 +67,10 @@ class Gemma2Attention(nn.Module):
         d = config.head_dim
         self.q_size = config.num_attention_heads * d
         self.kv_size = config.num_key_value_heads * d
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     ["q_proj", "k_proj", "v_proj"], bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        bias, quant = config.attention_bias, config.quantization
+        self.qkv_proj = make_merged_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                           ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
         self.rotary_emb = rotary
         self.attn = Attention(config.num_attention_heads, d, config.query_pre_attn_scalar**-0.5,
                               config.num_key_value_heads, layer_name=f"{prefix}.attn",
@@ -85,7 +88,7 @@ class Gemma2DecoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma2Attention(config, rotary, sliding, prefix=f"{prefix}.self_attn")
-        self.mlp = Gemma2MLP(config)
+        self.mlp = Gemma2MLP(config, prefix=f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)

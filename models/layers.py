@@ -27,6 +27,15 @@ class MergedLinear(nn.Linear):
         self.shard_sizes = list(shard_sizes)
         self.shard_names = list(shard_names)
 
+    def checkpoint_rows(self, leaf: str) -> list[tuple[str | None, int, tuple[int, ...]]]:
+        """Where the checkpoint's tensors of our parameter ``leaf`` go: ``(HF sibling name, first row, shape)``
+        per shard (the loader's protocol: a name of None means this module's own name)."""
+        rows, row = [], 0
+        for name, size in zip(self.shard_names, self.shard_sizes):
+            rows.append((name, row, (size, self.in_features) if leaf == "weight" else (size,)))
+            row += size
+        return rows
+
     def extra_repr(self) -> str:
         return super().extra_repr() + ", shards=" + ", ".join(
             f"{n}:{s}" for n, s in zip(self.shard_names, self.shard_sizes))

@@ -19,7 +19,9 @@ from dispatcher import support_torch_compile
 from ops import RMSNorm, RotaryEmbedding, SiluAndMul
 
 from .attention import Attention
-from .layers import MergedLinear, rope_from_hf
+from .layers import rope_from_hf
+from .quant_linear import make_linear, make_merged_linear
+from .quantization import QuantizationConfig, parse_quantization_config
 
 __all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM"]
 
@@ -43,6 +45,8 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     torch_dtype: str | None = None
+    quantization: QuantizationConfig | None = None
+    """W8A8 linear layers from ``quantization_config`` (:mod:`models.quantization`); None: floating point."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
@@ -64,17 +68,18 @@ class LlamaConfig:
             attention_bias=hf.get("attention_bias", False),
             mlp_bias=hf.get("mlp_bias", False),
             torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+            quantization=parse_quantization_config(hf),
         )
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, prefix: str) -> None:
         super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
-                                         bias=config.mlp_bias)
+        inter, quant = config.intermediate_size, config.quantization
+        self.gate_up_proj = make_merged_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
+                                               config.mlp_bias, quant, prefix)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = make_linear(inter, config.hidden_size, config.mlp_bias, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
@@ -86,9 +91,10 @@ class LlamaAttention(nn.Module):
         d = config.head_dim
         self.q_size = config.num_attention_heads * d
         self.kv_size = config.num_key_value_heads * d
-        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     ["q_proj", "k_proj", "v_proj"], bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        bias, quant = config.attention_bias, config.quantization
+        self.qkv_proj = make_merged_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                           ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
         self.rotary_emb = rotary
         self.attn = Attention(config.num_attention_heads, d, d**-0.5, config.num_key_value_heads,
                               layer_name=f"{prefix}.attn")
@@ -104,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
 
     config_class = LlamaConfig
     model_class = LlamaModel
+    #: builds W8A8 linear layers from a checkpoint's ``quantization_config``
+    supports_quantization = True
     #: checkpoint tensors with no parameter here, skipped by the loader
     ignored_checkpoint_names = (r"\.rotary_emb\.inv_freq$",)
 
@@ -159,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, prefix="model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied head is the embedding, stored in floating point, whatever the quantization config targets.
+        quant = None if config.tie_word_embeddings else config.quantization
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, quant, "lm_head")
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -6,8 +6,12 @@ A directory holds ``config.json`` (its ``architectures`` picks the class) and
 except merged projections (``q_proj``/``k_proj``/``v_proj`` -> rows of
 ``qkv_proj``, see :class:`models.layers.MergedLinear`) and each model's
 ``checkpoint_name`` renames. Every tensor is checked (headers only) before
-any is read: unexpected names, missing names and shape mismatches are
+any is read: unexpected names, missing names, shape and dtype mismatches are
 reported together, by name. Nothing is fetched from a hub.
+
+A ``quantization_config`` in ``config.json`` (:mod:`models.quantization`)
+builds quantized linear layers (:mod:`models.quant_linear`): their fp8 / int8
+weights load as stored (F8_E4M3 / I8, no float cast), their scales as fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import MergedLinear, default_dtype
+from .layers import default_dtype
+from .quantization import QuantizationError
 
 logger = logging.getLogger(__name__)
 
@@ -111,34 +116,48 @@ def build_model(config: dict[str, Any], dtype: torch.dtype | str | None = None,
                 device: torch.device | str | None = None, where: str = "config") -> nn.Module:
     """An uninitialized model for an HF config dict, constructed directly in ``dtype`` on ``device``.
 
+    A ``quantization_config`` makes the targeted linear layers quantized ones (:mod:`models.quantization`).
     Construct it under the compilation config it should run with (the level
     and custom-op switch are read at construction).
     """
     cls = model_class_for(config, where)
-    model_config = cls.config_class.from_hf(config)
-    dt = parse_dtype(dtype if dtype is not None else model_config.torch_dtype)
-    with default_dtype(dt), torch.device(device or "cpu"):
-        model = cls(model_config)
+    if config.get("quantization_config") is not None and not getattr(cls, "supports_quantization", False):
+        quantized = [a for a in supported_architectures() if getattr(_ARCHITECTURES[a](), "supports_quantization", False)]
+        raise CheckpointError(f"{_config_file(where)}: quantization_config given for {cls.__name__}, which is not "
+                              f"quantized here; quantized architectures: {', '.join(quantized)}")
+    try:
+        model_config = cls.config_class.from_hf(config)
+        dt = parse_dtype(dtype if dtype is not None else model_config.torch_dtype)
+        with default_dtype(dt), torch.device(device or "cpu"):
+            model = cls(model_config)
+    except QuantizationError as e:
+        raise CheckpointError(f"{_config_file(where)}: {e}") from None
     return model.eval().requires_grad_(False)
 
 
+def _config_file(where: str) -> str:
+    return os.path.join(where, "config.json") if os.path.isdir(where) else where
+
+
 def checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, torch.Tensor, int, tuple[int, ...]]]:
-    """HF tensor name -> (our parameter name, parameter, first row, expected shape) for every checkpoint tensor."""
+    """HF tensor name -> (our parameter name, parameter, first row, expected shape) for every checkpoint tensor.
+
+    A module with a ``checkpoint_rows(leaf)`` method (merged and quantized linears) says where each checkpoint
+    tensor of its parameter ``leaf`` goes: ``(HF sibling module name or None for its own, first row, shape)``.
+    """
     rename = getattr(model, "checkpoint_name", lambda n: n)
     modules = dict(model.named_modules())
     layout: dict[str, tuple[str, torch.Tensor, int, tuple[int, ...]]] = {}
     for name, param in model.named_parameters():  # a tied weight appears once
         module_name, _, leaf = name.rpartition(".")
-        module = modules[module_name]
-        if isinstance(module, MergedLinear):
-            parent = module_name.rpartition(".")[0]
-            row = 0
-            for shard, size in zip(module.shard_names, module.shard_sizes):
-                hf = rename(f"{parent}.{shard}.{leaf}" if parent else f"{shard}.{leaf}")
-                layout[hf] = (name, param, row, (size, *param.shape[1:]))
-                row += size
-        else:
+        rows = getattr(modules[module_name], "checkpoint_rows", None)
+        if rows is None:
             layout[rename(name)] = (name, param, 0, tuple(param.shape))
+            continue
+        parent = module_name.rpartition(".")[0]
+        for shard, row, shape in rows(leaf):
+            base = module_name if shard is None else f"{parent}.{shard}" if parent else shard
+            layout[rename(f"{base}.{leaf}")] = (name, param, row, shape)
     return layout
 
 
@@ -172,18 +191,36 @@ def _open(file: str) -> Any:
         raise CheckpointError(f"{file}: unreadable or truncated safetensors file: {e}") from None
 
 
-def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> None:
-    """Check every tensor of ``files`` against ``model``, then copy them in (cast to the parameter's dtype)."""
-    from tqdm.auto import tqdm
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
-    layout = checkpoint_layout(model)
-    # A model whose checkpoints come in several layouts (Llava: transformers 4 and 5 names) maps each
-    # stored name to one; ignored names and the layout use the mapped name.
-    canonical = getattr(model, "canonical_checkpoint_name", lambda n: n)
+
+def _dtype_problem(name: str, param: torch.Tensor, dtype: str) -> str | None:
+    """Quantized weights load as stored (fp8 as F8_E4M3, int8 as I8); everything else is a float, cast."""
+    if param.dtype == torch.float8_e4m3fn:
+        return None if dtype == "F8_E4M3" else f"{name}: expected F8_E4M3 (fp8 e4m3), checkpoint has {dtype}"
+    if param.dtype == torch.int8:
+        return None if dtype == "I8" else f"{name}: expected I8 (int8), checkpoint has {dtype}"
+    if dtype in _FLOAT_DTYPES:
+        return None
+    return f"{name}: expected a floating-point tensor (F32/F16/BF16), checkpoint has {dtype}"
+
+
+def _shape_ok(shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    # A per-tensor scale is stored as [1] (compressed-tensors) or [] (AutoFP8).
+    return shape == expected or (expected == (1,) and shape == ())
+
+
+def _check_tensors(model: nn.Module, files: list[str], layout: dict[str, Any],
+                   canonical: Callable[[str], str]) -> set[str]:
+    """Every tensor's name, shape and dtype against ``layout`` (headers only); the mapped names found.
+
+    Raises:
+        CheckpointError: every unexpected, missing, mis-shaped and mis-typed tensor, by name.
+    """
     ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_names", ())]
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         ignored.append(re.compile(r"^lm_head\.weight$"))  # some tied checkpoints store the copy anyway
-    found: dict[str, str] = {}
+    found: set[str] = set()
     unexpected, bad_shape, bad_dtype = [], [], []
     for file in files:
         with _open(file) as f:
@@ -194,17 +231,15 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
                 if hf not in layout:
                     unexpected.append(f"{key} (in {os.path.basename(file)})")
                     continue
-                found[hf] = file
+                found.add(hf)
                 sl = f.get_slice(key)
-                shape = tuple(sl.get_shape())
-                expected = layout[hf][3]
-                if shape != expected:
+                shape, expected = tuple(sl.get_shape()), layout[hf][3]
+                if not _shape_ok(shape, expected):
                     bad_shape.append(f"{hf}: expected shape {list(expected)}, checkpoint has {list(shape)}")
-                dtype = sl.get_dtype()
-                if dtype not in ("F32", "F16", "BF16", "F64"):
-                    bad_dtype.append(f"{hf}: expected a floating-point tensor (F32/F16/BF16), checkpoint has "
-                                     f"{dtype}")
-    missing = sorted(set(layout) - set(found))
+                problem = _dtype_problem(hf, layout[hf][1], sl.get_dtype())
+                if problem:
+                    bad_dtype.append(problem)
+    missing = sorted(set(layout) - found)
     problems = []
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(unexpected[:10])
@@ -217,6 +252,28 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
         where = os.path.dirname(files[0])
         raise CheckpointError(f"{where}: checkpoint does not match {type(model).__name__}:\n  "
                               + "\n  ".join(problems))
+    return found
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each module that asks (quantized merged linears: one weight and input scale over their shards)
+    finish its weights once they are all in."""
+    for module in model.modules():
+        finish = getattr(module, "process_weights_after_loading", None)
+        if finish is not None:
+            finish()
+
+
+def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> None:
+    """Check every tensor of ``files`` against ``model``, then copy them in: floats cast to the parameter's
+    dtype, quantized weights (fp8, int8) as stored. ``model`` is freshly built (not loaded before)."""
+    from tqdm.auto import tqdm
+
+    layout = checkpoint_layout(model)
+    # A model whose checkpoints come in several layouts (Llava: transformers 4 and 5 names) maps each
+    # stored name to one; ignored names and the layout use the mapped name.
+    canonical = getattr(model, "canonical_checkpoint_name", lambda n: n)
+    found = _check_tensors(model, files, layout, canonical)
     for file in tqdm(files, desc="loading shards", unit="shard", disable=not progress or None):
         with _open(file) as f:
             for key in f.keys():
@@ -229,7 +286,9 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {hf} (truncated file?): {e}") from None
                 with torch.no_grad():
-                    param.data[row:row + shape[0]].copy_(tensor)
+                    rows = param.data[row:row + shape[0]]
+                    rows.copy_(tensor.reshape(rows.shape))  # [out, 1] and [] scales into [out] and [1]
+    process_weights_after_loading(model)
 
 
 #: Models up to this many parameters draw their random weights on the CPU (same weights on every device:
@@ -241,7 +300,9 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
     """Normal(0, std) linear and embedding weights, zero biases, from a fixed seed; norms keep their init.
 
     Up to :data:`CPU_INIT_MAX_PARAMS` parameters, drawn on the CPU in fp32 and copied, so such a model has
-    the same weights on every device; larger models draw on their device (fixed per device type).
+    the same weights on every device; larger models draw on their device (fixed per device type). A
+    quantized linear draws the same fp32 weights, one layer at a time (no fp32 copy of the model), and
+    quantizes them (``quantize_from``).
     """
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
@@ -252,11 +313,17 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
     gen = torch.Generator(device=draw_on).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            quantized = hasattr(module, "quantize_from")
+            if quantized or isinstance(module, (nn.Linear, nn.Embedding)):
                 w = module.weight
-                w.copy_(torch.empty(w.shape, dtype=torch.float32, device=draw_on).normal_(0.0, std, generator=gen))
+                drawn = torch.empty(w.shape, dtype=torch.float32, device=draw_on).normal_(0.0, std, generator=gen)
+                if quantized:
+                    module.quantize_from(drawn)
+                else:
+                    w.copy_(drawn)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+    process_weights_after_loading(model)
 
 
 def load_model(path: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,

@@ -156,3 +156,139 @@ def test_no_weights_no_config_no_such_name(ckpt, tmp_path):
 
 def test_loads_as_llama(ckpt):
     assert type(load_model(ckpt)) is LlamaForCausalLM
+
+
+# ---------------------------------------------------------------- quantized checkpoints (W8A8): every error named
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    """A static fp8 compressed-tensors checkpoint of the tiny Llama (quant_testing.py)."""
+    from models_testing import PROMPTS
+    from quant_testing import save_quantized
+
+    path = tmp_path_factory.mktemp("fp8")
+    save_quantized(path, save_hf_llama(tmp_path_factory.mktemp("hf")), "fp8-static", PROMPTS)
+    return str(path)
+
+
+def edit_quant_config(path, fn):
+    file = os.path.join(path, "config.json")
+    cfg = json.load(open(file))
+    fn(cfg["quantization_config"], cfg)
+    json.dump(cfg, open(file, "w"))
+
+
+def _group(qc):
+    return qc["config_groups"]["group_0"]
+
+
+def _int8(qc, dynamic=False, fmt="int-quantized"):
+    qc["format"] = fmt
+    _group(qc)["weights"]["type"] = "int"
+    _group(qc)["input_activations"].update(type="int", dynamic=dynamic)
+
+
+CONFIG_ERRORS = {
+    "block-wise fp8": (lambda qc, _: _group(qc)["weights"].update(strategy="block", block_structure=[128, 128]),
+                       r"config_groups\.group_0\.weights: strategy 'block' \(block-wise, block_structure \[128, 128\]\) "
+                       r"is not supported; supported: 8-bit symmetric W8A8"),
+    "int4": (lambda qc, _: _group(qc)["weights"].update(num_bits=4, type="int"),
+             r"group_0\.weights\.num_bits: 4 \(4-bit int\) is not supported; supported: 8-bit"),
+    "asymmetric": (lambda qc, _: _group(qc)["input_activations"].update(symmetric=False),
+                   r"group_0\.input_activations\.symmetric: False \(asymmetric, with zero points\) is not supported"),
+    "group strategy": (lambda qc, _: _group(qc)["weights"].update(strategy="group", group_size=128),
+                       r"weights: strategy 'group' \(group_size 128\) is not supported"),
+    "weight-only": (lambda qc, _: _group(qc).update(input_activations=None),
+                    r"group_0\.input_activations: None \(weight-only quantization\) is not supported"),
+    "int8 dynamic per tensor": (lambda qc, _: _int8(qc, dynamic=True),
+                                r"input_activations: dynamic strategy 'tensor' is not supported for int8"),
+    "int8 in an fp8 format": (lambda qc, _: _int8(qc, fmt="float-quantized"),
+                              r"group_0: format 'float-quantized' does not hold int8 weights"),
+    "mixed types": (lambda qc, _: _group(qc)["input_activations"].update(type="int"),
+                    r"group_0: fp8 weights with int8 activations are not supported"),
+    "packed format": (lambda qc, _: qc.update(format="pack-quantized"),
+                      r"group_0: format 'pack-quantized' is not supported; supported: float-quantized, int-quantized"),
+    "kv cache": (lambda qc, _: qc.update(kv_cache_scheme=dict(num_bits=8, type="float")),
+                 r"quantization_config\.kv_cache_scheme: a quantized KV cache is not supported"),
+    "unknown method": (lambda qc, _: qc.update(quant_method="gptq"),
+                       r"quantization_config\.quant_method: 'gptq' is not supported; supported: 'compressed-tensors' "
+                       r"and 'fp8' \(AutoFP8\)"),
+    "AutoFP8 block-wise": (lambda qc, _: (qc.clear(), qc.update(quant_method="fp8", weight_block_size=[128, 128])),
+                           r"quantization_config\.weight_block_size: \[128, 128\] \(block-wise fp8\) is not supported"),
+    "AutoFP8 scheme": (lambda qc, _: (qc.clear(), qc.update(quant_method="fp8", activation_scheme="per-token")),
+                       r"activation_scheme: expected 'static' or 'dynamic'; got 'per-token'"),
+    "architecture": (lambda qc, cfg: cfg.update(architectures=["LlavaForConditionalGeneration"]),
+                     r"quantization_config given for LlavaForConditionalGeneration, which is not quantized here; "
+                     r"quantized architectures: Gemma2ForCausalLM, LlamaForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_quantization_config_errors(fp8_ckpt, tmp_path, case):
+    edit, message = CONFIG_ERRORS[case]
+    path = copy_ckpt(fp8_ckpt, tmp_path / "c")
+    edit_quant_config(path, edit)
+    with pytest.raises(CheckpointError, match=r"config\.json: .*" + message):
+        load_model(path)
+
+
+TENSOR_ERRORS = {
+    "missing weight_scale": (lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale"),
+                             r"1 missing tensor\(s\): model\.layers\.0\.self_attn\.k_proj\.weight_scale"),
+    "missing input_scale": (lambda t: t.pop("model.layers.1.mlp.down_proj.input_scale"),
+                            r"1 missing tensor\(s\): model\.layers\.1\.mlp\.down_proj\.input_scale"),
+    "float weight": (lambda t: t.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 128)}),
+                     r"dtype mismatch: model\.layers\.0\.mlp\.down_proj\.weight: expected F8_E4M3 \(fp8 e4m3\), "
+                     r"checkpoint has F32"),
+    "int8 weight": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64, dtype=torch.int8)}),
+                    r"dtype mismatch: model\.layers\.0\.mlp\.up_proj\.weight: expected F8_E4M3 \(fp8 e4m3\), "
+                    r"checkpoint has I8"),
+    "e5m2 weight": (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64,
+                                                                                       dtype=torch.float8_e5m2)}),
+                    r"expected F8_E4M3 \(fp8 e4m3\), checkpoint has F8_E5M2"),
+    "int scale": (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(1, dtype=torch.int32)}),
+                  r"o_proj\.weight_scale: expected a floating-point tensor \(F32/F16/BF16\), checkpoint has I32"),
+    "per-tensor scale of 2": (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_scale": torch.ones(2)}),
+                              r"shape mismatch: model\.layers\.0\.self_attn\.q_proj\.weight_scale: expected shape \[1\], "
+                              r"checkpoint has \[2\]"),
+    "per-channel scale": (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale": torch.ones(64, 1)}),
+                          r"down_proj\.weight_scale: expected shape \[1\], checkpoint has \[64, 1\]"),
+    "unexpected zero point": (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_zero_point": torch.zeros(1)}),
+                              r"1 unexpected tensor\(s\): model\.layers\.0\.mlp\.down_proj\.weight_zero_point"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TENSOR_ERRORS))
+def test_quantized_tensor_errors(fp8_ckpt, tmp_path, case):
+    edit, message = TENSOR_ERRORS[case]
+    path = copy_ckpt(fp8_ckpt, tmp_path / "c")
+    edit_tensors(path, edit)
+    with pytest.raises(CheckpointError, match=r"checkpoint does not match LlamaForCausalLM:\n.*" + message):
+        load_model(path)
+
+
+def test_per_channel_scale_shape_is_checked(tmp_path):
+    """Per channel, the scale is [out, 1]: a flat [out] one is named."""
+    from models_testing import PROMPTS
+    from quant_testing import save_quantized
+
+    save_quantized(tmp_path, save_hf_llama(tmp_path / "hf"), "int8-dynamic-token", PROMPTS)
+    edit_tensors(str(tmp_path), lambda t: t.update({"model.layers.1.self_attn.v_proj.weight_scale": torch.ones(32)}))
+    with pytest.raises(CheckpointError, match=r"shape mismatch: model\.layers\.1\.self_attn\.v_proj\.weight_scale: "
+                                              r"expected shape \[32, 1\], checkpoint has \[32\]"):
+        load_model(str(tmp_path))
+
+
+def test_float_checkpoint_of_a_quantized_config_names_the_weights(ckpt, tmp_path):
+    """A quantization_config over float weights (not compressed) fails on the weights' dtype, by name."""
+    from quant_testing import compressed_tensors_config
+
+    path = copy_ckpt(ckpt, tmp_path / "c")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["quantization_config"] = compressed_tensors_config(
+        "float-quantized", dict(type="float", strategy="tensor"), dict(type="float", strategy="token", dynamic=True),
+        ["lm_head"])
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"\d+ missing tensor\(s\): .*weight_scale(.|\n)*dtype mismatch: "
+                                              r".*\.weight: expected F8_E4M3 \(fp8 e4m3\), checkpoint has F32"):
+        load_model(path)
