@@ -211,12 +211,13 @@ def test_builtins_generate(kind):
         assert qkv.weight_scale.shape == (1,) and qkv.input_scale.shape == (1,)
     else:  # per-channel weights, dynamic per-token activations
         assert qkv.weight_scale.shape == (qkv.out_features,) and qkv.input_scale is None
-    tokens = {}
+    logits = {}
     for level in (0, 3):
         llm = LLM(name, level=level, max_num_tokens=32)
-        tokens[level] = llm.generate(PROMPTS, max_new_tokens=8)
-        assert [len(t) for t in tokens[level]] == [8] * len(PROMPTS)
-    assert tokens[0] == tokens[3]
+        assert [len(t) for t in llm.generate(PROMPTS, max_new_tokens=8)] == [8] * len(PROMPTS)
+        logits[level] = prefill_logits(llm, PROMPTS)
+    # Not the tokens: std-0.02 random weights leave top-2 logit gaps down to 1e-4, within a rounding flip's reach.
+    assert_logits_match(logits[3], logits[0])
 
 
 def test_builtin_weights_are_the_float_builtins_quantized():
