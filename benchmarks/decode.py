@@ -498,8 +498,9 @@ def main(argv: list[str] | None = None) -> None:
                                  device=device, out_dir=a.out,
                                  notes=[f"context {context} cached tokens per sequence; {bw}",
                                         "pct_of_floor: the weights+KV floor (every weight, and K and V of every "
-                                        "cached token, read once at the copy bandwidth) / this step's time; "
-                                        f"LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} tokens)",
+                                        "cached token, read once at the copy bandwidth) / this step's time"
+                                        + (f"; LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} "
+                                           "tokens)" if a.generate else ""),
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
                                         f"dynamic-shape kernels): {trace_tokens} tokens"])
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
