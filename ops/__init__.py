@@ -3,12 +3,31 @@
 
 Triton is optional: without it every op runs its reference on any device. The paged-attention
 ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers. The
-W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls.
+W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
+norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the graph passes put them in place of
+the unfused sequences.
 """
 
 from .triton_utils import HAS_TRITON
 from .custom_op import CustomOp, OpStatus, enabled_custom_ops, parse_custom_ops, uses_inductor
+from .act_quant import (
+    act_and_mul_dynamic_quant,
+    act_and_mul_dynamic_quant_ref,
+    act_and_mul_static_quant,
+    act_and_mul_static_quant_ref,
+)
 from .gelu_and_mul import GeluAndMul, gelu_and_mul, gelu_and_mul_ref
+from .norm_quant import (
+    QUANT_DTYPES,
+    fused_add_rms_norm_dynamic_quant,
+    fused_add_rms_norm_dynamic_quant_ref,
+    fused_add_rms_norm_static_quant,
+    fused_add_rms_norm_static_quant_ref,
+    rms_norm_dynamic_quant,
+    rms_norm_dynamic_quant_ref,
+    rms_norm_static_quant,
+    rms_norm_static_quant_ref,
+)
 from .paged_attention import (
     decode_num_splits,
     paged_decode,
@@ -79,6 +98,12 @@ TORCH_OP_NAMES = (
     "int8_scaled_mm",
     "write_kv_cache",
     "paged_decode",
+    "rms_norm_static_quant",
+    "rms_norm_dynamic_quant",
+    "fused_add_rms_norm_static_quant",
+    "fused_add_rms_norm_dynamic_quant",
+    "act_and_mul_static_quant",
+    "act_and_mul_dynamic_quant",
 )
 
 __all__ = [
@@ -109,6 +134,12 @@ __all__ = [
     "write_kv_cache_triton",
     "paged_decode_triton",
     "decode_num_splits",
+    "rms_norm_static_quant",
+    "rms_norm_dynamic_quant",
+    "fused_add_rms_norm_static_quant",
+    "fused_add_rms_norm_dynamic_quant",
+    "act_and_mul_static_quant",
+    "act_and_mul_dynamic_quant",
     "RMSNorm",
     "GemmaRMSNorm",
     "SiluAndMul",
@@ -130,6 +161,12 @@ __all__ = [
     "int8_scaled_mm_ref",
     "write_kv_cache_ref",
     "paged_decode_ref",
+    "rms_norm_static_quant_ref",
+    "rms_norm_dynamic_quant_ref",
+    "fused_add_rms_norm_static_quant_ref",
+    "fused_add_rms_norm_dynamic_quant_ref",
+    "act_and_mul_static_quant_ref",
+    "act_and_mul_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_SCALE",
@@ -138,4 +175,5 @@ __all__ = [
     "FP8_MM_ALIGN",
     "INT8_MM_ALIGN",
     "INT8_MM_MAX_K",
+    "QUANT_DTYPES",
 ]

@@ -42,6 +42,7 @@ def _samples(num_tokens: int, device: str) -> dict:
     fp8_a, fp8_w = rand(num_tokens, 96, dtype=ops.FP8_DTYPE), rand(48, 96, dtype=ops.FP8_DTYPE)
     int8_a, int8_w = (ints(256, num_tokens, 96) - 128).to(torch.int8), (ints(256, 48, 96) - 128).to(torch.int8)
     a_scale, w_scale = rand(num_tokens, 1, dtype=torch.float32).abs() + 0.01, rand(48, dtype=torch.float32).abs() + 0.01
+    q_scale = torch.tensor([0.02], device=device)
     return {
         "rms_norm": (ops.rms_norm, (x, w, EPS)),
         "gemma_rms_norm": (ops.gemma_rms_norm, (x, w, EPS)),
@@ -64,6 +65,14 @@ def _samples(num_tokens: int, device: str) -> dict:
                                              slots)),
         "paged_decode": (ops.paged_decode, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache, block_table, seq_lens, 4,
                                             HEAD_SIZE, HEAD_SIZE**-0.5, 48, 50.0)),
+        # Fused norm / activation + quant: both quant dtypes, both norm forms, each activation among the six.
+        "rms_norm_static_quant": (ops.rms_norm_static_quant, (x, w, EPS, q_scale, ops.FP8_DTYPE)),
+        "rms_norm_dynamic_quant": (ops.rms_norm_dynamic_quant, (x, w, EPS, torch.int8, True)),
+        "fused_add_rms_norm_static_quant": (ops.fused_add_rms_norm_static_quant,
+                                            (x, r, w, EPS, q_scale, torch.int8, True)),
+        "fused_add_rms_norm_dynamic_quant": (ops.fused_add_rms_norm_dynamic_quant, (x, r, w, EPS, ops.FP8_DTYPE)),
+        "act_and_mul_static_quant": (ops.act_and_mul_static_quant, (x, q_scale, "gelu_tanh", torch.int8)),
+        "act_and_mul_dynamic_quant": (ops.act_and_mul_dynamic_quant, (x, "silu", ops.FP8_DTYPE)),
     }
 
 

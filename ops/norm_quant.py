@@ -1,0 +1,323 @@
+"""RMSNorm fused with fp8 / int8 quantization: the norm (optionally after the residual add) and the
+quantization of its output in one pass over the row, for the quantized linear layer that follows a norm.
+
+Definition (the references at the end of this file): the unfused sequence, ``quant(rms_norm(x))``:
+
+- the norm is ``ops.rms_norm``'s (Llama, or Gemma's ``x_normed * (1 + weight)``; with the fused add,
+  ``s = x + residual`` rounded to ``x.dtype`` is normalized and returned), computed in fp32 and **rounded
+  to ``x.dtype``** (the model dtype), as the unfused graph's ``rms_norm`` output is;
+- that rounded tensor is quantized as ``ops.quant_fp8`` / ``ops.quant_int8`` do: static per tensor
+  (``saturate(y / scale)``) or dynamic per token (``scale[t] = max(amax(|y[t]|) / qmax, min_scale)``, fp32
+  of shape ``x.shape[:-1] + (1,)``); fp32 division correctly rounded, round to nearest even, saturation.
+
+The kernel computes the normed row with ``ops.rms_norm``'s kernel's arithmetic and launch config, so for
+the same reduction order it gives the unfused Triton ops' values bit for bit (guaranteed whenever the sum of
+squares is exact, which the tests use; otherwise the reduction order of the two kernels may differ in the
+last bit, as ``rms_norm``'s differs from the reference's). The fused-add ops follow ``fused_add_rms_norm``:
+functional, inputs untouched, the new residual returned last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import wrap_triton
+
+from .quant_fp8 import (
+    FP8_DTYPE,
+    MIN_SCALE,
+    check_quant_input,
+    dynamic_per_token_scaled_fp8_quant_ref,
+    static_scaled_fp8_quant_ref,
+)
+from .quant_int8 import INT8_MIN_SCALE, dynamic_scaled_int8_quant_ref, static_scaled_int8_quant_ref
+from .rms_norm import MAX_KERNEL_COLS, fused_add_rms_norm_ref, rms_norm_config, rms_norm_ref
+from .triton_utils import SMALL_ELEMENTS, cdiv, known_int, needs_int64, pdl_args, pdl_launch, tl, triton, triton_op, \
+    use_triton
+
+__all__ = [
+    "rms_norm_static_quant",
+    "rms_norm_dynamic_quant",
+    "fused_add_rms_norm_static_quant",
+    "fused_add_rms_norm_dynamic_quant",
+    "rms_norm_static_quant_ref",
+    "rms_norm_dynamic_quant_ref",
+    "fused_add_rms_norm_static_quant_ref",
+    "fused_add_rms_norm_dynamic_quant_ref",
+    "static_quant_ref",
+    "dynamic_quant_ref",
+    "check_quant_dtype",
+    "QUANT_DTYPES",
+]
+
+#: The ``quant_dtype`` the fused ops take.
+QUANT_DTYPES = (FP8_DTYPE, torch.int8)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr, res_out_ptr,
+    n_rows, n_cols, x_row_stride, res_row_stride, eps,
+    MIN_S: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+    INT8: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    INT64: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # ops.rms_norm's kernel statement for statement up to the normed row (the same values), then the quant
+    # kernels' arithmetic. Self-contained: Inductor re-emits a user kernel's source and fails to compile one
+    # that calls another jitted function (torch 2.11 + Triton 3.6). DYNAMIC: scale_ptr is the [T, 1] output.
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & col_mask[None, :]
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x_offs = rows[:, None] * x_row_stride + cols[None, :]
+    out_offs = rows[:, None] * n_cols + cols[None, :]
+    if EVICT_FIRST:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_offs = rows[:, None] * res_row_stride + cols[None, :]
+        if EVICT_FIRST:
+            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + out_offs, s, mask=mask)
+        xf = s.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    if GEMMA:
+        w = 1.0 + w
+    # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
+    y = (xf * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if DYNAMIC:
+        if INT8:
+            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0), tl.full([ROWS], MIN_S, tl.float32))
+        else:
+            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 448.0), tl.full([ROWS], MIN_S, tl.float32))
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        y = tl.div_rn(y, scale[:, None])
+    else:
+        y = tl.div_rn(y, tl.load(scale_ptr).to(tl.float32))
+    if INT8:
+        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
+    else:
+        q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + out_offs, q, mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, H]`` with a dense last dim; a 2-D tensor with strided rows is read in place."""
+    return t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _launch_rms_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+    quant_dtype: torch.dtype,
+    gemma: bool,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(q, scale_out, residual_out)``: ``scale`` None quantizes per token (``scale_out``: ``x.shape[:-1] +
+    (1,)``), else with that per-tensor scale (``scale_out`` None); ``residual_out`` None without a residual.
+    ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``rms_norm``'s; ``pdl``: default ``pdl_launch``."""
+    n_cols = x.shape[-1]
+    weight = weight.contiguous()
+    x2 = _rows(x)
+    r2 = x2 if residual is None else _rows(residual)
+    q = torch.empty(x.shape, dtype=quant_dtype, device=x.device)
+    scale_out = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if scale is None else None
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x2.shape[0]
+    known_rows = known_int(n_rows)
+    block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
+    small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
+    pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
+    int8 = quant_dtype == torch.int8
+    wrap_triton(_rms_norm_quant_kernel)[(cdiv(n_rows, rows),)](
+        x2, r2, weight, scale if scale_out is None else scale_out, q, q if res_out is None else res_out,
+        n_rows, n_cols, x2.stride(0), r2.stride(0), eps,
+        MIN_S=INT8_MIN_SCALE if int8 else MIN_SCALE,
+        HAS_RESIDUAL=residual is not None,
+        GEMMA=gemma,
+        INT8=int8,
+        DYNAMIC=scale is None,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
+        EVICT_FIRST=not small,
+        num_warps=num_warps,
+        **pdl_args(pdl),
+    )
+    return q, scale_out, res_out
+
+
+def check_quant_dtype(op: str, quant_dtype: torch.dtype) -> None:
+    """Raise ValueError, naming ``op`` and the argument, unless ``quant_dtype`` is fp8 (e4m3fn) or int8."""
+    if quant_dtype not in QUANT_DTYPES:
+        raise ValueError(f"{op}: quant_dtype must be torch.float8_e4m3fn or torch.int8; got {quant_dtype}")
+
+
+def _check(op: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+           scale: torch.Tensor | None, quant_dtype: torch.dtype) -> None:
+    """The arguments' dtypes, static sizes and devices (no guard on a token count); errors name the argument."""
+    check_quant_input(op, x, scale, per_token=scale is None)
+    check_quant_dtype(op, quant_dtype)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{op}: weight must have shape [{x.shape[-1]}] (x's last dim); got {list(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"{op}: weight must be on x's device {x.device}; got {weight.device}")
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+        raise ValueError(f"{op}: residual must have x's shape {list(x.shape)} and device {x.device}; "
+                         f"got {list(residual.shape)} on {residual.device}")
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    """As ``rms_norm``: Triton for CUDA rows of up to ``MAX_KERNEL_COLS`` (a whole row a program)."""
+    return use_triton(x) and x.shape[-1] <= MAX_KERNEL_COLS
+
+
+@triton_op("dynamo_once::rms_norm_static_quant", mutates_args=())
+def _rms_norm_static_quant_op(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                              quant_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
+    _check("rms_norm_static_quant", x, None, weight, scale, quant_dtype)
+    if not _use_kernel(x):
+        return rms_norm_static_quant_ref(x, weight, eps, scale, quant_dtype, gemma)
+    return _launch_rms_norm_quant(x, None, weight, eps, scale, quant_dtype, gemma)[0]
+
+
+@triton_op("dynamo_once::rms_norm_dynamic_quant", mutates_args=())
+def _rms_norm_dynamic_quant_op(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+                               gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    _check("rms_norm_dynamic_quant", x, None, weight, None, quant_dtype)
+    if not _use_kernel(x):
+        return rms_norm_dynamic_quant_ref(x, weight, eps, quant_dtype, gemma)
+    q, scale, _ = _launch_rms_norm_quant(x, None, weight, eps, None, quant_dtype, gemma)
+    return q, scale  # type: ignore[return-value]
+
+
+@triton_op("dynamo_once::fused_add_rms_norm_static_quant", mutates_args=())
+def _fused_add_rms_norm_static_quant_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+    quant_dtype: torch.dtype, gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check("fused_add_rms_norm_static_quant", x, residual, weight, scale, quant_dtype)
+    if not _use_kernel(x):
+        return fused_add_rms_norm_static_quant_ref(x, residual, weight, eps, scale, quant_dtype, gemma)
+    q, _, res = _launch_rms_norm_quant(x, residual, weight, eps, scale, quant_dtype, gemma)
+    return q, res  # type: ignore[return-value]
+
+
+@triton_op("dynamo_once::fused_add_rms_norm_dynamic_quant", mutates_args=())
+def _fused_add_rms_norm_dynamic_quant_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check("fused_add_rms_norm_dynamic_quant", x, residual, weight, None, quant_dtype)
+    if not _use_kernel(x):
+        return fused_add_rms_norm_dynamic_quant_ref(x, residual, weight, eps, quant_dtype, gemma)
+    return _launch_rms_norm_quant(x, residual, weight, eps, None, quant_dtype, gemma)  # type: ignore[return-value]
+
+
+def rms_norm_static_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                          quant_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
+    """``quant(rms_norm(x, weight, eps))`` with a per-tensor scale: ``q`` of ``x``'s shape in ``quant_dtype``.
+
+    Args:
+        x: fp32, fp16 or bf16, ``[..., H]``; the normed row is rounded to ``x.dtype`` before quantizing.
+        weight: ``[H]``; ``gemma``: use ``1 + weight`` (Gemma's RMSNorm).
+        scale: fp32, one element (``[1]`` or 0-d), on ``x``'s device.
+        quant_dtype: ``torch.float8_e4m3fn`` or ``torch.int8``.
+    Raises:
+        TypeError / ValueError naming the argument (dtype, shape, device).
+    """
+    return torch.ops.dynamo_once.rms_norm_static_quant(x, weight, eps, scale, quant_dtype, gemma)
+
+
+def rms_norm_dynamic_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+                           gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: :func:`rms_norm_static_quant` with one scale a token, ``max(amax(|y[t]|) / qmax,
+    min_scale)`` (qmax 448 for fp8, 127 for int8), fp32 of shape ``x.shape[:-1] + (1,)``."""
+    return torch.ops.dynamo_once.rms_norm_dynamic_quant(x, weight, eps, quant_dtype, gemma)
+
+
+def fused_add_rms_norm_static_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+    quant_dtype: torch.dtype, gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, s)``: ``s = x + residual`` rounded to ``x.dtype`` (``fused_add_rms_norm``'s new residual), ``q``
+    :func:`rms_norm_static_quant` of ``s``. Inputs are not modified; ``residual`` has ``x``'s shape."""
+    return torch.ops.dynamo_once.fused_add_rms_norm_static_quant(x, residual, weight, eps, scale, quant_dtype, gemma)
+
+
+def fused_add_rms_norm_dynamic_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, s)``: as :func:`fused_add_rms_norm_static_quant`, quantized per token."""
+    return torch.ops.dynamo_once.fused_add_rms_norm_dynamic_quant(x, residual, weight, eps, quant_dtype, gemma)
+
+
+def static_quant_ref(y: torch.Tensor, scale: torch.Tensor, quant_dtype: torch.dtype) -> torch.Tensor:
+    """``static_scaled_fp8_quant_ref`` or ``static_scaled_int8_quant_ref``, by ``quant_dtype``."""
+    if quant_dtype == torch.int8:
+        return static_scaled_int8_quant_ref(y, scale)
+    return static_scaled_fp8_quant_ref(y, scale)
+
+
+def dynamic_quant_ref(y: torch.Tensor, quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dynamic_per_token_scaled_fp8_quant_ref`` or ``dynamic_scaled_int8_quant_ref``, by ``quant_dtype``."""
+    if quant_dtype == torch.int8:
+        return dynamic_scaled_int8_quant_ref(y)
+    return dynamic_per_token_scaled_fp8_quant_ref(y)
+
+
+def rms_norm_static_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+                              quant_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
+    """The definition: ``rms_norm_ref`` (rounded to ``x.dtype``), then the static quant's reference."""
+    return static_quant_ref(rms_norm_ref(x, weight, eps, gemma=gemma), scale, quant_dtype)
+
+
+def rms_norm_dynamic_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+                               gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: ``rms_norm_ref`` (rounded to ``x.dtype``), then the per-token quant's reference."""
+    return dynamic_quant_ref(rms_norm_ref(x, weight, eps, gemma=gemma), quant_dtype)
+
+
+def fused_add_rms_norm_static_quant_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor,
+    quant_dtype: torch.dtype, gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: ``fused_add_rms_norm_ref``, then the static quant's reference of the normed tensor."""
+    normed, s = fused_add_rms_norm_ref(x, residual, weight, eps, gemma=gemma)
+    return static_quant_ref(normed, scale, quant_dtype), s
+
+
+def fused_add_rms_norm_dynamic_quant_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+    gemma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition: ``fused_add_rms_norm_ref``, then the per-token quant's reference of the normed tensor."""
+    normed, s = fused_add_rms_norm_ref(x, residual, weight, eps, gemma=gemma)
+    q, scale = dynamic_quant_ref(normed, quant_dtype)
+    return q, scale, s
