@@ -6,7 +6,8 @@ guards on dispatched calls) and the FX graph (for dumps), then delegates:
 
 - levels 1-2: ``CompilationConfig.backend``, else the plugin backend, else ``"eager"``;
 - levels 3-4: the piecewise Inductor backend (``dispatcher.piecewise``), with
-  the plugin and config options (level 4 forces ``max_autotune``).
+  the plugin and config options (level 4 forces ``max_autotune``) and the
+  post-grad pass manager (``dispatcher.passes``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from . import compat, plugins
 from .config import CompilationConfig, CompilationLevel
+from .passes import build_pass_manager
 from .counters import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -27,11 +29,15 @@ __all__ = ["RecordingBackend", "resolve_backend", "inductor_options"]
 
 
 def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict[str, Any]:
-    """Inductor config patches for a level 3-4 compile: plugin options, then the config's, then the level's."""
+    """Inductor config patches for a level 3-4 compile: plugin options, then the config's, then the level's;
+    at levels 3-4 also the post-grad pass manager (any pass already in that option runs after ours)."""
     options = plugins.get_inductor_additional_configs()
     options.update(config.inductor_compile_config)
     if level >= CompilationLevel.INDUCTOR_MAX_AUTOTUNE:
         options["max_autotune"] = True
+    if level >= CompilationLevel.INDUCTOR:
+        option = compat.POST_GRAD_PASS_OPTION
+        options[option] = build_pass_manager(config.pass_config, options.get(option))
     return options
 
 

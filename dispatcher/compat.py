@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,15 @@ __all__ = [
     "python_dispatcher",
     "is_static_input",
     "reset",
+    "POST_GRAD_PASS_OPTION",
+    "custom_graph_pass_class",
+    "pattern_matcher_pass",
+    "register_replacement",
+    "trace_inference_graph",
+    "statically_equal",
+    "fresh_inductor_cache",
+    "triton_ops_decomposed",
+    "fx_graph_cache_counts",
 ]
 
 
@@ -198,3 +207,85 @@ def tensor_guards(tensors: list[torch.Tensor], dynamic: list[list[int]]) -> Call
         return guards.check
     except Exception:  # pragma: no cover - a torch without it, or with another signature
         return None
+
+
+#: The Inductor option (a config patch) holding the pass run after Inductor's own post-grad passes: a
+#: ``CustomGraphPass`` called with the functionalized, normalized aten graph of each compile.
+POST_GRAD_PASS_OPTION = "post_grad_custom_post_pass"
+
+
+def custom_graph_pass_class() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass``: the base of a post-grad pass that Inductor's
+    FX graph cache accepts, keyed on its ``uuid()`` (any other callable bypasses the cache)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def pattern_matcher_pass(name: str) -> Any:
+    """An empty ``torch._inductor.pattern_matcher.PatternMatcherPass``; its ``apply(graph)`` rewrites every
+    match of the patterns registered into it and returns how many it rewrote."""
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    return PatternMatcherPass(pass_name=name)
+
+
+def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[..., Any], example_inputs: list[Any],
+                         patterns: Any, scalars: dict[str, float] | None = None,
+                         extra_check: Callable[[Any], bool] | None = None) -> None:
+    """``pattern_matcher.register_replacement`` for inference graphs (traced with ``fwd_only``).
+
+    ``search_fn`` and ``replace_fn`` are traced on ``example_inputs`` into aten graphs (Inductor's
+    decompositions, as its post-grad graphs have them); the argument names of ``search_fn`` are the
+    match's keys. ``scalars`` names the float arguments (value: a stand-in used only to trace) that match
+    any constant in a graph and reach ``replace_fn``. ``extra_check(match)`` may refuse a match; its
+    ``match.kwargs`` are the matched nodes, whose ``meta["val"]`` are fake tensors.
+    """
+    from torch._inductor import pattern_matcher
+
+    pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, pattern_matcher.fwd_only,
+                                         patterns, extra_check=extra_check or (lambda match: True),
+                                         scalar_workaround=scalars or {})
+
+
+def trace_inference_graph(fn: Callable[..., Any], example_inputs: list[Any]) -> torch.fx.GraphModule:
+    """``fn`` traced as ``register_replacement`` traces a pattern (``pattern_matcher.fwd_only``): the aten
+    graph Inductor's post-grad passes see for it, for tests of a pass on a graph of its own."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    return fwd_only(fn, example_inputs)
+
+
+def statically_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two shapes (ints or SymInts) are equal for every value of their symbols
+    (``symbolic_shapes.statically_known_true``): False when not known, and no guard is added."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return len(a) == len(b) and bool(statically_known_true(sym_eq(tuple(a), tuple(b))))
+
+
+def fresh_inductor_cache() -> contextlib.AbstractContextManager[Any]:
+    """``torch._inductor.utils.fresh_cache`` (``fresh_inductor_cache`` before its rename): Inductor's
+    on-disk caches in a temporary directory for the block, so every compile in it compiles."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
+    return fresh()
+
+
+@contextlib.contextmanager
+def triton_ops_decomposed(enabled: bool) -> Iterator[None]:
+    """Whether AOTAutograd decomposes ``torch.library.triton_op`` ops into their bodies for the block
+    (``torch._functorch.config.decompose_custom_triton_ops``, default True). Off, such an op stays one
+    opaque node in the post-grad graph, as a ``custom_op`` without Triton does."""
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(decompose_custom_triton_ops=enabled):
+        yield
+
+
+def fx_graph_cache_counts() -> tuple[int, int]:
+    """``(hits, misses)`` of Inductor's FX graph cache so far in this process (``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]

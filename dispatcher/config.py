@@ -9,10 +9,12 @@ from typing import Any, Callable
 
 from . import envs
 from .levels import CompilationLevel
+from .passes.pass_config import PassConfig
 
 __all__ = [
     "CompilationLevel",
     "CompilationConfig",
+    "PassConfig",
     "get_compilation_config",
     "set_compilation_config",
 ]
@@ -49,6 +51,9 @@ class CompilationConfig:
         use_cudagraph: allow CUDA graphs of the pieces at levels 3-4 (default: when CUDA is available).
         cudagraph_mode: ``"none"``, ``"piecewise"`` or ``"full_and_piecewise"``: which modes the
             runner captures (the latter also whole decode steps, attention included; default on CUDA).
+        pass_config: levels 3-4: which of the library's post-grad graph passes run in every Inductor
+            compile (``dispatcher.passes``); a :class:`PassConfig` or its switch tokens, e.g.
+            ``"+fused_add_rms_norm,-noop"``, ``"all"``, ``"none"`` (``DYNAMO_ONCE_PASSES``).
     """
 
     level: CompilationLevel = CompilationLevel.INDUCTOR
@@ -66,6 +71,7 @@ class CompilationConfig:
         default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
     use_cudagraph: bool | None = None
     cudagraph_mode: str | None = None
+    pass_config: PassConfig = dataclasses.field(default_factory=PassConfig)
 
     def __post_init__(self) -> None:
         try:
@@ -108,6 +114,14 @@ class CompilationConfig:
             raise ValueError(f"CompilationConfig.cudagraph_mode: expected one of {modes}; got {self.cudagraph_mode!r}")
         if not self.use_cudagraph:
             self.cudagraph_mode = "none"
+        if isinstance(self.pass_config, (str, list, tuple)):
+            try:
+                self.pass_config = PassConfig.parse(self.pass_config)
+            except ValueError as e:
+                raise ValueError(f"CompilationConfig.pass_config: {e}") from None
+        if not isinstance(self.pass_config, PassConfig):
+            raise ValueError(f"CompilationConfig.pass_config: expected a PassConfig or switch tokens; "
+                             f"got {self.pass_config!r}")
         for name in ("use_bytecode_hook", "check_inputs", "debug", "fullgraph", "use_cudagraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompilationConfig.{name}: expected a bool; got {getattr(self, name)!r}")
@@ -130,6 +144,9 @@ class CompilationConfig:
         kwargs["use_bytecode_hook"] = envs.use_bytecode_hook()
         kwargs["debug"] = envs.debug()
         kwargs["debug_dump_path"] = envs.debug_dump_path()
+        passes = envs.passes()
+        if passes is not None:
+            kwargs["pass_config"] = passes
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from .levels import CompilationLevel
+from .passes.pass_config import PassConfig
 
 __all__ = [
     "ENV_VARS",
@@ -20,6 +21,7 @@ __all__ = [
     "use_bytecode_hook",
     "torch_compile_disabled",
     "pdl",
+    "passes",
 ]
 
 #: name -> one-line description; the CLI and README list these.
@@ -30,6 +32,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_DEBUG": "1: check shape guards and CUDA-graph input addresses on every call",
     "DYNAMO_ONCE_DEBUG_DUMP_PATH": "directory for dumps of captured code (disassembly, source, FX graph)",
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
+    "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -94,3 +97,14 @@ def debug_dump_path() -> str | None:
 
 def pdl() -> bool:
     return _bool("DYNAMO_ONCE_PDL", True)
+
+
+def passes() -> PassConfig | None:
+    """``DYNAMO_ONCE_PASSES`` as a :class:`~dispatcher.passes.PassConfig`, or None when unset."""
+    value = _get("DYNAMO_ONCE_PASSES")
+    if value is None:
+        return None
+    try:
+        return PassConfig.parse(value)
+    except ValueError as e:
+        raise ValueError(f"DYNAMO_ONCE_PASSES={value!r}: {e}") from None

@@ -31,6 +31,7 @@ from . import compat
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
 from .cuda_graph import thread_state
+from .passes import with_compile_size
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,11 @@ def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
     return isinstance(output.args[0], (tuple, list))
 
 
-def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
-    """Inductor-compile one piece; a piece returning a single value keeps returning it unwrapped."""
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
+                      size: int | None = None) -> Callable[..., Any]:
+    """Inductor-compile one piece for ``size`` tokens (None: symbolic), which its post-grad passes see; a piece
+    returning a single value keeps returning it unwrapped."""
+    options = with_compile_size(options, size)
     if _returns_tuple(gm):
         compiled = compat.inductor_compile(gm, example_inputs, options)
     else:
@@ -155,7 +159,7 @@ class PiecewisePiece:
         fn = self.by_size.get(size)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self.by_size[size] = _compile_inductor(self.graph, list(args), self.options)
+            fn = self.by_size[size] = _compile_inductor(self.graph, list(args), self.options, size)
             logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
         return fn
 

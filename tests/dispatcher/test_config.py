@@ -3,6 +3,7 @@ import pytest
 import dispatcher
 from dispatcher import CompilationConfig, CompilationLevel, envs, plugins
 from dispatcher.backends import inductor_options, resolve_backend
+from dispatcher.passes import PostGradPassManager
 
 
 @pytest.mark.parametrize(
@@ -97,6 +98,7 @@ def test_plugins_and_backend_resolution():
         plugins.set_inductor_additional_configs({"epilogue_fusion": False})
         opts = inductor_options(CompilationConfig(inductor_compile_config={"fx_graph_cache": False}),
                                 CompilationLevel.INDUCTOR_MAX_AUTOTUNE)
+        assert isinstance(opts.pop("post_grad_custom_post_pass"), PostGradPassManager)  # levels 3-4
         assert opts == {"epilogue_fusion": False, "fx_graph_cache": False, "max_autotune": True}
         assert "max_autotune" not in inductor_options(cfg, CompilationLevel.INDUCTOR)
         with pytest.raises(ValueError, match="backend"):
@@ -111,5 +113,5 @@ def test_plugins_and_backend_resolution():
 def test_env_var_table_lists_every_variable():
     assert set(envs.ENV_VARS) == {
         "DYNAMO_ONCE_COMPILE_LEVEL", "DYNAMO_ONCE_CUSTOM_OPS", "DYNAMO_ONCE_USE_BYTECODE_HOOK",
-        "DYNAMO_ONCE_DEBUG", "DYNAMO_ONCE_DEBUG_DUMP_PATH", "DYNAMO_ONCE_PDL",
+        "DYNAMO_ONCE_DEBUG", "DYNAMO_ONCE_DEBUG_DUMP_PATH", "DYNAMO_ONCE_PDL", "DYNAMO_ONCE_PASSES",
     }

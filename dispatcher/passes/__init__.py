@@ -1,0 +1,30 @@
+"""Inductor post-grad graph passes: the manager, its cache key, and the library's rewrites.
+
+At levels 3-4 every Inductor compile runs a :class:`PostGradPassManager` on its post-grad graph.
+The library's passes are switched by ``CompilationConfig.pass_config`` (:class:`PassConfig`) and
+``DYNAMO_ONCE_PASSES``; a plugin adds its own with ``dispatcher.plugins.add_post_grad_pass``.
+:data:`pass_counter` counts what they did.
+"""
+
+from .counters import PassCounter, PassCounts, pass_counter
+from .fused_add_rms_norm import FusedAddRMSNormPass
+from .graph_pass import GraphPass
+from .manager import PostGradPassManager, build_pass_manager, builtin_passes, with_compile_size
+from .noop_elimination import NoOpEliminationPass
+from .pass_config import PassConfig
+from .pattern_pass import PatternPass
+
+__all__ = [
+    "FusedAddRMSNormPass",
+    "GraphPass",
+    "NoOpEliminationPass",
+    "PassConfig",
+    "PassCounter",
+    "PassCounts",
+    "PatternPass",
+    "PostGradPassManager",
+    "build_pass_manager",
+    "builtin_passes",
+    "pass_counter",
+    "with_compile_size",
+]

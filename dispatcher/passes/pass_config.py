@@ -1,0 +1,82 @@
+"""``PassConfig``: which of the library's post-grad graph passes run at levels 3-4.
+
+A leaf module (it imports nothing from the package) so that ``dispatcher.envs``
+can parse ``DYNAMO_ONCE_PASSES`` into it without importing the config that reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["PassConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassConfig:
+    """One field per pass of ``dispatcher.passes``, in the order they run: True on, False off, None the
+    default (on, where the ops the pass produces are registered). The passes run at levels 3-4 only.
+
+    Passes added by a plugin (``dispatcher.plugins.add_post_grad_pass``) run while added; this switch
+    does not name them.
+    """
+
+    noop: bool | None = None
+    """Remove views, reshapes and slices to the shape they already have: they hide patterns from the fusions."""
+    fused_add_rms_norm: bool | None = None
+    """A residual add followed by an RMSNorm of the sum -> one ``dynamo_once::fused_add_rms_norm`` (or Gemma's)."""
+
+    def __post_init__(self) -> None:
+        for name in self.names():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"PassConfig.{name}: expected True, False or None; got {value!r}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The library's passes, in the order they run."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def switch(self, name: str) -> bool | None:
+        """The setting of pass ``name`` (None: its default)."""
+        if name not in self.names():
+            raise ValueError(f"PassConfig: unknown pass {name!r}; the passes are: {', '.join(self.names())}")
+        return getattr(self, name)
+
+    def token_string(self) -> str:
+        """The settings as switch tokens, e.g. ``"-noop,+fused_add_rms_norm"`` (empty: every default)."""
+        return ",".join(("+" if v else "-") + n for n in self.names() if (v := getattr(self, n)) is not None)
+
+    @classmethod
+    def parse(cls, tokens: str | Sequence[str]) -> PassConfig:
+        """A config from switch tokens: ``all`` / ``none`` (every pass on / off), then ``+name`` / ``-name``
+        (one pass on / off); passes not named keep their default. ``tokens`` may be one comma-separated string.
+
+        Raises:
+            ValueError: both ``all`` and ``none``, or either twice; a pass both ``+`` and ``-``; an unknown
+                pass; a token that is none of ``all``, ``none``, ``+name``, ``-name``.
+        """
+        if isinstance(tokens, str):
+            tokens = tokens.split(",")
+        names = cls.names()
+        allowed = f"'all', 'none', '+name' or '-name' (comma-separated) with a name among: {', '.join(names)}"
+        base: str | None = None
+        settings: dict[str, bool] = {}
+        for raw in tokens:
+            tok = raw.strip()
+            if not tok:
+                continue
+            if tok in ("all", "none"):
+                if base is not None:
+                    raise ValueError(f"{tok!r} after {base!r}: give one of 'all' and 'none', once; expected {allowed}")
+                base = tok
+                continue
+            sign, name = tok[:1], tok[1:]
+            if sign not in ("+", "-") or name not in names:
+                raise ValueError(f"bad token {raw.strip()!r}; expected {allowed}")
+            if settings.get(name, sign == "+") != (sign == "+"):
+                raise ValueError(f"pass {name!r} is both enabled ('+') and disabled ('-')")
+            settings[name] = sign == "+"
+        if base is not None:
+            settings = {n: settings.get(n, base == "all") for n in names}
+        return cls(**settings)
