@@ -10,8 +10,9 @@ Definition (the references at the end of this file): the unfused sequence, ``qua
   per token (``scale``: fp32 of shape ``x.shape[:-1] + (1,)``).
 
 The kernel repeats ``silu_and_mul``'s kernel's arithmetic, so it gives the unfused Triton ops' values bit for
-bit. Per-token rows are held whole in one program up to ``ONE_PASS_MAX`` outputs; wider rows (no common MLP
-below 70B parameters) run the unfused kernels, activation then per-token quant, which compute the same values.
+bit. Per-token rows are held whole in one program up to ``ONE_PASS_MAX`` outputs (Llama-3-8B's and
+Gemma-2-9B's 14336); wider rows (Llama-3-70B's 28672, Gemma-2-27B's 36864) run the unfused kernels, activation
+then per-token quant, which compute the same values with one more round trip of the activation's output.
 """
 
 from __future__ import annotations

@@ -183,6 +183,8 @@ def _check(op: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     """The arguments' dtypes, static sizes and devices (no guard on a token count); errors name the argument."""
     check_quant_input(op, x, scale, per_token=scale is None)
     check_quant_dtype(op, quant_dtype)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have rows to normalize (a last dim); got shape []")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"{op}: weight must have shape [{x.shape[-1]}] (x's last dim); got {list(weight.shape)}")
     if weight.device != x.device:

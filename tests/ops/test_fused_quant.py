@@ -338,6 +338,8 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"rms_norm_dynamic_quant: weight must have shape \[16\] \(x's last dim\); "
                                          r"got \[8\]"):
         ops.rms_norm_dynamic_quant(x, w[:8], EPS, FP8)
+    with pytest.raises(ValueError, match=r"rms_norm_static_quant: x must have rows to normalize .*; got shape \[\]"):
+        ops.rms_norm_static_quant(torch.tensor(1.0), w, EPS, scale, FP8)
     with pytest.raises(ValueError, match=r"weight must be on x's device cpu; got meta"):
         ops.rms_norm_dynamic_quant(x, w.to("meta"), EPS, FP8)
     with pytest.raises(ValueError, match=r"fused_add_rms_norm_static_quant: residual must have x's shape \[4, 16\] "
