@@ -8,14 +8,18 @@ as the separate add does, so the rewrite changes no value beyond the norm's own 
 
 The forms matched, as they appear in the post-grad graph:
 
-- native: the norm as the library's convention writes it in plain torch (upcast to fp32,
-  ``pow(2).mean(-1) + eps``, ``rsqrt``, times the fp32 weight, cast back; ``prims.convert_element_type``
-  nodes for fp16 / bf16 inputs, none for fp32), after a plain add in the input dtype or an add of
-  the fp32 upcasts rounded back (as ``ops.fused_add_rms_norm_ref`` and the native path of a fused
-  norm module compute it);
-- custom op: ``dynamo_once::rms_norm`` / ``gemma_rms_norm`` of the add. Only an opaque op reaches
-  the post-grad graph: a ``torch.library.triton_op`` is decomposed by AOTAutograd into its body
-  (with Triton installed), the Triton kernel on CUDA and the native form above on the CPU.
+- native norm: the library's convention in plain torch (upcast to fp32, ``pow(2).mean(-1) + eps``,
+  ``rsqrt``, times the fp32 weight, cast back: ``prims.convert_element_type`` nodes for fp16 / bf16
+  inputs, none for fp32), of
+  - a plain add in the input dtype (``h = x + residual``);
+  - an add of the fp32 upcasts rounded back (as ``ops.fused_add_rms_norm_ref`` and a fused-add norm
+    module's native path compute it);
+  - an ``addmm(residual, a, b)``: Inductor folds ``a @ b + residual`` into one, on the CPU always, on
+    CUDA when a user of the sum is not pointwise (the sum leaves a piece at a splitting op). The
+    replacement is ``a @ b`` and the fused op: the product is rounded to the input dtype before the add;
+- custom op: ``dynamo_once::rms_norm`` / ``gemma_rms_norm`` of a plain add. Only an opaque op reaches
+  the post-grad graph: AOTAutograd decomposes a ``torch.library.triton_op`` into its body when Triton
+  is installed (the Triton kernel on CUDA, matched by no pattern; the native form on the CPU).
 
 The ops are functional (no mutated argument), so the replacement is a plain call and two ``getitem``s;
 no ``auto_functionalized`` node is involved. This module names ops, never models: the ops are looked
@@ -40,8 +44,10 @@ _EPS_STAND_IN = 1e-6
 #: (input, weight) dtypes traced: a norm's weight in the input dtype or in fp32.
 _DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
            (torch.float16, torch.float16), (torch.float16, torch.float32)]
-#: variant -> (norm op, fused op) in the ``dynamo_once`` namespace
-_VARIANTS = {"llama": ("rms_norm", "fused_add_rms_norm"), "gemma": ("gemma_rms_norm", "gemma_fused_add_rms_norm")}
+#: variant -> (norm op, fused op) in the ``dynamo_once`` namespace. Gemma's first: patterns are tried in the
+#: order registered, and Llama's, whose weight may be any fp32 node, also matches Gemma's norm with the
+#: weight ``1 + w`` (correct, but one more op than Gemma's fused op).
+_VARIANTS = {"gemma": ("gemma_rms_norm", "gemma_fused_add_rms_norm"), "llama": ("rms_norm", "fused_add_rms_norm")}
 
 
 def dynamo_once_op(name: str) -> Any | None:
@@ -58,52 +64,63 @@ def _native_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool)
     return (hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(h.dtype)
 
 
-# Search and replacement functions take exactly the pattern's arguments (the matcher reads their names).
-def _search_plain_add(gemma: bool) -> Callable[..., Any]:
+# Each form: (search, replacement) for one norm; they take exactly the pattern's arguments, whose names
+# the matcher reads.
+def _plain_add(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     def search(x, residual, weight, eps):
         h = x + residual
-        return _native_norm(h, weight, eps, gemma), h
+        return norm(h, weight, eps), h
 
-    return search
-
-
-def _search_upcast_add(gemma: bool) -> Callable[..., Any]:
-    def search(x, residual, weight, eps):
-        h = (x.float() + residual.float()).to(x.dtype)
-        return _native_norm(h, weight, eps, gemma), h
-
-    return search
-
-
-def _search_op(norm_op: Any) -> Callable[..., Any]:
-    def search(x, residual, weight, eps):
-        h = x + residual
-        return norm_op(h, weight, eps), h
-
-    return search
-
-
-def _replacement(fused_op: Any) -> Callable[..., Any]:
     def replace(x, residual, weight, eps):
-        out = fused_op(x, residual, weight, eps)
+        out = fused(x, residual, weight, eps)
         return out[0], out[1]
 
-    return replace
+    return search, replace
+
+
+def _upcast_add(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def search(x, residual, weight, eps):
+        h = (x.float() + residual.float()).to(x.dtype)
+        return norm(h, weight, eps), h
+
+    return search, _plain_add(norm, fused)[1]
+
+
+def _addmm(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def search(residual, mat1, mat2, weight, eps):
+        h = torch.addmm(residual, mat1, mat2)
+        return norm(h, weight, eps), h
+
+    def replace(residual, mat1, mat2, weight, eps):
+        out = fused(torch.mm(mat1, mat2), residual, weight, eps)
+        return out[0], out[1]
+
+    return search, replace
+
+
+def _example(form: Callable[..., Any], x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[Any]:
+    tensors = [torch.empty(4, 8, dtype=x_dtype), torch.empty(4, 8, dtype=x_dtype)]
+    if form is _addmm:  # residual, mat1, mat2
+        tensors = [torch.empty(4, 8, dtype=x_dtype), torch.empty(4, 6, dtype=x_dtype), torch.empty(6, 8, dtype=x_dtype)]
+    return tensors + [torch.empty(8, dtype=w_dtype), _EPS_STAND_IN]
 
 
 def _fusable(match: Any) -> bool:
     """The fused op adds without broadcasting or type promotion and normalizes the last dim by a 1-D weight."""
-    x, residual, weight = (match.kwargs[k].meta.get("val") for k in ("x", "residual", "weight"))
-    if not all(isinstance(t, torch.Tensor) for t in (x, residual, weight)):
+    vals = {k: v.meta.get("val") for k, v in match.kwargs.items() if hasattr(v, "meta")}
+    residual, weight = vals.get("residual"), vals.get("weight")
+    if not isinstance(residual, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return False
-    return (x.dtype == residual.dtype and x.dim() >= 1 and weight.dim() == 1
-            and compat.statically_equal(x.shape, residual.shape)
-            and compat.statically_equal(weight.shape, x.shape[-1:]))
-
-
-def _example(x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[Any]:
-    return [torch.empty(4, 8, dtype=x_dtype), torch.empty(4, 8, dtype=x_dtype), torch.empty(8, dtype=w_dtype),
-            _EPS_STAND_IN]
+    if "x" in vals:
+        x = vals["x"]
+        if not isinstance(x, torch.Tensor) or x.dtype != residual.dtype or not compat.statically_equal(x.shape,
+                                                                                                      residual.shape):
+            return False
+    else:  # addmm: a bias broadcast over the rows is no residual
+        mat1, mat2 = vals["mat1"], vals["mat2"]
+        if not compat.statically_equal(residual.shape, (mat1.shape[0], mat2.shape[1])):
+            return False
+    return residual.dim() >= 1 and weight.dim() == 1 and compat.statically_equal(weight.shape, residual.shape[-1:])
 
 
 class FusedAddRMSNormPass(PatternPass):
@@ -121,7 +138,7 @@ class FusedAddRMSNormPass(PatternPass):
         return found
 
     def is_available(self) -> bool:
-        return dynamo_once_op(_VARIANTS["llama"][1]) is not None
+        return dynamo_once_op("fused_add_rms_norm") is not None
 
     def state_key(self) -> str:
         return ",".join(f"{v}:{norm is not None}" for v, (norm, _) in self.variants().items())
@@ -130,17 +147,21 @@ class FusedAddRMSNormPass(PatternPass):
         count = 0
         scalars = {"eps": _EPS_STAND_IN}
         for variant, (norm_op, fused_op) in self.variants().items():
-            replace = _replacement(fused_op)
             gemma = variant == "gemma"
+
+            def native(h, weight, eps, gemma=gemma):
+                return _native_norm(h, weight, eps, gemma)
+
             for x_dtype, w_dtype in _DTYPES:
-                # In fp32 the upcasts are no nodes: the two adds trace alike.
-                forms = [_search_plain_add] + ([_search_upcast_add] if x_dtype != torch.float32 else [])
-                for form in forms:
-                    compat.register_replacement(form(gemma), replace, _example(x_dtype, w_dtype), patterns,
+                # In fp32 the upcasts are no nodes: the upcast add traces as the plain one.
+                for form in [_plain_add, _addmm] + ([_upcast_add] if x_dtype != torch.float32 else []):
+                    search, replace = form(native, fused_op)
+                    compat.register_replacement(search, replace, _example(form, x_dtype, w_dtype), patterns,
                                                 scalars, _fusable)
                     count += 1
             if norm_op is not None:  # no dtype conversion in this form: one trace serves every dtype
-                compat.register_replacement(_search_op(norm_op), replace, _example(torch.float32, torch.float32),
+                search, replace = _plain_add(norm_op, fused_op)
+                compat.register_replacement(search, replace, _example(_plain_add, torch.float32, torch.float32),
                                             patterns, scalars, _fusable)
                 count += 1
         return count

@@ -1,7 +1,9 @@
 """Each version-dependent path of dispatcher.compat."""
 
+import functools
 import types
 
+import pytest
 import torch
 
 from dispatcher import compat
@@ -140,3 +142,103 @@ def test_is_static_input_parameters_and_flagged_buffers():
 
     torch.compile(M(), backend=backend)(torch.ones(3))
     assert sorted(seen) == [False, True]  # the input moves; the module's buffer is flagged static
+
+
+class _Recorder(compat.custom_graph_pass_class()):
+    """A post-grad pass that keeps the call targets of each graph it is given."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        self.graphs.append([n.target for n in graph.nodes if n.op == "call_function"])
+
+    def uuid(self):
+        return None  # no FX graph cache: every compile runs the pass
+
+
+def test_post_grad_pass_option_gets_the_aten_graph():
+    rec = _Recorder()
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
+    compat.inductor_compile(gm, [torch.randn(5)], {compat.POST_GRAD_PASS_OPTION: rec})
+    assert rec.graphs == [[torch.ops.aten.relu.default, torch.ops.aten.mul.Tensor]]
+
+
+def test_register_replacement_rewrites_each_match_with_a_scalar_argument():
+    def search(x, c):
+        return torch.relu(x) * c
+
+    def replace(x, c):
+        return torch.clamp_min(x, 0.0) * c
+
+    patterns = compat.pattern_matcher_pass("test_relu_scale")
+    compat.register_replacement(search, replace, [torch.empty(4), 0.5], patterns, {"c": 0.5},
+                                extra_check=lambda match: match.kwargs["x"].meta["val"].dim() == 1)
+    gm = compat.trace_inference_graph(lambda x, y: (torch.relu(x) * 3.0, torch.relu(y) * 3.0),
+                                      [torch.randn(4), torch.randn(2, 2)])
+    assert patterns.apply(gm.graph) == 1  # the 2-D input is refused by extra_check
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.clamp_min.default) == 1 and targets.count(torch.ops.aten.relu.default) == 1
+    gm.recompile()
+    x, y = torch.randn(4), torch.randn(2, 2)
+    for got, want in zip(gm(x, y), (torch.relu(x) * 3.0, torch.relu(y) * 3.0)):
+        torch.testing.assert_close(got, want)
+
+
+def test_statically_equal_decides_without_a_guard():
+    seen = []
+
+    def backend(gm, example_inputs):
+        mode = compat.fake_mode_of(example_inputs)
+        (x,) = [mode.from_tensor(t) for t in example_inputs if isinstance(t, torch.Tensor)]
+        env = mode.shape_env
+        guards = len(env.guards)
+        seen.append((compat.statically_equal(x.shape, x.shape), compat.statically_equal(x.shape, (6, 3)),
+                     compat.statically_equal(x.shape[1:], (3,)), compat.statically_equal(x.shape, (6,))))
+        assert len(env.guards) == guards
+        return gm.forward
+
+    x = torch.randn(6, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(lambda x: x * 2, backend=backend)(x)
+    # a symbolic size equals itself; 6 is one value it may take, not all: unknown, so False
+    assert seen == [(True, False, True, False)]
+
+
+def test_fresh_inductor_cache_and_cache_counts():
+    def f(x):
+        return torch.sin(x) + 1
+
+    x = torch.randn(7)
+    with compat.fresh_inductor_cache():
+        hits, misses = compat.fx_graph_cache_counts()
+        torch.compile(f, backend="inductor")(x)
+        assert compat.fx_graph_cache_counts() == (hits, misses + 1)  # an empty cache
+        torch._dynamo.reset()
+        torch.compile(f, backend="inductor")(x)
+        assert compat.fx_graph_cache_counts() == (hits + 1, misses + 1)
+
+
+@functools.cache
+def _twice_op():
+    @torch.library.triton_op("dynamo_once_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # a body without a kernel: decomposed, it is one aten.mul
+
+    return twice
+
+
+def test_triton_ops_decomposed_switch():
+    pytest.importorskip("triton")
+    _twice_op()
+
+    def targets(decomposed):
+        rec = _Recorder()
+        torch._dynamo.reset()
+        with compat.triton_ops_decomposed(decomposed):
+            torch.compile(lambda x: torch.ops.dynamo_once_test.twice(x) + 1, backend="inductor",
+                          options={compat.POST_GRAD_PASS_OPTION: rec})(torch.randn(3))
+        return rec.graphs[0]
+
+    assert targets(True) == [torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor]
+    assert targets(False) == [torch.ops.dynamo_once_test.twice.default, torch.ops.aten.add.Tensor]

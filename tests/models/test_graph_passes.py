@@ -1,0 +1,110 @@
+"""The post-grad passes on the reference Llama (the tiny-llama built-in: 2 layers, hidden 64) at level 3.
+
+The Llama fuses each residual add into the next norm itself (``RMSNorm(x, residual)``), so the pass
+finds either that fused op, which it leaves alone, or the fused op's native form (custom ops off, or
+on the CPU, where a custom op's module runs its native code), which is the add and the norm it fuses.
+Every compile runs in a fresh Inductor cache: a graph loaded from the FX graph cache runs no pass.
+"""
+
+import collections
+
+import pytest
+import torch
+
+import ops
+from dispatcher import CompilationConfig, compat, plugins
+from dispatcher.passes import GraphPass, pass_counter
+from models import LLM
+
+PROMPTS = [[3, 17, 91, 4, 55, 23, 8], [100, 2], [42]]
+FUSED = torch.ops.dynamo_once.fused_add_rms_norm.default
+RSQRT = torch.ops.aten.rsqrt.default
+PIECES = 3  # 2 attention ops between 3 compiled pieces
+FUSED_ADD_NORMS = 4  # layer 0 after attention, layer 1 before and after it, the final norm
+# Tolerances, as a fraction of the largest logit. fp32: a fused norm (on the CPU the op's fp32 reference) and
+# Inductor's code of the same norm differ only in the order of the sum over the 64 squares, at most 64
+# roundings of 2**-24 relative per norm; 5 norms, and the layers between them pass such differences on
+# unamplified (weights ~ 1 / sqrt(fan-in)): 5 * 64 * 2**-24 = 1.9e-5 (measured: 2.1e-7). bf16: the same fp32
+# values, but each of the 5 norms may then round its output one bf16 ulp (2**-7 relative at most) the other
+# way: 5 * 2**-7 = 3.9e-2 (measured: 6.7e-3).
+TOLERANCE = {torch.float32: 5 * 64 * 2**-24, torch.bfloat16: 5 * 2**-7}
+
+
+def logits(passes, custom_ops="none", op_path=False, opaque=False, dtype=torch.float32, monkeypatch=None):
+    """Every step's logits of a 3-prompt run (each step fed token 7, whatever the logits), and the passes'
+    counts. ``op_path``: the norm modules call their ops, as they do on CUDA (not their native code)."""
+    if op_path:
+        monkeypatch.setattr(ops.RMSNorm, "forward_cpu", ops.RMSNorm.forward_cuda)
+    cfg = CompilationConfig(level=3, custom_ops=[custom_ops], use_cudagraph=False, pass_config=passes)
+    steps = []
+
+    def choose(seqs, step_logits):
+        steps.append(step_logits.clone())
+        return [7] * len(seqs)
+
+    with compat.fresh_inductor_cache(), compat.triton_ops_decomposed(not opaque), pass_counter.record() as counts:
+        llm = LLM("tiny-llama", max_num_tokens=16, compilation_config=cfg, dtype=dtype)
+        llm.run(PROMPTS, 3, choose)
+    return torch.cat(steps), counts
+
+
+class CountAfter(GraphPass):
+    """Counts the call targets of the graphs after the fused-add pass, over every piece."""
+
+    name = "count_after_fused_add"
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def __call__(self, graph, size):
+        self.counts.update(n.target for n in graph.nodes if n.op == "call_function")
+        return 0
+
+
+@pytest.fixture
+def after():
+    counter = CountAfter()
+    plugins.add_post_grad_pass(counter, after="fused_add_rms_norm")
+    yield counter.counts
+    plugins.remove_post_grad_pass(counter.name)
+
+
+@pytest.fixture(scope="module")
+def pass_free():
+    """dtype -> the logits with every pass off (custom ops off); set up before any test's plugin pass."""
+    out = {}
+    for dtype in TOLERANCE:
+        torch._dynamo.reset()
+        out[dtype], counts = logits("none", dtype=dtype)
+        assert counts.runs["manager"] == PIECES and not counts.matches  # the manager runs, with no pass
+    return out
+
+
+def assert_close(got, ref, dtype):
+    """``got`` and ``ref`` (fp32 logits of a model in ``dtype``) within ``TOLERANCE[dtype]`` of the largest."""
+    torch.testing.assert_close(got, ref, rtol=0, atol=TOLERANCE[dtype] * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("opaque, matches", [(True, 0), (False, FUSED_ADD_NORMS)])
+def test_llama_calling_the_fused_op(pass_free, after, monkeypatch, opaque, matches):
+    """Custom ops on, the norms calling ``dynamo_once::fused_add_rms_norm``. Kept opaque (as without Triton;
+    on CUDA, Triton decomposes the op into its kernel, which no pattern matches either), the pass finds
+    nothing to fuse. Decomposed on the CPU, the op's body is its reference, the add and the norm the pass
+    fuses back into the op."""
+    out, counts = logits("all", custom_ops="all", op_path=True, opaque=opaque, monkeypatch=monkeypatch)
+    assert counts.runs["manager"] == counts.runs["fused_add_rms_norm"] == PIECES
+    assert counts.matches["fused_add_rms_norm"] == matches
+    # the 4 fused norms, and layer 0's norm of the embeddings: the op (opaque) or its reference's rsqrt
+    assert after[FUSED] == FUSED_ADD_NORMS
+    assert after[torch.ops.dynamo_once.rms_norm.default] == int(opaque) and after[RSQRT] == int(not opaque)
+    assert_close(out, pass_free[torch.float32], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_native_norms_are_fused(pass_free, after, dtype):
+    """Custom ops off (level 3's default): the norms' native code, the add and the norm apart (fp32: an
+    ``addmm`` of the residual on the CPU; bf16: the add of fp32 upcasts)."""
+    out, counts = logits("all", dtype=dtype)
+    assert counts.matches["fused_add_rms_norm"] == FUSED_ADD_NORMS
+    assert after[FUSED] == FUSED_ADD_NORMS and after[RSQRT] == 1  # left: layer 0's norm of the embeddings
+    assert_close(out, pass_free[dtype], dtype)
