@@ -3,6 +3,7 @@
 from .config import (
     CompilationConfig,
     CompilationLevel,
+    PassConfig,
     get_compilation_config,
     set_compilation_config,
 )
@@ -22,6 +23,7 @@ from .errors import (
     RecompileError,
     ShapeGuardError,
 )
+from .passes import pass_counter
 from .wrapper import TorchCompileWrapperWithCustomDispatcher
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "DynamoOnceError",
     "GraphBreakError",
     "InputMismatchError",
+    "PassConfig",
     "RecompileError",
     "ShapeGuardError",
     "TorchCompileWrapperWithCustomDispatcher",
@@ -43,6 +46,7 @@ __all__ = [
     "compile_once",
     "dispatcher_of",
     "get_compilation_config",
+    "pass_counter",
     "set_compilation_config",
     "support_torch_compile",
 ]
