@@ -108,7 +108,8 @@ def remove_post_grad_pass(name: str) -> None:
     with _passes_lock:
         names = [p.name for p, _, _ in _post_grad_passes]
         if name not in names:
-            raise ValueError(f"remove_post_grad_pass: no added pass named {name!r}; added: {', '.join(names) or 'none'}")
+            raise ValueError(f"remove_post_grad_pass: no added pass named {name!r}; "
+                             f"added: {', '.join(names) or 'none'}")
         anchored = [p.name for p, b, a in _post_grad_passes if name in (b, a)]
         if anchored:
             raise ValueError(f"remove_post_grad_pass: {', '.join(anchored)} run(s) next to {name!r}; remove them first")

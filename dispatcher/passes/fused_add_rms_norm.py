@@ -99,10 +99,9 @@ def _addmm(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Ca
 
 
 def _example(form: Callable[..., Any], x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[Any]:
-    tensors = [torch.empty(4, 8, dtype=x_dtype), torch.empty(4, 8, dtype=x_dtype)]
-    if form is _addmm:  # residual, mat1, mat2
-        tensors = [torch.empty(4, 8, dtype=x_dtype), torch.empty(4, 6, dtype=x_dtype), torch.empty(6, 8, dtype=x_dtype)]
-    return tensors + [torch.empty(8, dtype=w_dtype), _EPS_STAND_IN]
+    """Tracing inputs: ``x, residual`` (``residual, mat1, mat2`` for ``addmm``) ``[4, 8]``, the weight, eps."""
+    shapes = [(4, 8), (4, 6), (6, 8)] if form is _addmm else [(4, 8), (4, 8)]
+    return [torch.empty(s, dtype=x_dtype) for s in shapes] + [torch.empty(8, dtype=w_dtype), _EPS_STAND_IN]
 
 
 def _fusable(match: Any) -> bool:
@@ -113,14 +112,11 @@ def _fusable(match: Any) -> bool:
         return False
     if "x" in vals:
         x = vals["x"]
-        if not isinstance(x, torch.Tensor) or x.dtype != residual.dtype or not compat.statically_equal(x.shape,
-                                                                                                      residual.shape):
-            return False
+        added = isinstance(x, torch.Tensor) and x.dtype == residual.dtype and x.shape
     else:  # addmm: a bias broadcast over the rows is no residual
-        mat1, mat2 = vals["mat1"], vals["mat2"]
-        if not compat.statically_equal(residual.shape, (mat1.shape[0], mat2.shape[1])):
-            return False
-    return residual.dim() >= 1 and weight.dim() == 1 and compat.statically_equal(weight.shape, residual.shape[-1:])
+        added = (vals["mat1"].shape[0], vals["mat2"].shape[1])
+    return (bool(added) and compat.statically_equal(added, residual.shape) and residual.dim() >= 1
+            and weight.dim() == 1 and compat.statically_equal(weight.shape, residual.shape[-1:]))
 
 
 class FusedAddRMSNormPass(PatternPass):

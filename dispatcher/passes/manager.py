@@ -29,6 +29,7 @@ from .fused_add_rms_norm import FusedAddRMSNormPass
 from .graph_pass import GraphPass, module_source_hash
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
+from .pattern_pass import PatternPass
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
     def prepare(self) -> None:
         """Trace the patterns of the available pattern passes now, outside a compile."""
         for p in self.passes:
-            if hasattr(p, "prepare") and p.is_available():
+            if isinstance(p, PatternPass) and p.is_available():
                 p.prepare()
 
     def __call__(self, graph: torch.fx.Graph) -> None:

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.fx
 
 from .. import compat
@@ -44,7 +45,10 @@ class PatternPass(GraphPass):
                 return
             t0 = time.perf_counter()
             patterns = compat.pattern_matcher_pass(self.name)
-            self.num_patterns = self.register_patterns(patterns)
+            # Models are built under a default device (the loader's "cuda" or "meta"): the example inputs
+            # are CPU tensors whatever it is. A pattern holds no device: it matches graphs on any.
+            with torch.device("cpu"):
+                self.num_patterns = self.register_patterns(patterns)
             self._patterns, self._prepared_for = patterns, key
         logger.debug("%s: %d patterns traced in %.2fs", self.name, self.num_patterns, time.perf_counter() - t0)
 

@@ -174,8 +174,8 @@ def test_uuid_covers_op_availability_and_chained_passes(monkeypatch):
         def uuid(self):
             return self.key
 
-    assert build_pass_manager(PassConfig(), Theirs("a")).uuid() not in (available,
-                                                                         build_pass_manager(PassConfig(), Theirs("b")).uuid())
+    theirs_a, theirs_b = (build_pass_manager(PassConfig(), Theirs(key)).uuid() for key in "ab")
+    assert len({available, theirs_a, theirs_b}) == 3
     assert build_pass_manager(PassConfig(), [Theirs(None)]).uuid() is None  # theirs not cacheable: nor are we
     with pytest.raises(ValueError, match="CustomGraphPass"):
         build_pass_manager(PassConfig(), lambda graph: None)
@@ -395,3 +395,23 @@ def test_eps_reaches_the_fused_op(add_pass):
     seen = add_pass(FusedEps(), after="fused_add_rms_norm")
     run(2)
     assert seen.eps == [EPS, EPS] and EPS != fused_module._EPS_STAND_IN  # the model's, not the traced stand-in
+
+
+def test_fused_add_rms_norm_refuses_broadcast_and_promotion():
+    """The fused op adds two same-shape, same-dtype rows: a broadcast bias or a promoting add stays apart."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dispatcher.passes import FusedAddRMSNormPass
+    from passes_testing import plain_rms_norm
+
+    def fn(x, residual, weight):
+        h = x + residual
+        return plain_rms_norm(h, weight, EPS), h
+
+    fused = FusedAddRMSNormPass()
+    w = torch.randn(HIDDEN)
+    rows = torch.randn(5, HIDDEN)
+    # a bf16 x plus an fp32 residual is an fp32 sum: the fp32 pattern's shape, but not the fused op's rounding
+    for x, residual, expected in [(rows, rows, 1), (rows, torch.randn(HIDDEN), 0), (rows.bfloat16(), rows, 0)]:
+        gm = make_fx(fn, tracing_mode="symbolic")(x, residual, w)
+        assert fused(gm.graph, None) == expected
