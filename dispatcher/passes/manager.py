@@ -150,7 +150,7 @@ def build_pass_manager(config: PassConfig, existing: Any = None) -> PostGradPass
     added = plugins.get_post_grad_passes()
     builtin_names = PassConfig.names()
     ordered = order_passes(builtin_passes(), added)
-    on = [p for p in ordered if p.name not in builtin_names or config.switch(p.name) is not False]
+    on = [p for p in ordered if p.name not in builtin_names or config.enabled(p.name)]
     manager = PostGradPassManager(on, config, chained=_chained(existing))
     manager.prepare()
     logger.debug("post-grad passes: %s", ", ".join(p.name for p in on) or "none")

@@ -12,10 +12,18 @@ from collections.abc import Sequence
 __all__ = ["PassConfig"]
 
 
+#: Each pass's default. ``fused_add_rms_norm`` turns the native add + norm that Inductor fuses by itself (the
+#: default at level 3, custom ops off) into an opaque call of the Triton kernel: off until the H200 measures
+#: which is faster (issue 13); ``DYNAMO_ONCE_PASSES=+fused_add_rms_norm`` or ``PassConfig(fused_add_rms_norm=True)``
+#: turns it on.
+DEFAULT_ON: dict[str, bool] = {"noop": True, "fused_add_rms_norm": False}
+
+
 @dataclasses.dataclass(frozen=True)
 class PassConfig:
     """One field per pass of ``dispatcher.passes``, in the order they run: True on, False off, None the
-    default (on, where the ops the pass produces are registered). The passes run at levels 3-4 only.
+    pass's default (:data:`DEFAULT_ON`; a pass that is on still runs only where the ops it produces are
+    registered). The passes run at levels 3-4 only.
 
     Passes added by a plugin (``dispatcher.plugins.add_post_grad_pass``) run while added; this switch
     does not name them.
@@ -36,6 +44,11 @@ class PassConfig:
     def names(cls) -> tuple[str, ...]:
         """The library's passes, in the order they run."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def enabled(self, name: str) -> bool:
+        """Whether pass ``name`` runs: its setting, else its default."""
+        value = self.switch(name)
+        return DEFAULT_ON[name] if value is None else value
 
     def switch(self, name: str) -> bool | None:
         """The setting of pass ``name`` (None: its default)."""

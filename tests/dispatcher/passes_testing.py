@@ -62,7 +62,9 @@ class ResidualNorms(torch.nn.Module):
 
 
 def level3(**kw) -> CompilationConfig:
+    """Level 3 with every library pass on (``fused_add_rms_norm`` is off by default until measured)."""
     kw.setdefault("use_cudagraph", False)
+    kw.setdefault("pass_config", "all")
     return CompilationConfig(level=3, splitting_ops=["dynamo_once_test::mix"], **kw)
 
 

@@ -54,8 +54,8 @@ def run(n_layers, dtype=torch.float32, tokens=7, passes=None, config=None, **mod
     """Build ``ResidualNorms`` at level 3 and run it once; returns ``(outputs, PassCounts)``."""
     torch._dynamo.reset()
     cfg = config or level3()
-    if passes is not None:
-        cfg.pass_config = PassConfig.parse(passes)
+    if passes is not None:  # relative to every pass on, unless it says all / none itself
+        cfg.pass_config = PassConfig.parse(passes if passes.startswith(("all", "none")) else ["all", passes])
     with set_compilation_config(cfg):
         torch.manual_seed(0)
         model = ResidualNorms(n_layers, **model_kw).to(dtype)
@@ -117,8 +117,10 @@ def test_pass_config_from_env_and_config(monkeypatch):
 def test_manager_installed_at_levels_3_and_4_only():
     key = compat.POST_GRAD_PASS_OPTION
     for level in (CompilationLevel.INDUCTOR, CompilationLevel.INDUCTOR_MAX_AUTOTUNE):
-        manager = inductor_options(CompilationConfig(pass_config="-noop"), level)[key]
+        manager = inductor_options(CompilationConfig(pass_config="-noop,+fused_add_rms_norm"), level)[key]
         assert isinstance(manager, PostGradPassManager) and [p.name for p in manager.passes] == ["fused_add_rms_norm"]
+        default = inductor_options(CompilationConfig(), level)[key]
+        assert [p.name for p in default.passes] == ["noop"]  # fused_add_rms_norm: off until measured
     assert key not in inductor_options(CompilationConfig(level=2, backend="inductor"), CompilationLevel.DYNAMO_ONCE)
 
 
@@ -128,8 +130,8 @@ def test_manager_installed_at_levels_3_and_4_only():
 def test_uuid_changes_with_the_configuration_only():
     default = build_pass_manager(PassConfig()).uuid()
     assert build_pass_manager(PassConfig()).uuid() == default  # no id() or hash() in it
-    assert build_pass_manager(PassConfig(noop=True, fused_add_rms_norm=True)).uuid() == default  # the same passes
-    others = {build_pass_manager(PassConfig.parse(t)).uuid() for t in ("-noop", "-fused_add_rms_norm", "none")}
+    assert build_pass_manager(PassConfig(noop=True, fused_add_rms_norm=False)).uuid() == default  # the same passes
+    others = {build_pass_manager(PassConfig.parse(t)).uuid() for t in ("-noop", "+fused_add_rms_norm", "none,+fused_add_rms_norm")}
     assert len(others) == 3 and default not in others
     manager = build_pass_manager(PassConfig())
     assert manager.for_size(8).uuid() == default  # no pass here depends on the size
@@ -162,7 +164,8 @@ def test_uuid_changes_with_a_pass_source(tmp_path, monkeypatch, add_pass):
 
 
 def test_uuid_covers_op_availability_and_chained_passes(monkeypatch):
-    available = build_pass_manager(PassConfig()).uuid()
+    ALL = PassConfig.parse("all")
+    available = build_pass_manager(ALL).uuid()
 
     class Theirs(compat.custom_graph_pass_class()):
         def __init__(self, key):
@@ -174,13 +177,13 @@ def test_uuid_covers_op_availability_and_chained_passes(monkeypatch):
         def uuid(self):
             return self.key
 
-    theirs_a, theirs_b = (build_pass_manager(PassConfig(), Theirs(key)).uuid() for key in "ab")
+    theirs_a, theirs_b = (build_pass_manager(ALL, Theirs(key)).uuid() for key in "ab")
     assert len({available, theirs_a, theirs_b}) == 3
-    assert build_pass_manager(PassConfig(), [Theirs(None)]).uuid() is None  # theirs not cacheable: nor are we
+    assert build_pass_manager(ALL, [Theirs(None)]).uuid() is None  # theirs not cacheable: nor are we
     with pytest.raises(ValueError, match="CustomGraphPass"):
-        build_pass_manager(PassConfig(), lambda graph: None)
+        build_pass_manager(ALL, lambda graph: None)
     monkeypatch.setattr(fused_module, "dynamo_once_op", lambda name: None)
-    assert build_pass_manager(PassConfig()).uuid() != available
+    assert build_pass_manager(ALL).uuid() != available
 
 
 def test_cache_key_keeps_a_compile_without_passes_apart():
@@ -242,7 +245,7 @@ def test_plugin_passes_run_where_they_asked(add_pass):
     for name, anchor in [("last", {}), ("first", {"before": "noop"}), ("mid1", {"after": "noop"}),
                          ("mid2", {"after": "noop"}), ("pre_fused", {"before": "fused_add_rms_norm"})]:
         add_pass(Tagger(name), **anchor)
-    names = [p.name for p in build_pass_manager(PassConfig()).passes]
+    names = [p.name for p in build_pass_manager(PassConfig.parse("all")).passes]
     assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "last"]
     # the library's passes switched off keep their places as anchors; plugin passes still run
     names = [p.name for p in build_pass_manager(PassConfig.parse("none")).passes]
