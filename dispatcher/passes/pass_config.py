@@ -12,11 +12,11 @@ from collections.abc import Sequence
 __all__ = ["PassConfig"]
 
 
-#: Each pass's default. ``fused_add_rms_norm`` turns the native add + norm that Inductor fuses by itself (the
-#: default at level 3, custom ops off) into an opaque call of the Triton kernel: off until the H200 measures
-#: which is faster (issue 13); ``DYNAMO_ONCE_PASSES=+fused_add_rms_norm`` or ``PassConfig(fused_add_rms_norm=True)``
-#: turns it on.
-DEFAULT_ON: dict[str, bool] = {"noop": True, "fused_add_rms_norm": False}
+#: Each pass's default: off until the H200 measures them against today's level 3 (issue 13). At level 3 the
+#: custom ops are off and Inductor fuses the native add and norm itself; ``fused_add_rms_norm`` would replace
+#: that with an opaque call of the Triton kernel, and ``noop`` only serves the fusions. ``DYNAMO_ONCE_PASSES``
+#: (e.g. ``all``) or ``PassConfig(...)`` turns them on.
+DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False}
 
 
 @dataclasses.dataclass(frozen=True)
