@@ -283,10 +283,15 @@ class CUDAGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _capture_piecewise(self, size: int, fn: Callable[[int], Any]) -> None:
+    def _table(self, size: int) -> _PiecewiseStep:
+        """The piece graphs captured at ``size`` (made empty on first use)."""
         step = self._tables.get(size)
         if step is None:
             step = self._tables[size] = _PiecewiseStep(self, size)
+        return step
+
+    def _capture_piecewise(self, size: int, fn: Callable[[int], Any]) -> None:
+        step = self._table(size)
         step.capturing = True
         try:
             self._run_in(step, fn, size)
@@ -303,21 +308,14 @@ class CUDAGraphs:
     def _capture_full(self, size: int, fn: Callable[[int], Any]) -> None:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        previous = thread_state.step
-        thread_state.step = None  # pieces run their compiled code inside: graphs do not nest
-        try:
-            with torch.cuda.graph(graph, pool=self._pool_handle()):
-                out = fn(size)
-        finally:
-            thread_state.step = previous
+        with torch.cuda.graph(graph, pool=self._pool_handle()):
+            out = self._run_in(None, fn, size)  # pieces run their compiled code inside: graphs do not nest
         self._full[size] = (graph, out)
         compilation_counter.add("num_cudagraph_captured")
         graph.replay()  # capture ran nothing: make the output real
 
     def _capture_piece(self, piece: Any, size: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        step = self._tables.get(size)
-        if step is None:
-            step = self._tables[size] = _PiecewiseStep(self, size)
+        step = self._table(size)
         graph = CapturedGraph(f"{piece.name}[{size} tokens]", fn, args, self, piece.input_names,
                               piece.static_ptrs, piece.config.debug)
         step[piece] = graph
