@@ -1,0 +1,329 @@
+"""The small-M GEMM: ``out[m, n] = epilogue(sum_k a[m, k] * w[n, k])`` for decode-sized M, read at HBM speed.
+
+At M <= 16 a linear layer's GEMM is a weight read: Llama-3-8B's 32-layer linear stack + lm_head moves ~8 GB of
+fp8 / int8 weights a decode step (~1.88 ms at the H200's 4.28 TB/s copy bandwidth) and does next to no math.
+cuBLAS is not built for that shape (``torch._int_mm`` refuses M <= 16 altogether), so this kernel is: many
+programs over N, each streaming its ``[BLOCK_N, K]`` slab of ``w`` once (``evict_first``: a weight is read once a
+step), with the scale epilogue fused.
+
+Operands and result (the references of :mod:`ops.scaled_mm` define the scaled forms):
+
+- ``a [M, K]`` row-major, ``w [N, K]`` in nn.Linear's layout, used in place (never copied or transposed);
+- int8 x int8: int32 accumulation (exact), fp8 e4m3 x e4m3: fp32 (the products are exact in fp32, the sums
+  round), bf16 / fp16 x the same: fp32;
+- epilogue, in fp32, as ``ops.scaled_mm._scale_epilogue``: ``acc * a_scale * w_scale`` in that order (``a_scale``
+  ``[1]`` or ``[M, 1]``, ``w_scale`` ``[1]`` or ``[N]``), ``+ bias.float()``, one cast to ``out_dtype``. The int32
+  sum is converted to fp32 once (round to nearest), as the reference's float64 sum is, so int8 results are bit
+  for bit ``ops.int8_scaled_mm_ref``'s. The kernels compile with ``enable_fp_fusion=False``: Triton's default
+  would contract ``acc * w_scale + bias`` into one FMA (one rounding where the reference has two);
+- ``small_m_mm`` (bf16 / fp16): ``a @ w.T (+ bias)`` in ``a``'s dtype, no scales.
+
+Kernel forms (``SmallMConfig.DOT``): ``tl.dot`` on a ``BLOCK_M >= 16`` tile (rows past M masked to zero; the
+tensor cores' waste at M = 1 costs nothing next to the weight read), or, for ``BLOCK_M`` of 1-8 rows, a GEMV
+form (broadcast multiply, ``tl.sum`` over K) that keeps the weights in registers with no shared-memory staging.
+Split-K (``SPLIT_K > 1``, more programs for narrow N and long K, e.g. ``down_proj``'s 4096 x 14336): each
+split writes its partial sums (int32 / fp32) to a workspace ``[SPLIT_K, M, N]`` and a second kernel adds them
+in split order and applies the epilogue. A workspace, not atomics: int32 atomics would also be exact, but need a
+zeroed buffer (a memset launch) and leave the epilogue to a second kernel anyway, and fp32 atomics would make
+fp8 / bf16 results vary from run to run; the workspace is ``SPLIT_K * M * N * 4`` bytes, < 1% of the weight
+bytes at M = 1.
+
+Launchers run eagerly on CUDA tensors, inside CUDA-graph capture (no host sync; memory from torch's allocator),
+and on CPU tensors under ``TRITON_INTERPRET=1``. The public W8A8 ops (:func:`ops.int8_scaled_mm`,
+:func:`ops.fp8_scaled_mm`) call them for M up to ``SMALL_M_MAX`` on CUDA (``DYNAMO_ONCE_SMALL_M_GEMM=0``: cuBLAS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.library import wrap_triton
+
+from .triton_utils import cdiv, needs_int64, pdl_args, pdl_launch, tl, triton
+
+__all__ = [
+    "SmallMConfig",
+    "SMALL_M_MAX",
+    "SMALL_M_TABLE",
+    "small_m_config",
+    "small_m_scaled_mm",
+    "small_m_mm",
+]
+
+_SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Split-K epilogue: output elements a program.
+_REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def _small_m_gemm_kernel(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_am, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+    W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
+    # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
+    # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
+    # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
+    # SPLIT_K > 1: out_ptr is the [SPLIT_K, M, N] workspace of partial sums, the epilogue the next kernel's.
+    # EVEN: N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if INTEGER else tl.float32)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        # a: a few rows every program reads (kept in L2); w: streamed once
+        if EVEN:
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+        else:
+            k_ok = (offs_k + k < K)[None, :]
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
+        if DOT:
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=acc.dtype)
+        elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
+            acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
+        else:  # fp8 and bf16 products are exact in fp32
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out_offs = offs_m[:, None] * N + offs_n[None, :]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:
+        ws_offs = (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]  # int64 with offs_m when INT64
+        tl.store(out_ptr + ws_offs, acc, mask=out_mask)
+    else:
+        y = acc.to(tl.float32)  # int32 -> fp32: one rounding to nearest, as the reference's
+        if SCALED:  # acc * a_scale * w_scale, in that order
+            if A_PER_TOKEN:
+                y = y * tl.load(a_scale_ptr + offs_m, mask=m_ok, other=1.0)[:, None]
+            else:
+                y = y * tl.load(a_scale_ptr)
+            if W_PER_CHANNEL:
+                y = y * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=1.0)[None, :]
+            else:
+                y = y * tl.load(w_scale_ptr)
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _small_m_split_k_epilogue_kernel(
+    ws_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, MN, N, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+    SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr,
+):
+    # The split-K partials [SPLIT_K, M, N] summed in split order (int32: exact; fp32: the same order every
+    # run), then _small_m_gemm_kernel's epilogue. One flat block of the MN = M * N outputs a program.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    ws_offs = offs  # int64 with offs when INT64: the sums below stay int64
+    acc = tl.load(ws_ptr + ws_offs, mask=mask, other=0)
+    for _ in tl.static_range(1, SPLIT_K):
+        ws_offs += MN
+        acc += tl.load(ws_ptr + ws_offs, mask=mask, other=0)
+    y = acc.to(tl.float32)
+    if SCALED:
+        if A_PER_TOKEN:
+            y = y * tl.load(a_scale_ptr + offs // N, mask=mask, other=1.0)
+        else:
+            y = y * tl.load(a_scale_ptr)
+        if W_PER_CHANNEL:
+            y = y * tl.load(w_scale_ptr + offs % N, mask=mask, other=1.0)
+        else:
+            y = y * tl.load(w_scale_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallMConfig:
+    """One launch configuration of the small-M GEMM.
+
+    Attributes:
+        BLOCK_M: rows a program (a power of 2; >= 16 with ``DOT``, whose tile rows past M are masked to zero;
+            M beyond it takes more programs, each reading the same weights, mostly from L2).
+        BLOCK_N: output columns a program (weight rows it streams).
+        BLOCK_K: K a loop step.
+        SPLIT_K: programs along K, their partials summed by a second kernel.
+        DOT: ``tl.dot`` (tensor cores) rather than the broadcast-multiply + ``tl.sum`` GEMV form.
+        num_warps, num_stages: Triton's launch options.
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    DOT: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"SmallMConfig: {name} must be a power of 2; got {v}")
+        if self.DOT and min(self.BLOCK_M, self.BLOCK_N, self.BLOCK_K) < 16:
+            raise ValueError(f"SmallMConfig: tl.dot (DOT=True) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16; got {self}")
+        if self.SPLIT_K < 1 or self.num_stages < 1:
+            raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1; got {self}")
+
+
+#: M at most this takes the Triton kernel in the public ops (``small_m_config``'s default); above, cuBLAS.
+SMALL_M_MAX = 16
+
+_C = SmallMConfig
+#: ``(M at most, weight bytes an element, K / N at least, config)``; the first row with ``m <= M``, the weights'
+#: element size and ``k >= ratio * n`` wins. Rows up to M = 64 exist for benchmarks.gemm to find the crossover with
+#: cuBLAS; the public ops use them up to ``SMALL_M_MAX`` only. Filled from ``python -m benchmarks.gemm --sweep``.
+SMALL_M_TABLE: tuple[tuple[int, int, float, SmallMConfig], ...] = (
+    # M = 1, fp8 / int8, long K over narrow N (down_proj 14336 -> 4096): split K in 2 for more programs.
+    (1, 1, 2.0, _C(1, 16, 512, SPLIT_K=2, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
+    (1, 1, 0.0, _C(1, 16, 512, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
+    (1, 2, 0.0, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
+    # M = 2-4: the GEMV form on 4 rows (a [4, 16, 128] product a step).
+    (4, 1, 0.0, _C(4, 16, 128, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
+    (4, 2, 0.0, _C(4, 16, 64, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
+    (16, 1, 0.0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # untuned guess
+    (16, 2, 0.0, _C(16, 32, 128, num_warps=4, num_stages=4)),  # untuned guess
+    (32, 1, 0.0, _C(32, 64, 128, num_warps=4, num_stages=4)),  # untuned guess
+    (32, 2, 0.0, _C(32, 64, 64, num_warps=4, num_stages=4)),  # untuned guess
+    (64, 1, 0.0, _C(64, 64, 128, num_warps=4, num_stages=4)),  # untuned guess
+    (64, 2, 0.0, _C(64, 64, 64, num_warps=4, num_stages=4)),  # untuned guess
+)
+del _C
+
+
+def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMALL_M_MAX) -> SmallMConfig | None:
+    """The table's config for an ``[m, k] x [n, k]`` GEMM with ``dtype`` operands, or None: use cuBLAS.
+
+    Args:
+        m, n, k: the GEMM's sizes (concrete ints: the ops call this at run time).
+        dtype: the operands' dtype: int8, float8_e4m3fn, bfloat16 or float16.
+        max_m: None above this M (default ``SMALL_M_MAX``, where the public ops switch to cuBLAS; the
+            benchmark passes the table's largest M).
+    """
+    if m < 1 or m > max_m or dtype not in _SCALED_DTYPES + _FLOAT_DTYPES:
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    for max_rows, element_size, ratio, config in SMALL_M_TABLE:
+        if m <= max_rows and size == element_size and k >= ratio * n:
+            return config
+    return None
+
+
+def _check(fn: str, a: torch.Tensor, w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """What the kernel relies on; the public ops check their full contract first."""
+    if a.dtype not in dtypes or w.dtype != a.dtype:
+        raise TypeError(f"{fn}: a and w must both be one of {dtypes}; got {a.dtype} and {w.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"{fn}: a must be [M, K] and w [N, K]; got {list(a.shape)} and {list(w.shape)}")
+    if w.device != a.device:
+        raise ValueError(f"{fn}: w must be on a's device {a.device}; got {w.device}")
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
+    # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
+    # not to copy (nn.Linear's row-major [N, K]) always is.
+    a = a if a.stride(1) == 1 else a.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    (m, k), n = a.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    c = config
+    k_split = cdiv(cdiv(k, c.SPLIT_K), c.BLOCK_K) * c.BLOCK_K  # K a split covers: whole loop steps
+    scaled = a_scale is not None
+    flags = dict(
+        SCALED=scaled, A_PER_TOKEN=scaled and a_scale.dim() == 2, W_PER_CHANNEL=scaled and w_scale.shape[0] != 1,
+        HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
+        **pdl_args(pdl_launch(a, m * n)),
+    )
+    a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
+    ws = out if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
+                                                dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
+    grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
+    wrap_triton(_small_m_gemm_kernel)[grid](
+        a, w, a_scale, w_scale, bias, ws, m, n, k, k_split, a.stride(0), w.stride(0),
+        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
+        INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
+        num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False, **flags,
+    )
+    if c.SPLIT_K > 1:
+        wrap_triton(_small_m_split_k_epilogue_kernel)[(cdiv(m * n, _REDUCE_BLOCK),)](
+            ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
+            enable_fp_fusion=False, **flags,
+        )
+    return out
+
+
+def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                      out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                      config: SmallMConfig | None = None) -> torch.Tensor:
+    """``(a @ w.T) * a_scale * w_scale (+ bias)`` in ``out_dtype``, ``[M, N]``, by the small-M Triton kernel.
+
+    The result of :func:`ops.int8_scaled_mm_ref` (int8: bit for bit) or :func:`ops.fp8_scaled_mm_ref` (fp8: fp32
+    sums in another order). A launcher for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``), called
+    eagerly or in CUDA-graph capture; compiled models use :func:`ops.int8_scaled_mm` / :func:`ops.fp8_scaled_mm`,
+    which call it for small M.
+
+    Args:
+        a: ``int8`` or ``float8_e4m3fn [M, K]``; w: the same dtype, ``[N, K]`` (nn.Linear's layout).
+        a_scale: fp32 ``[1]`` or ``[M, 1]``; w_scale: fp32 ``[1]`` or ``[N]``.
+        out_dtype: bf16, fp16 or fp32; bias: None or ``[N]`` (any float dtype; added in fp32).
+        config: the launch configuration (default: :func:`small_m_config`'s, else its largest-M row's).
+    """
+    _check("small_m_scaled_mm", a, w, _SCALED_DTYPES)
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"small_m_scaled_mm: out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}")
+    if a_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
+        raise TypeError(f"small_m_scaled_mm: scales must be float32; got {a_scale.dtype} and {w_scale.dtype}")
+    config = config or _default_config(a, w)
+    return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, bias, config)
+
+
+def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               config: SmallMConfig | None = None) -> torch.Tensor:
+    """``a @ w.T (+ bias)`` in ``a``'s dtype, ``[M, N]``: products exact in fp32, fp32 sums, one rounding.
+
+    Args:
+        a: ``bfloat16`` or ``float16 [M, K]``; w: the same dtype, ``[N, K]``; bias: None or ``[N]``.
+        config: as for :func:`small_m_scaled_mm`.
+    """
+    _check("small_m_mm", a, w, _FLOAT_DTYPES)
+    return _launch(a, w, None, None, a.dtype, bias, config or _default_config(a, w))
+
+
+def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
+    """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs)."""
+    (m, k), n = a.shape, w.shape[0]
+    largest = max(row[0] for row in SMALL_M_TABLE)
+    config = small_m_config(max(min(m, largest), 1), n, k, a.dtype, max_m=largest)
+    assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
+    return config
