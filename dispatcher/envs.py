@@ -21,6 +21,7 @@ __all__ = [
     "use_bytecode_hook",
     "torch_compile_disabled",
     "pdl",
+    "small_m_gemm",
     "passes",
 ]
 
@@ -33,6 +34,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_DEBUG_DUMP_PATH": "directory for dumps of captured code (disassembly, source, FX graph)",
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
+    "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -97,6 +99,12 @@ def debug_dump_path() -> str | None:
 
 def pdl() -> bool:
     return _bool("DYNAMO_ONCE_PDL", True)
+
+
+def small_m_gemm() -> bool:
+    """``DYNAMO_ONCE_SMALL_M_GEMM``: whether ``ops.int8_scaled_mm`` / ``ops.fp8_scaled_mm`` take the Triton small-M
+    GEMM where its table has a config (read at every call: the ops are opaque, so also under torch.compile)."""
+    return _bool("DYNAMO_ONCE_SMALL_M_GEMM", True)
 
 
 def passes() -> PassConfig | None:

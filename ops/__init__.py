@@ -5,7 +5,8 @@ Triton is optional: without it every op runs its reference on any device. The pa
 ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers. The
 W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
 norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the graph passes put them in place of
-the unfused sequences.
+the unfused sequences. The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
+small M on CUDA, public for benchmarks and for bf16 linears (``small_m_mm``).
 """
 
 from .triton_utils import HAS_TRITON
@@ -79,6 +80,7 @@ from .scaled_mm import (
     int8_scaled_mm_ref,
 )
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
 #: every op registered under ``torch.ops.dynamo_once``
 TORCH_OP_NAMES = (
@@ -129,6 +131,11 @@ __all__ = [
     "dynamic_scaled_int8_quant",
     "fp8_scaled_mm",
     "int8_scaled_mm",
+    "small_m_scaled_mm",
+    "small_m_mm",
+    "small_m_config",
+    "SmallMConfig",
+    "SMALL_M_MAX",
     "write_kv_cache",
     "paged_decode",
     "write_kv_cache_triton",

@@ -18,6 +18,12 @@ the only rounding) or exactly (int8: int32 on the GPU; the reference sums in flo
 
 CUDA paths (the ops are opaque to Inductor: at level 3 they sit in Inductor's graphs as extern calls):
 
+- small M, both ops (fp8 at compute capability >= 8.9, int8 at >= 8.0), where Triton imports and
+  ``ops.small_m_gemm.small_m_config`` has a config (M <= ``SMALL_M_MAX`` = 16): the Triton small-M GEMM
+  (``ops/small_m_gemm.py``), which streams ``w`` in place and fuses the epilogue above, op for op, into the GEMM
+  (int8: int32 sums, bit-exact with the reference at every M, no padding; fp8: fp32 sums in another order).
+  Every scale layout takes it, per tensor or not. ``DYNAMO_ONCE_SMALL_M_GEMM=0`` (read at each call) turns it
+  off: then, and for larger M, the cuBLAS paths below.
 - fp8, compute capability >= 8.9: ``torch._scaled_mm(a, w.t(), ...)``; ``w.t()`` of a row-major ``[N, K]`` is
   the column-major ``[K, N]`` it wants. Both scales per tensor (a per-token ``[1, 1]`` at M = 1 counts): one
   cuBLASLt call with the scales and bias fused (fp32 output: bias added after, as ``_scaled_mm`` takes none
@@ -39,6 +45,11 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from dispatcher import envs
+
+from .small_m_gemm import SmallMConfig, small_m_config, small_m_scaled_mm
+from .triton_utils import HAS_TRITON
 
 __all__ = [
     "fp8_scaled_mm",
@@ -159,11 +170,22 @@ def _int8_scaled_mm_cuda(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor
     return _scale_epilogue(acc.float(), a_scale, w_scale, bias, out_dtype)
 
 
+def _small_m(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
+    """The Triton small-M GEMM's config for these CUDA operands, or None: the cuBLAS path (no Triton,
+    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table). Sizes are concrete here: the op body runs eagerly."""
+    if not HAS_TRITON or not envs.small_m_gemm():
+        return None
+    return small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype)
+
+
 @torch.library.custom_op("dynamo_once::fp8_scaled_mm", mutates_args=())
 def _fp8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
     if _cuda_at_least(a, (8, 9)):
+        config = _small_m(a, w)
+        if config is not None:
+            return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
         return _fp8_scaled_mm_cuda(a, w, a_scale, w_scale, out_dtype, bias)
     return fp8_scaled_mm_ref(a, w, a_scale, w_scale, out_dtype, bias)
 
@@ -180,6 +202,9 @@ def _int8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, 
                        out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_int8_args(a, w, a_scale, w_scale, out_dtype, bias)
     if _cuda_at_least(a, (8, 0)):
+        config = _small_m(a, w)
+        if config is not None:
+            return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
         return _int8_scaled_mm_cuda(a, w, a_scale, w_scale, out_dtype, bias)
     return int8_scaled_mm_ref(a, w, a_scale, w_scale, out_dtype, bias)
 

@@ -114,4 +114,5 @@ def test_env_var_table_lists_every_variable():
     assert set(envs.ENV_VARS) == {
         "DYNAMO_ONCE_COMPILE_LEVEL", "DYNAMO_ONCE_CUSTOM_OPS", "DYNAMO_ONCE_USE_BYTECODE_HOOK",
         "DYNAMO_ONCE_DEBUG", "DYNAMO_ONCE_DEBUG_DUMP_PATH", "DYNAMO_ONCE_PDL", "DYNAMO_ONCE_PASSES",
+        "DYNAMO_ONCE_SMALL_M_GEMM",
     }
