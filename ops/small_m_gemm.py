@@ -38,9 +38,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.library import wrap_triton
 
-from .triton_utils import cdiv, needs_int64, pdl_args, pdl_launch, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_launch, tl, triton
 
 __all__ = [
     "SmallMConfig",
@@ -230,21 +229,26 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
     """
     if m < 1 or m > max_m or dtype not in _SCALED_DTYPES + _FLOAT_DTYPES:
         return None
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     for max_rows, element_size, ratio, config in SMALL_M_TABLE:
         if m <= max_rows and size == element_size and k >= ratio * n:
             return config
     return None
 
 
-def _check(fn: str, a: torch.Tensor, w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           dtypes: tuple[torch.dtype, ...]) -> None:
     """What the kernel relies on; the public ops check their full contract first."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{fn}: needs Triton, which does not import here")
     if a.dtype not in dtypes or w.dtype != a.dtype:
         raise TypeError(f"{fn}: a and w must both be one of {dtypes}; got {a.dtype} and {w.dtype}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"{fn}: a must be [M, K] and w [N, K]; got {list(a.shape)} and {list(w.shape)}")
     if w.device != a.device:
         raise ValueError(f"{fn}: w must be on a's device {a.device}; got {w.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]):
+        raise ValueError(f"{fn}: bias must be [N] = [{w.shape[0]}]; got {list(bias.shape)}")
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
@@ -253,6 +257,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     # not to copy (nn.Linear's row-major [N, K]) always is.
     a = a if a.stride(1) == 1 else a.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     (m, k), n = a.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -269,14 +274,16 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     ws = out if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                 dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
-    wrap_triton(_small_m_gemm_kernel)[grid](
+    # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
+    # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
+    _small_m_gemm_kernel[grid](
         a, w, a_scale, w_scale, bias, ws, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
         num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1:
-        wrap_triton(_small_m_split_k_epilogue_kernel)[(cdiv(m * n, _REDUCE_BLOCK),)](
+        _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
             ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
             enable_fp_fusion=False, **flags,
         )
@@ -289,9 +296,9 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
     """``(a @ w.T) * a_scale * w_scale (+ bias)`` in ``out_dtype``, ``[M, N]``, by the small-M Triton kernel.
 
     The result of :func:`ops.int8_scaled_mm_ref` (int8: bit for bit) or :func:`ops.fp8_scaled_mm_ref` (fp8: fp32
-    sums in another order). A launcher for CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``), called
-    eagerly or in CUDA-graph capture; compiled models use :func:`ops.int8_scaled_mm` / :func:`ops.fp8_scaled_mm`,
-    which call it for small M.
+    sums in another order). An eager launcher (CUDA-graph capture included) for CUDA tensors, and CPU tensors
+    under ``TRITON_INTERPRET=1``; under torch.compile use :func:`ops.int8_scaled_mm` / :func:`ops.fp8_scaled_mm`,
+    opaque ops that call it for small M.
 
     Args:
         a: ``int8`` or ``float8_e4m3fn [M, K]``; w: the same dtype, ``[N, K]`` (nn.Linear's layout).
@@ -299,11 +306,15 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
         out_dtype: bf16, fp16 or fp32; bias: None or ``[N]`` (any float dtype; added in fp32).
         config: the launch configuration (default: :func:`small_m_config`'s, else its largest-M row's).
     """
-    _check("small_m_scaled_mm", a, w, _SCALED_DTYPES)
+    _check("small_m_scaled_mm", a, w, bias, _SCALED_DTYPES)
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"small_m_scaled_mm: out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}")
     if a_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
         raise TypeError(f"small_m_scaled_mm: scales must be float32; got {a_scale.dtype} and {w_scale.dtype}")
+    m, n = a.shape[0], w.shape[0]
+    if list(a_scale.shape) not in ([1], [m, 1]) or list(w_scale.shape) not in ([1], [n]):
+        raise ValueError(f"small_m_scaled_mm: a_scale must be [1] or [M, 1] = [{m}, 1] and w_scale [1] or [N] = "
+                         f"[{n}]; got {list(a_scale.shape)} and {list(w_scale.shape)}")
     config = config or _default_config(a, w)
     return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, bias, config)
 
@@ -316,7 +327,7 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         a: ``bfloat16`` or ``float16 [M, K]``; w: the same dtype, ``[N, K]``; bias: None or ``[N]``.
         config: as for :func:`small_m_scaled_mm`.
     """
-    _check("small_m_mm", a, w, _FLOAT_DTYPES)
+    _check("small_m_mm", a, w, bias, _FLOAT_DTYPES)
     return _launch(a, w, None, None, a.dtype, bias, config or _default_config(a, w))
 
 
