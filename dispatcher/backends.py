@@ -20,7 +20,7 @@ import torch
 
 from . import compat, plugins
 from .config import CompilationConfig, CompilationLevel
-from .passes import build_pass_manager
+from .passes import build_pass_manager, compile_context
 from .counters import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ def resolve_backend(config: CompilationConfig, level: CompilationLevel) -> str |
 def _compile_with(backend: str | Callable[..., Any], gm: torch.fx.GraphModule, example_inputs: list[Any],
                   options: dict[str, Any]) -> Callable[..., Any]:
     if backend == "inductor":
-        return compat.inductor_compile(gm, example_inputs, options)
+        with compile_context(options):
+            return compat.inductor_compile(gm, example_inputs, options)
     if isinstance(backend, str):
         return compat.lookup_backend(backend)(gm, example_inputs)
     return backend(gm, example_inputs)

@@ -31,7 +31,7 @@ from . import compat
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
 from .cuda_graph import thread_state
-from .passes import with_compile_size
+from .passes import compile_context, with_compile_size
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,15 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     returning a single value keeps returning it unwrapped."""
     options = with_compile_size(options, size)
     if _returns_tuple(gm):
-        compiled = compat.inductor_compile(gm, example_inputs, options)
+        with compile_context(options):
+            compiled = compat.inductor_compile(gm, example_inputs, options)
     else:
         wrapped = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
         (output,) = (n for n in wrapped.graph.nodes if n.op == "output")
         output.args = ((output.args[0],),)
         wrapped.recompile()
-        inner = compat.inductor_compile(wrapped, example_inputs, options)
+        with compile_context(options):
+            inner = compat.inductor_compile(wrapped, example_inputs, options)
 
         def compiled(*args: Any) -> Any:
             return inner(*args)[0]

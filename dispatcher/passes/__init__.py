@@ -9,12 +9,14 @@ The library's passes are switched by ``CompilationConfig.pass_config`` (:class:`
 from .counters import PassCounter, PassCounts, pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
 from .graph_pass import GraphPass
-from .manager import PostGradPassManager, build_pass_manager, builtin_passes, with_compile_size
+from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
+from .quant_fusion import ActQuantPass, RMSNormQuantPass
 
 __all__ = [
+    "ActQuantPass",
     "FusedAddRMSNormPass",
     "GraphPass",
     "NoOpEliminationPass",
@@ -23,8 +25,10 @@ __all__ = [
     "PassCounts",
     "PatternPass",
     "PostGradPassManager",
+    "RMSNormQuantPass",
     "build_pass_manager",
     "builtin_passes",
+    "compile_context",
     "pass_counter",
     "with_compile_size",
 ]

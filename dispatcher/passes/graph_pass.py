@@ -59,6 +59,9 @@ class GraphPass:
 
     name: ClassVar[str] = ""
     """Unique among the passes; ``[a-z_][a-z0-9_]*``."""
+    opaque_ops: ClassVar[bool] = False
+    """The pass matches ``torch.library.triton_op`` ops as the model calls them: while it runs, compiles keep
+    such ops opaque (one node each) instead of inlining them into their Triton kernels."""
 
     def is_available(self) -> bool:
         """Whether the pass can run in this process, e.g. the ops it produces are registered (default: True).

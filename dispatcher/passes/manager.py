@@ -13,6 +13,7 @@ passes run and of their source, so that a graph compiled with other passes is ne
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -30,16 +31,18 @@ from .graph_pass import GraphPass, module_source_hash
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
+from .quant_fusion import ActQuantPass, RMSNormQuantPass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order_passes", "with_compile_size"]
+__all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order_passes", "with_compile_size",
+           "compile_context"]
 
 
 @functools.cache
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
-    passes = (NoOpEliminationPass(), FusedAddRMSNormPass())
+    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 
@@ -104,6 +107,10 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
         """The passes that run on a graph of this compile."""
         return [p for p in self.passes if p.is_available() and p.is_applicable(self.size)]
 
+    def keeps_ops_opaque(self) -> bool:
+        """Whether a pass of this compile matches the library's ops as called (``GraphPass.opaque_ops``)."""
+        return any(p.opaque_ops for p in self.active_passes())
+
     def prepare(self) -> None:
         """Trace the patterns of the available pattern passes now, outside a compile."""
         for p in self.passes:
@@ -163,3 +170,12 @@ def with_compile_size(options: dict[str, Any], size: int | None) -> dict[str, An
     if not isinstance(manager, PostGradPassManager):
         return options
     return {**options, compat.POST_GRAD_PASS_OPTION: manager.for_size(size)}
+
+
+def compile_context(options: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """What an Inductor compile with ``options`` runs under: ``torch.library.triton_op`` ops kept opaque when
+    its pass manager has a pass that matches them, else inlined into their Triton kernels (torch's default)."""
+    manager = options.get(compat.POST_GRAD_PASS_OPTION)
+    if isinstance(manager, PostGradPassManager) and manager.keeps_ops_opaque():
+        return compat.triton_ops_decomposed(False)
+    return contextlib.nullcontext()

@@ -16,7 +16,7 @@ __all__ = ["PassConfig"]
 #: custom ops are off and Inductor fuses the native add and norm itself; ``fused_add_rms_norm`` would replace
 #: that with an opaque call of the Triton kernel, and ``noop`` only serves the fusions. ``DYNAMO_ONCE_PASSES``
 #: (e.g. ``all``) or ``PassConfig(...)`` turns them on.
-DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False}
+DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False, "act_quant": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,11 @@ class PassConfig:
     """Remove views, reshapes and slices to the shape they already have: they hide patterns from the fusions."""
     fused_add_rms_norm: bool | None = None
     """A residual add followed by an RMSNorm of the sum -> one ``dynamo_once::fused_add_rms_norm`` (or Gemma's)."""
+    rms_norm_quant: bool | None = None
+    """RMSNorm (plain or fused-add) + fp8 / int8 quantization (static or per token) -> one fused op. Keeps the
+    library's Triton ops opaque in the compile (see ``dispatcher.passes.quant_fusion``)."""
+    act_quant: bool | None = None
+    """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above."""
 
     def __post_init__(self) -> None:
         for name in self.names():

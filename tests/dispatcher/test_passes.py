@@ -71,11 +71,13 @@ def run(n_layers, dtype=torch.float32, tokens=7, passes=None, config=None, **mod
 
 @pytest.mark.parametrize("tokens, expected", [
     ("", PassConfig()),
-    ("all", PassConfig(noop=True, fused_add_rms_norm=True)),
-    ("none", PassConfig(noop=False, fused_add_rms_norm=False)),
-    ("none,+fused_add_rms_norm", PassConfig(noop=False, fused_add_rms_norm=True)),
+    ("all", PassConfig(noop=True, fused_add_rms_norm=True, rms_norm_quant=True, act_quant=True)),
+    ("none", PassConfig(noop=False, fused_add_rms_norm=False, rms_norm_quant=False, act_quant=False)),
+    ("none,+fused_add_rms_norm", PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=False,
+                                            act_quant=False)),
     (" +fused_add_rms_norm , -noop ", PassConfig(noop=False, fused_add_rms_norm=True)),
-    (["all", "-noop"], PassConfig(noop=False, fused_add_rms_norm=True)),
+    (["all", "-noop", "-act_quant"], PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=True,
+                                                act_quant=False)),
     ("-noop", PassConfig(noop=False)),
 ])
 def test_pass_config_parse(tokens, expected):
@@ -94,7 +96,7 @@ def test_pass_config_errors_say_what_is_allowed(tokens, message):
     with pytest.raises(ValueError, match=message) as e:
         PassConfig.parse(tokens)
     if "both" not in message:
-        assert "'all', 'none', '+name' or '-name'" in str(e.value) and "noop, fused_add_rms_norm" in str(e.value)
+        assert "'all', 'none', '+name' or '-name'" in str(e.value) and "noop, fused_add_rms_norm, rms_norm_quant, act_quant" in str(e.value)
 
 
 def test_pass_config_from_env_and_config(monkeypatch):
@@ -103,9 +105,10 @@ def test_pass_config_from_env_and_config(monkeypatch):
     assert CompilationConfig.from_env().pass_config == PassConfig(noop=False, fused_add_rms_norm=True)
     assert CompilationConfig.from_env(pass_config="none").pass_config.noop is False  # overrides win
     monkeypatch.setenv("DYNAMO_ONCE_PASSES", "+fusion")
-    with pytest.raises(ValueError, match=r"DYNAMO_ONCE_PASSES='\+fusion': bad token .* noop, fused_add_rms_norm"):
+    with pytest.raises(ValueError, match=r"DYNAMO_ONCE_PASSES='\+fusion': bad token .* noop, fused_add_rms_norm, rms_norm_quant"):
         envs.passes()
-    assert CompilationConfig(pass_config="all").pass_config == PassConfig(noop=True, fused_add_rms_norm=True)
+    assert CompilationConfig(pass_config="all").pass_config == PassConfig.parse("+noop,+fused_add_rms_norm,"
+                                                                                "+rms_norm_quant,+act_quant")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: bad token"):
         CompilationConfig(pass_config="fast")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: expected a PassConfig"):
@@ -131,8 +134,9 @@ def test_uuid_changes_with_the_configuration_only():
     default = build_pass_manager(PassConfig()).uuid()
     assert build_pass_manager(PassConfig()).uuid() == default  # no id() or hash() in it
     assert build_pass_manager(PassConfig(noop=False, fused_add_rms_norm=False)).uuid() == default  # the same passes
-    others = {build_pass_manager(PassConfig.parse(t)).uuid() for t in ("+noop", "+fused_add_rms_norm", "all")}
-    assert len(others) == 3 and default not in others
+    tokens = ("+noop", "+fused_add_rms_norm", "+rms_norm_quant", "+act_quant", "all")
+    others = {build_pass_manager(PassConfig.parse(t)).uuid() for t in tokens}
+    assert len(others) == len(tokens) and default not in others
     manager = build_pass_manager(PassConfig())
     assert manager.for_size(8).uuid() == default  # no pass here depends on the size
 
@@ -246,7 +250,8 @@ def test_plugin_passes_run_where_they_asked(add_pass):
                          ("mid2", {"after": "noop"}), ("pre_fused", {"before": "fused_add_rms_norm"})]:
         add_pass(Tagger(name), **anchor)
     names = [p.name for p in build_pass_manager(PassConfig.parse("all")).passes]
-    assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "last"]
+    assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "rms_norm_quant",
+                     "act_quant", "last"]
     # the library's passes switched off keep their places as anchors; plugin passes still run
     names = [p.name for p in build_pass_manager(PassConfig.parse("none")).passes]
     assert names == ["first", "mid1", "mid2", "pre_fused", "last"]

@@ -15,41 +15,9 @@ from models.quant_linear import QuantLinear, QuantMergedLinear
 from models.quantization import QuantizationConfig, QuantScheme, parse_quantization_config
 
 from models_testing import PROMPTS, save_hf_gemma2, save_hf_llama
-from quant_testing import SCHEMES, load_tensors, reference_model, save_quantized, scheme_of
-
-# Tolerances on the logits against the reference, derived from the formats. Both sides quantize the same
-# activations with the same reference functions, so they agree on every 8-bit value as long as the float
-# inputs to the quantizers agree. Those differ by fp32 rounding only: the reference multiplies dequantized
-# operands, the model scales the fp32 (fp8: exact products) or exact (int8) product of the 8-bit values, so a
-# linear's outputs differ by ~K * 2**-24 relative (K <= 128: < 1e-5), which reaches logits of |l| <= 6 as a
-# few 1e-6 (measured: at most 2.5e-6 at levels 0, 2 and 3, every scheme): TIGHT, as for the float model.
-# A quantizer input within that distance of a rounding boundary may round the other way on one side: one
-# activation moves by one unit of its grid, 2**-3 of its magnitude for e4m3 (3 mantissa bits), amax / 127
-# for int8 per token. Bumping the largest activation of each layer's input by one unit moves these logits
-# by at most 0.35 (fp8) and 0.07 (int8), in the one sequence holding it; the chance of such a flip is
-# ~1e-5 per activation (1e-6 relative noise / a 2**-3 unit), ~0.1 per test over its ~1e4 activations.
-# So: every sequence's logits within TIGHT but at most one, which is within FLIP_ATOL.
-TIGHT = dict(rtol=1e-4, atol=1e-4)
-FLIP_ATOL = 0.5
-
-
-def prefill_logits(llm, prompts):
-    caught = []
-    llm.run(prompts, 1, lambda seqs, logits: caught.append((seqs, logits)) or [0] * len(seqs))
-    out = {}
-    for seqs, logits in caught:
-        for s, row in zip(seqs, logits):
-            out[s.index] = row
-    return torch.stack([out[i] for i in range(len(prompts))])
-
-
-def assert_logits_match(got, ref):
-    """``got``, ``ref``: ``[sequences, vocab]``; see TIGHT and FLIP_ATOL."""
-    diff = (got - ref).abs()
-    off = (diff > TIGHT["atol"] + TIGHT["rtol"] * ref.abs()).any(dim=-1)
-    assert off.sum() <= 1, f"{int(off.sum())} sequences' logits beyond {TIGHT}: max |diff| {diff.max():.3g}"
-    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
-
+from quant_testing import (
+    FLIP_ATOL, SCHEMES, assert_logits_match, load_tensors, prefill_logits, reference_model, save_quantized, scheme_of,
+)
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):

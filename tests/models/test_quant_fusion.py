@@ -1,0 +1,157 @@
+"""The quantization fusions (``rms_norm_quant``, ``act_quant``) on W8A8 Llama checkpoints at level 3.
+
+A quantized Llama layer quantizes three inputs that an op of its own has just written: the input norm's
+(QKV), the post-attention norm's (gate-up), the SiLU-and-mul's (down); the fourth, o_proj's, is the
+attention's output. With the custom ops on, each norm, activation and quantization is one op, and the
+passes fuse the first three pairs: per layer 2 ``rms_norm_quant`` rewrites (layer 0's input norm has no
+residual to add: the plain norm; the others the fused-add one) and 1 ``act_quant``; o_proj's quantization
+stays. On the CPU a module calls its op only when its ``forward_cpu`` does what ``forward_cuda`` does
+(the ops then run their fp32 references), as the fixture sets up. Every compile runs in a fresh Inductor
+cache: a graph loaded from the FX graph cache runs no pass.
+"""
+
+import collections
+
+import pytest
+import torch
+
+import ops
+from dispatcher import CompilationConfig, compat, plugins
+from dispatcher.passes import GraphPass, pass_counter
+from models import LLM
+
+from models_testing import PROMPTS, save_hf_llama
+from quant_testing import assert_logits_match, prefill_logits, save_quantized
+
+D = torch.ops.dynamo_once
+# scheme -> (its quantization op, the fused ops the passes make of it with a norm, a fused-add norm, SiLU)
+SCHEMES = {
+    "fp8-static": (D.static_scaled_fp8_quant, "static"),
+    "fp8-dynamic-token": (D.dynamic_per_token_scaled_fp8_quant, "dynamic"),
+    "int8-static": (D.static_scaled_int8_quant, "static"),
+    "int8-dynamic-token": (D.dynamic_scaled_int8_quant, "dynamic"),
+}
+UNQUANTIZED_DOWN = {"fp8-dynamic-token": 1}  # its checkpoint leaves layer 1's down_proj in bf16 (quant_testing)
+
+
+def fused_ops(kind):
+    return (getattr(D, f"rms_norm_{kind}_quant").default, getattr(D, f"fused_add_rms_norm_{kind}_quant").default,
+            getattr(D, f"act_and_mul_{kind}_quant").default)
+
+
+class CountAfter(GraphPass):
+    """Counts the call targets of the graphs after the last quant fusion, over every piece."""
+
+    name = "count_after_act_quant"
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def __call__(self, graph, size):
+        self.counts.update(n.target for n in graph.nodes if n.op == "call_function")
+        return 0
+
+
+@pytest.fixture
+def after():
+    counter = CountAfter()
+    plugins.add_post_grad_pass(counter, after="act_quant")
+    yield counter.counts
+    plugins.remove_post_grad_pass(counter.name)
+
+
+@pytest.fixture
+def op_path(monkeypatch):
+    """The modules call their ops on the CPU too, as they do on CUDA (the ops run their references)."""
+    for cls in (ops.RMSNorm, ops.SiluAndMul, ops.QuantFP8, ops.QuantInt8):
+        monkeypatch.setattr(cls, "forward_cpu", cls.forward_cuda)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(scheme, layers) -> a tiny W8A8 Llama checkpoint's directory."""
+    cache = {}
+
+    def get(name, layers=2):
+        if (name, layers) not in cache:
+            hf = save_hf_llama(tmp_path_factory.mktemp(f"hf{layers}"), num_hidden_layers=layers)
+            path = tmp_path_factory.mktemp(f"{name}_{layers}")
+            save_quantized(path, hf, name, PROMPTS)
+            cache[name, layers] = str(path)
+        return cache[name, layers]
+
+    return get
+
+
+def run(path, passes, opaque=False):
+    """Prefill logits of PROMPTS at level 3, every custom op on, and the passes' counts. ``opaque``: keep the
+    library's ops opaque without the passes too (which is what the passes' compiles do), to count them."""
+    cfg = CompilationConfig(level=3, custom_ops=["all"], use_cudagraph=False, pass_config=passes)
+    with compat.fresh_inductor_cache(), compat.triton_ops_decomposed(not opaque), pass_counter.record() as counts:
+        llm = LLM(path, max_num_tokens=32, compilation_config=cfg)
+        logits = prefill_logits(llm, PROMPTS)
+    return logits, counts
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, after, name):
+    """Per layer: 2 norm + quant and 1 SiLU + quant fused; only o_proj's quantization left. The logits are
+    those of the unfused graph (the fused ops' values are the unfused ops'; the rest differs in fp32 rounding
+    only: the reference's tolerances apply)."""
+    torch._dynamo.reset()
+    unfused, _ = run(checkpoint(name), "none", opaque=True)
+    counted_unfused = dict(after)
+    after.clear()
+    torch._dynamo.reset()
+    fused, counts = run(checkpoint(name), "all")
+    quant, kind = SCHEMES[name]
+    norm_quant, add_norm_quant, act_quant = fused_ops(kind)
+    layers, plain_down = 2, 2 - UNQUANTIZED_DOWN.get(name, 0)
+    assert counted_unfused[quant.default] == 3 * layers + plain_down  # qkv, o, gate-up per layer; down
+    assert counts.matches["rms_norm_quant"] == 2 * layers and counts.matches["act_quant"] == plain_down
+    assert after[norm_quant] == 1 and after[add_norm_quant] == 2 * layers - 1 and after[act_quant] == plain_down
+    assert after[quant.default] == layers  # o_proj's
+    assert after[D.rms_norm.default] == 0 and after[D.silu_and_mul.default] == layers - plain_down
+    assert after[D.fused_add_rms_norm.default] == 1  # the final norm: the LM head is not quantized
+    assert_logits_match(fused, unfused)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_match_counts_follow_the_layers(checkpoint, op_path, layers):
+    """2 norm and 1 activation fusions a layer. From 3 layers on, the pieces between two middle attention
+    layers are one graph, which Inductor's caches compile (and the passes rewrite) once: these layer counts
+    are those where every compiled piece is distinct."""
+    torch._dynamo.reset()
+    _, counts = run(checkpoint("int8-static", layers), "none,+rms_norm_quant,+act_quant")
+    assert counts.matches["rms_norm_quant"] == 2 * layers and counts.matches["act_quant"] == layers, counts
+
+
+def test_native_ops_are_left_to_inductor(checkpoint, after):
+    """Custom ops off (level 3's default): the norms and quantizations are plain torch code that Inductor
+    fuses itself; the passes find no op to match and the library's ops stay out of the graph."""
+    torch._dynamo.reset()
+    cfg = CompilationConfig(level=3, use_cudagraph=False, pass_config="none,+rms_norm_quant,+act_quant")
+    with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+        LLM(checkpoint("fp8-static"), max_num_tokens=32, compilation_config=cfg)
+    assert counts.runs["rms_norm_quant"] == counts.runs["act_quant"] == 3  # one per piece
+    assert not counts.matches["rms_norm_quant"] and not counts.matches["act_quant"]
+    library_ops = {str(t) for t in after if str(t).startswith("dynamo_once.")}
+    assert library_ops == {"dynamo_once.fp8_scaled_mm.default"}  # the GEMM: an op whatever the switch
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_cuda_fused_kernels_match_the_unfused_ops(checkpoint, name):
+    """On the GPU, with CUDA graphs: the fused Triton kernels (the norm's arithmetic, then the quantization's)
+    give the unfused kernels' logits, and every norm and activation quantization is fused in every compile."""
+    outs = {}
+    for passes in ("none", "all"):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, custom_ops=["all"], pass_config=passes)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            llm = LLM(checkpoint(name), max_num_tokens=32, compilation_config=cfg, device="cuda")
+            outs[passes] = prefill_logits(llm, PROMPTS).cpu()
+    compiles = counts.runs["manager"] / 3  # 3 pieces a compile (symbolic, then any per-size compile)
+    plain_down = 2 - UNQUANTIZED_DOWN.get(name, 0)
+    assert counts.matches["rms_norm_quant"] == 4 * compiles and counts.matches["act_quant"] == plain_down * compiles
+    assert_logits_match(outs["all"], outs["none"])
