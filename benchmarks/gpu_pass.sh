@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -77,6 +77,13 @@ for step in $steps; do
                 (cd "$d" && PYTHONPATH=/tmp/site:$d:$OLDPWD timeout 80 python3 $OLDPWD/benchmarks/piecewise_step.py --tag $v 2>&1 \
                   | grep -E "^\{|Error" | tee -a "$R/comparepw.log")
               done; done ;;
+    passes)   # issue 13: native code / custom ops / custom ops + graph passes, quantized 8B decode and a 2048-token
+              # prefill; bf16 8B: the passes with the ops on against the default
+              for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8 llama-3-8b}; do
+                modes="level 3,level 3 +ops,level 3 +ops +passes"; [ $m = llama-3-8b ] && modes="level 3,level 3 +ops +passes"
+                timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
+                  --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
+              done ;;
     *) echo "unknown step $step" ;;
   esac
 done
