@@ -239,8 +239,6 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
 def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
            dtypes: tuple[torch.dtype, ...]) -> None:
     """What the kernel relies on; the public ops check their full contract first."""
-    if not HAS_TRITON:
-        raise RuntimeError(f"{fn}: needs Triton, which does not import here")
     if a.dtype not in dtypes or w.dtype != a.dtype:
         raise TypeError(f"{fn}: a and w must both be one of {dtypes}; got {a.dtype} and {w.dtype}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
@@ -253,6 +251,8 @@ def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
+    if not HAS_TRITON:
+        raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
     # not to copy (nn.Linear's row-major [N, K]) always is.
     a = a if a.stride(1) == 1 else a.contiguous()

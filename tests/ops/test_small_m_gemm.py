@@ -1,0 +1,262 @@
+"""The small-M GEMM on the GPU through the public W8A8 ops: Llama-3-8B's decode shapes at M = 1, 7 and 16 (int8 bit
+for bit with the reference, fp8 within test_scaled_mm.py's bound), the same replayed from a CUDA graph, and cuBLAS
+again with ``DYNAMO_ONCE_SMALL_M_GEMM=0``; the launchers on every table row and split K; and, on any machine, the
+table's choice, the config's checks, the switch and the launchers' argument errors. The kernels' indexing and
+epilogue are also checked without a GPU, in Triton's interpreter (test_small_m_gemm_interpreted.py).
+"""
+
+import functools
+import importlib
+
+import pytest
+import torch
+from test_scaled_mm import U32, U_OUT, _bound
+
+import ops
+from dispatcher import envs
+from ops.small_m_gemm import SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig
+
+scaled_mm = importlib.import_module("ops.scaled_mm")
+
+FP8, INT8, BF16 = ops.FP8_DTYPE, torch.int8, torch.bfloat16
+QDTYPES = [pytest.param(INT8, id="int8"), pytest.param(FP8, id="fp8")]
+# Llama-3-8B's linear layers as (K, N): qkv, o, gate_up, down.
+SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+SHAPE_IDS = [f"{k}to{n}" for k, n in SHAPES_8B]
+DECODE_M = [1, 7, 16]
+# (a_scale, w_scale, out_dtype, bias): the fp8 checkpoints' per-tensor layout; int8's per token x per channel.
+VARIANTS = [("tensor", "tensor", torch.bfloat16, False), ("token", "channel", torch.float32, True)]
+VARIANT_IDS = ["per-tensor-bf16", "token-channel-fp32-bias"]
+TABLE_CONFIGS = [row[3] for row in SMALL_M_TABLE]
+SPLIT_CONFIGS = [SmallMConfig(1, 16, 256, SPLIT_K=4, DOT=False), SmallMConfig(16, 32, 128, SPLIT_K=3)]
+
+
+@functools.cache
+def _weight(qdtype, n, k):
+    """One weight per dtype and shape for the whole session (the 8B's gate_up is 117 MB in int8)."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    if qdtype == INT8:
+        return torch.randint(-128, 128, (n, k), generator=g, device="cuda", dtype=torch.int16).to(INT8)
+    s = 8.0 if qdtype == FP8 else 1.0  # fp8: across e4m3's range, none past 448
+    return (s * torch.randn(n, k, generator=g, device="cuda")).clamp(-448, 448).to(qdtype)
+
+
+def _args(qdtype, m, k, n, a_scaling, w_scaling, out_dtype, bias, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + m)
+    if qdtype == INT8:
+        a = torch.randint(-128, 128, (m, k), generator=g, device="cuda", dtype=torch.int16).to(INT8)
+    else:
+        a = (8 * torch.randn(m, k, generator=g, device="cuda")).clamp(-448, 448).to(FP8)
+    unit = 0.01 if qdtype == INT8 else 1.0  # int8: amax / 127 of O(1) values, as a quantization gives
+    a_scale = unit * (0.01 + torch.rand(*((m, 1) if a_scaling == "token" else (1,)), generator=g, device="cuda"))
+    w_scale = unit * (0.01 + torch.rand(n if w_scaling == "channel" else 1, generator=g, device="cuda"))
+    b = torch.randn(n, generator=g, device="cuda").to(out_dtype) if bias else None
+    return [a, _weight(qdtype, n, k), a_scale, w_scale, out_dtype, b]
+
+
+def _op(qdtype):
+    return ops.int8_scaled_mm if qdtype == INT8 else ops.fp8_scaled_mm
+
+
+def _assert_matches_reference(qdtype, out, args):
+    """int8: bit for bit (an exact int32 sum, then the reference's epilogue op for op). fp8: test_scaled_mm's CUDA
+    bound, |sa sw| sum |a w| + |bias| times 2**-10 + 2 (K - 1) u (+ the epilogue's 3u), then the output roundings:
+    the 2**-10 covers Hopper's fp8 MMAs (about 14 bits kept inside an MMA) that tl.dot uses as cuBLAS does; the
+    GEMV form's fp32 sums, and the reference's, are within (K - 1) u each."""
+    a, w, a_scale, w_scale, out_dtype, bias = args
+    ref = (ops.int8_scaled_mm_ref if qdtype == INT8 else ops.fp8_scaled_mm_ref)(*args)
+    assert out.dtype == out_dtype and out.shape == ref.shape and out.is_contiguous()
+    if qdtype == INT8:
+        assert torch.equal(out, ref)
+        return
+    k = a.shape[1]
+    tol = _bound(a, w, a_scale, w_scale, bias, k, 2.0**-10 + 2 * (k - 1) * U32)
+    tol = tol + U_OUT[out_dtype] * (2 * ref.double().abs().cpu() + tol)
+    err = (out.double() - ref.double()).abs().cpu()
+    assert (err <= tol).all(), f"max err / tol = {(err / tol).max().item():.3g}"
+    # Far inside the bound on average: a systematic error (a scale twice, a row's scale on another row) is not.
+    assert (out.double() - ref.double()).pow(2).mean().sqrt() <= ref.double().pow(2).mean().sqrt() / 64
+
+
+def _assert_mm_within_bound(out, a, w, bias):
+    """bf16: exact products, fp32 sums (within (K - 1) u of sum |a w|; doubled for the tensor cores' adds, which
+    need not round to nearest), the bias add (u), then the cast to bf16 (2**-8 of the value)."""
+    k = a.shape[1]
+    exact = a.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    s = a.double().abs() @ w.double().abs().t() + (bias.double().abs() if bias is not None else 0)
+    fp32 = (2 * (k + 1)) * U32 * s
+    tol = fp32 + U_OUT[out.dtype] * (exact.abs() + fp32)
+    err = (out.double() - exact).abs()
+    assert out.dtype == a.dtype and out.shape == exact.shape
+    assert (err <= tol).all(), f"max err / tol = {(err / tol).max().item():.3g}"
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """The M of every call the public ops make to the Triton kernel's launcher."""
+    calls = []
+    launcher = scaled_mm.small_m_scaled_mm
+
+    def spy(a, *args, **kwargs):
+        calls.append(a.shape[0])
+        return launcher(a, *args, **kwargs)
+
+    monkeypatch.setattr(scaled_mm, "small_m_scaled_mm", spy)
+    return calls
+
+
+def _needs_fp8(qdtype):
+    if qdtype == FP8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 GEMMs need compute capability 8.9 (else the reference runs)")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("a_scaling,w_scaling,out_dtype,bias", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("m", DECODE_M)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_public_ops_take_the_kernel_on_8b_shapes(qdtype, m, k, n, a_scaling, w_scaling, out_dtype, bias,
+                                                 triton_calls):
+    _needs_fp8(qdtype)
+    args = _args(qdtype, m, k, n, a_scaling, w_scaling, out_dtype, bias)
+    out = _op(qdtype)(*args)
+    assert triton_calls == [m]
+    _assert_matches_reference(qdtype, out, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("m", DECODE_M)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_public_ops_replayed_from_a_cuda_graph(qdtype, m, k, n, triton_calls):
+    """Captured once (no host sync in the launch, the workspace from the graph's pool), replayed on new inputs
+    copied into the captured ones: the new inputs' results."""
+    _needs_fp8(qdtype)
+    static = _args(qdtype, m, k, n, "token", "channel", torch.bfloat16, True, seed=1)
+    op = _op(qdtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first call compiles; capture wants warm-up calls off the capture stream
+        op(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*static)
+    fresh = _args(qdtype, m, k, n, "token", "channel", torch.bfloat16, True, seed=2)
+    for dst, src in zip(static, fresh):
+        if isinstance(dst, torch.Tensor) and dst is not src:  # the weight is the same tensor
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert triton_calls == [m, m]
+    _assert_matches_reference(qdtype, out, static)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("m", DECODE_M)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_switched_off_the_ops_take_cublas(monkeypatch, qdtype, m, k, n, triton_calls):
+    _needs_fp8(qdtype)
+    monkeypatch.setenv("DYNAMO_ONCE_SMALL_M_GEMM", "0")
+    args = _args(qdtype, m, k, n, "token", "channel", torch.bfloat16, True)
+    out = _op(qdtype)(*args)
+    assert triton_calls == []
+    _assert_matches_reference(qdtype, out, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_larger_m_takes_cublas(qdtype, triton_calls):
+    _needs_fp8(qdtype)
+    args = _args(qdtype, SMALL_M_MAX + 1, 4096, 4096, "token", "channel", torch.bfloat16, False)
+    _assert_matches_reference(qdtype, _op(qdtype)(*args), args)
+    assert triton_calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("config", TABLE_CONFIGS + SPLIT_CONFIGS, ids=str)
+def test_launchers_on_every_config(config, dtype):
+    """M = 5 (several row blocks of the GEMV rows), K = 1040 and N = 272: multiples of 16, of no larger block."""
+    _needs_fp8(dtype)
+    m, k, n = 5, 1040, 272
+    if dtype == BF16:
+        a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").to(BF16)
+        w, b = _weight(BF16, n, k), torch.randn(n, device="cuda").to(BF16)
+        _assert_mm_within_bound(ops.small_m_mm(a, w, b, config), a, w, b)
+        return
+    args = _args(dtype, m, k, n, "token", "channel", torch.float16, True)
+    _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("m", [1, 16])
+def test_small_m_mm_on_8b_shapes(m, k, n):
+    a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").to(BF16)
+    w = _weight(BF16, n, k)
+    _assert_mm_within_bound(ops.small_m_mm(a, w), a, w, None)
+
+
+def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
+    largest = max(row[0] for row in SMALL_M_TABLE)
+    for dtype in (INT8, FP8, BF16, torch.float16):
+        for k, n in SHAPES_8B + [(4096, 128256)]:  # and the lm_head
+            assert all(ops.small_m_config(m, n, k, dtype) is not None for m in range(1, SMALL_M_MAX + 1))
+            assert ops.small_m_config(SMALL_M_MAX + 1, n, k, dtype) is None
+            assert ops.small_m_config(largest, n, k, dtype, max_m=largest) is not None
+            assert ops.small_m_config(largest + 1, n, k, dtype, max_m=largest + 1) is None
+    assert ops.small_m_config(1, 4096, 4096, torch.float32) is None
+    assert ops.small_m_config(0, 4096, 4096, INT8) is None
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of 2; got 48"):
+        SmallMConfig(16, 48, 64)
+    with pytest.raises(ValueError, match="tl.dot .* needs BLOCK_M, BLOCK_N, BLOCK_K >= 16"):
+        SmallMConfig(4, 16, 64, DOT=True)
+    with pytest.raises(ValueError, match="SPLIT_K and num_stages must be >= 1"):
+        SmallMConfig(1, 16, 64, SPLIT_K=0, DOT=False)
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_switch(monkeypatch, value, expected):
+    if value is not None:
+        monkeypatch.setenv("DYNAMO_ONCE_SMALL_M_GEMM", value)
+    assert envs.small_m_gemm() is expected
+
+
+def test_bad_switch_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_SMALL_M_GEMM", "triton")
+    with pytest.raises(ValueError, match=r"DYNAMO_ONCE_SMALL_M_GEMM='triton'.*0, 1"):
+        envs.small_m_gemm()
+    # The ops read it at each call on CUDA only: on the CPU they run the reference whatever it says.
+    a, w = torch.zeros(1, 16, dtype=INT8), torch.zeros(8, 16, dtype=INT8)
+    assert ops.int8_scaled_mm(a, w, torch.ones(1), torch.ones(1), torch.float32).shape == (1, 8)
+
+
+def test_cpu_ops_run_the_reference(triton_calls):
+    a = torch.ones(3, 32, dtype=INT8)
+    ops.int8_scaled_mm(a, torch.ones(8, 32, dtype=INT8), torch.ones(1), torch.ones(1), torch.float32)
+    assert triton_calls == []
+
+
+BAD_LAUNCHES = [
+    (dict(a=torch.zeros(2, 32), w=torch.zeros(16, 32)), TypeError, r"a and w must both be one of"),
+    (dict(w=torch.zeros(16, 32).to(FP8)), TypeError, r"got torch.int8 and torch.float8_e4m3fn"),
+    (dict(w=torch.zeros(16, 48, dtype=INT8)), ValueError, r"a must be \[M, K\] and w \[N, K\]; got \[2, 32\] and"),
+    (dict(a_scale=torch.ones(2)), ValueError, r"a_scale must be \[1\] or \[M, 1\] = \[2, 1\]"),
+    (dict(w_scale=torch.ones(8)), ValueError, r"w_scale \[1\] or \[N\] = \[16\]; got \[1\] and \[8\]"),
+    (dict(a_scale=torch.ones(1).double()), TypeError, r"scales must be float32"),
+    (dict(out_dtype=torch.int32), TypeError, r"out_dtype must be one of"),
+    (dict(bias=torch.zeros(8)), ValueError, r"bias must be \[N\] = \[16\]; got \[8\]"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", BAD_LAUNCHES, ids=range(len(BAD_LAUNCHES)))
+def test_launcher_errors_name_the_argument(change, exc, match):
+    args = dict(a=torch.zeros(2, 32, dtype=INT8), w=torch.zeros(16, 32, dtype=INT8), a_scale=torch.ones(1),
+                w_scale=torch.ones(1), out_dtype=torch.bfloat16, bias=None)
+    with pytest.raises(exc, match=match):
+        ops.small_m_scaled_mm(**{**args, **change})
