@@ -57,7 +57,9 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REDUCE_BLOCK = 1024
 
 
-@triton.jit
+# M unspecialized: one compile a config serves every M (Triton would compile apart for M == 1, M % 16 == 0 and the
+# rest: three compiles, at capture time, for decode's batch sizes 1-16); M only enters masks and the program split.
+@triton.jit(do_not_specialize=["M"])
 def _small_m_gemm_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_am, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -124,7 +126,7 @@ def _small_m_gemm_kernel(
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _small_m_split_k_epilogue_kernel(
     ws_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, MN, N, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
     SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
