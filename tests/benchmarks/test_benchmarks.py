@@ -108,3 +108,32 @@ def test_decode_floor_counts_weights_and_every_cached_token():
     floor = decode.Floor(decode._weight_bytes(model), decode._kv_bytes_per_token(cache), copy_bw_gbs=1.0)
     assert floor.us(1, 0) == pytest.approx((weights + per_token) / 1e3)  # 1 GB/s: bytes / 1000 = µs
     assert floor.us(8, 511) - floor.us(1, 511) == pytest.approx(7 * 512 * per_token / 1e3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gemm_refuses_without_a_gpu_and_quick_says_it_skipped(capsys):
+    from benchmarks import gemm
+
+    with pytest.raises(SystemExit) as e:
+        gemm.main(["--ms", "1"])
+    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    gemm.main(["--quick"])
+    assert "skipped, no CUDA GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        gemm.main(["--ms", "1,x"])
+    assert e.value.code == 2 and "--ms: expected comma-separated positive integers" in capsys.readouterr().err
+
+
+def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
+    """The floor the stack rows are measured against: 6.98e9 linear weights + the bf16 lm_head (1.05 GB); the
+    sweep's grid stays near 20 configs a dtype (Triton compiles dominate its time)."""
+    from benchmarks import gemm
+
+    linear = 32 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096)
+    head = 4096 * 128256 * 2
+    assert gemm.LLAMA_3_8B.weight_bytes(torch.float8_e4m3fn) == linear + head
+    assert gemm.LLAMA_3_8B.weight_bytes(torch.bfloat16) == 2 * linear + head
+    assert round((linear + head) / 4.28e12 * 1e3, 2) == 1.88  # ms at the H200's copy bandwidth, as the issue says
+    configs = {c for m in (1, 4, 16) for c in gemm.sweep_grid(m)}
+    assert len(configs) <= 24
+    assert all(c.BLOCK_M >= m for m in (1, 4, 16) for c in gemm.sweep_grid(m))
