@@ -89,7 +89,10 @@ def _small_m_gemm_kernel(
     n_ok = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if INTEGER else tl.float32)
+    if INTEGER:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K_SPLIT, BLOCK_K):
         # a: a few rows every program reads (kept in L2); w: streamed once
         if EVEN:
@@ -99,8 +102,10 @@ def _small_m_gemm_kernel(
             k_ok = (offs_k + k < K)[None, :]
             a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
             w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-        if DOT:
-            acc = tl.dot(a, tl.trans(w), acc, out_dtype=acc.dtype)
+        if DOT and INTEGER:
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+        elif DOT:
+            acc = tl.dot(a, tl.trans(w), acc)  # fp32 accumulation
         elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
             acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
         else:  # fp8 and bf16 products are exact in fp32
