@@ -71,13 +71,12 @@ LLAMA_3_8B = Model(32, (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096
 QUICK = Model(2, (("qkv", 256, 384), ("o", 256, 256), ("gate_up", 256, 1792), ("down", 896, 256)),
               ("lm_head", 256, 8016))
 #: The table's largest M: ours uses the table (past SMALL_M_MAX too) up to it, its largest-M row beyond.
-TABLE_MAX_M = max(row[0] for row in SMALL_M_TABLE)
+TABLE_MAX_M = max(rule.max_m for rule in SMALL_M_TABLE)
 
 
-def ours_config(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
-    config = ops.small_m_config(min(m, TABLE_MAX_M), n, k, dtype, max_m=TABLE_MAX_M)
-    assert config is not None
-    return config
+def ours_config(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig | None:
+    """The table's config (None where it leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path)."""
+    return ops.small_m_config(min(m, TABLE_MAX_M), n, k, dtype, max_m=TABLE_MAX_M)
 
 
 @contextmanager
@@ -116,7 +115,7 @@ def gemm(impl: str, dtype: torch.dtype, a: tuple, w: tuple, config: SmallMConfig
     """One GEMM of the stack: ``a`` and ``w`` as (tensor, scale). cuBLAS rows run under ``cublas_switch``."""
     if dtype == BF16:
         return F.linear(a[0], w[0]) if impl == "cuBLAS" else ops.small_m_mm(a[0], w[0], config=config)
-    if impl == "ours":
+    if impl == "ours" and config is not None:
         return ops.small_m_scaled_mm(a[0], w[0], a[1], w[1], BF16, config=config)
     op = ops.fp8_scaled_mm if dtype == FP8 else ops.int8_scaled_mm
     return op(a[0], w[0], a[1], w[1], BF16)
@@ -246,7 +245,7 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         rows.append({**base, "impl": "cuBLAS", "us": round(us, 2),
                      "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1)})
         table = ours_config(m, n, k, dtype)
-        for cfg in dict.fromkeys(sweep_grid(m) + [table]):  # the table's pick too, once
+        for cfg in dict.fromkeys(sweep_grid(m) + ([table] if table is not None else [])):  # the table's pick, once
             try:
                 out = gemm("ours", dtype, a, weights[0], cfg)
                 us = _time_calls(lambda args, cfg=cfg: gemm("ours", dtype, args[0], args[1], cfg), arg_sets)

@@ -43,6 +43,7 @@ from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_launch, t
 
 __all__ = [
     "SmallMConfig",
+    "SmallMRule",
     "SMALL_M_MAX",
     "SMALL_M_TABLE",
     "small_m_config",
@@ -203,26 +204,45 @@ class SmallMConfig:
 #: M at most this takes the Triton kernel in the public ops (``small_m_config``'s default); above, cuBLAS.
 SMALL_M_MAX = 16
 
-_C = SmallMConfig
-#: ``(M at most, weight bytes an element, K / N at least, config)``; the first row with ``m <= M``, the weights'
-#: element size and ``k >= ratio * n`` wins. Rows up to M = 64 exist for benchmarks.gemm to find the crossover with
-#: cuBLAS; the public ops use them up to ``SMALL_M_MAX`` only. Filled from ``python -m benchmarks.gemm --sweep``.
-SMALL_M_TABLE: tuple[tuple[int, int, float, SmallMConfig], ...] = (
-    # M = 1, fp8 / int8, long K over narrow N (down_proj 14336 -> 4096): split K in 2 for more programs.
-    (1, 1, 2.0, _C(1, 16, 512, SPLIT_K=2, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
-    (1, 1, 0.0, _C(1, 16, 512, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
-    (1, 2, 0.0, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
-    # M = 2-4: the GEMV form on 4 rows (a [4, 16, 128] product a step).
-    (4, 1, 0.0, _C(4, 16, 128, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
-    (4, 2, 0.0, _C(4, 16, 64, DOT=False, num_warps=4, num_stages=3)),  # untuned guess
-    (16, 1, 0.0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # untuned guess
-    (16, 2, 0.0, _C(16, 32, 128, num_warps=4, num_stages=4)),  # untuned guess
-    (32, 1, 0.0, _C(32, 64, 128, num_warps=4, num_stages=4)),  # untuned guess
-    (32, 2, 0.0, _C(32, 64, 64, num_warps=4, num_stages=4)),  # untuned guess
-    (64, 1, 0.0, _C(64, 64, 128, num_warps=4, num_stages=4)),  # untuned guess
-    (64, 2, 0.0, _C(64, 64, 64, num_warps=4, num_stages=4)),  # untuned guess
+
+@dataclasses.dataclass(frozen=True)
+class SmallMRule:
+    """One row of :data:`SMALL_M_TABLE`: GEMMs of at most ``max_m`` rows with operands of a dtype in ``dtypes``,
+    ``k >= min_ratio * n`` and ``n >= min_n`` take ``config``; None: cuBLAS is as fast or faster there."""
+
+    max_m: int
+    dtypes: tuple[torch.dtype, ...]
+    min_ratio: float
+    min_n: int
+    config: SmallMConfig | None
+
+
+_C, _R = SmallMConfig, SmallMRule
+_I8, _F8, _F16 = (torch.int8,), (torch.float8_e4m3fn,), (torch.bfloat16, torch.float16)
+#: The first rule that fits wins. Measured on the H200 (torch 2.11, Triton 3.6; ``benchmarks.gemm --sweep``,
+#: results/gemm_sweep*.csv) on Llama-3-8B's shapes at M = 1, 4, 16, µs ours / cuBLAS at M = 1; a config's time
+#: hardly moves with M up to 16 (the weight read is the cost). ``tl.dot`` on 16-row tiles won every shape; the
+#: GEMV form never did. Rows past ``SMALL_M_MAX`` exist for ``benchmarks.gemm`` to find the crossover with cuBLAS.
+SMALL_M_TABLE: tuple[SmallMRule, ...] = (
+    # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
+    _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
+    _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
+    _R(16, _I8, 0.0, 0, _C(16, 32, 512, num_warps=4, num_stages=3)),  # qkv 9.2 / 21.8, o 7.5 / 21.5
+    # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
+    _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4)),  # down: 18.2 / 19.6
+    _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
+    # bf16 / fp16 (small_m_mm; the models' linears do not call it yet).
+    _R(16, _F16, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 30.8 / 32.0
+    _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head 128256: 236.6 / 247.8
+    _R(16, _F16, 0.0, 16384, _C(16, 64, 256, num_warps=8, num_stages=3)),  # gate-up: 57.3 / 56.5 (M=16 59.2 / 61.9)
+    _R(16, _F16, 0.0, 0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # qkv 15.2 / 16.0, o 11.3 / 13.3
+    # Past the ops' range: untuned, for the benchmark's crossover.
+    _R(32, _I8 + _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
+    _R(32, _F16, 0.0, 0, _C(32, 64, 64, num_warps=4, num_stages=4)),
+    _R(64, _I8 + _F8, 0.0, 0, _C(64, 64, 128, num_warps=4, num_stages=4)),
+    _R(64, _F16, 0.0, 0, _C(64, 64, 64, num_warps=4, num_stages=4)),
 )
-del _C
+del _C, _R, _I8, _F8, _F16
 
 
 def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMALL_M_MAX) -> SmallMConfig | None:
@@ -234,12 +254,11 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
         max_m: None above this M (default ``SMALL_M_MAX``, where the public ops switch to cuBLAS; the
             benchmark passes the table's largest M).
     """
-    if m < 1 or m > max_m or dtype not in _SCALED_DTYPES + _FLOAT_DTYPES:
+    if m < 1 or m > max_m:
         return None
-    size = dtype.itemsize
-    for max_rows, element_size, ratio, config in SMALL_M_TABLE:
-        if m <= max_rows and size == element_size and k >= ratio * n:
-            return config
+    for rule in SMALL_M_TABLE:
+        if m <= rule.max_m and dtype in rule.dtypes and k >= rule.min_ratio * n and n >= rule.min_n:
+            return rule.config
     return None
 
 
@@ -339,9 +358,11 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
-    """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs)."""
+    """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs).
+    fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's runner-up for fp8)."""
     (m, k), n = a.shape, w.shape[0]
-    largest = max(row[0] for row in SMALL_M_TABLE)
-    config = small_m_config(max(min(m, largest), 1), n, k, a.dtype, max_m=largest)
+    largest = max(rule.max_m for rule in SMALL_M_TABLE)
+    m = max(min(m, largest), 1)
+    config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
     assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
     return config

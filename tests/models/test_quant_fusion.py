@@ -21,7 +21,7 @@ from dispatcher.passes import GraphPass, pass_counter
 from models import LLM
 
 from models_testing import PROMPTS, save_hf_llama
-from quant_testing import assert_logits_match, prefill_logits, save_quantized
+from quant_testing import FLIP_ATOL, assert_logits_match, prefill_logits, save_quantized
 
 D = torch.ops.dynamo_once
 # scheme -> (its quantization op, the fused ops the passes make of it with a norm, a fused-add norm, SiLU)
@@ -154,4 +154,13 @@ def test_cuda_fused_kernels_match_the_unfused_ops(checkpoint, name):
     compiles = counts.runs["manager"] / 3  # 3 pieces a compile (symbolic, then any per-size compile)
     plain_down = 2 - UNQUANTIZED_DOWN.get(name, 0)
     assert counts.matches["rms_norm_quant"] == 4 * compiles and counts.matches["act_quant"] == plain_down * compiles
-    assert_logits_match(outs["all"], outs["none"])
+    if name.startswith("int8"):
+        assert_logits_match(outs["all"], outs["none"])
+        return
+    # fp8: the fused norm's launch config (concrete rows at run time) may order the sum of squares otherwise than
+    # the unfused kernel Inductor launched (symbolic rows), and this fp32 model's normed values, one ulp apart,
+    # can then round to fp8 values a step (2**-3) apart: flips, bounded as in test_quantized's CUDA test.
+    diff = (outs["all"] - outs["none"]).abs()
+    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
+    rel = (outs["all"] - outs["none"]).norm(dim=-1) / outs["none"].norm(dim=-1)
+    assert rel.max() <= 0.1, f"relative difference of the logits per sequence: {rel.tolist()}"

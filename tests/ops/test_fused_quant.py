@@ -106,6 +106,22 @@ def assert_same(actual, expected):
                                e.cpu().view(torch.uint8) if e.element_size() == 1 else e.cpu())
 
 
+def assert_a_step_apart(actual, expected, quant_dtype):
+    """``(q, scale[, residual])`` of two computations of the same values whose inputs to the quantization may
+    differ in the last bits: residuals equal, dynamic scales within 1e-6 relative (their amax moved by an ulp),
+    each dequantized value within one quantization step of the other's (int8: a scale; fp8: 2**-3 relative
+    for normals, 2**-9 of the scale for subnormals)."""
+    (q, s, *r), (qe, se, *re) = actual, expected
+    for a, e in zip(r, re):
+        assert (a is None) == (e is None) and (a is None or torch.equal(a, e))
+    if se is not None:
+        torch.testing.assert_close(s, se, rtol=1e-6, atol=0)
+    scale = s if s is not None else torch.ones(())  # static: both quantized with one scale, in steps of it
+    a, e = q.float() * scale.to(q.device), qe.float() * scale.to(q.device)
+    step = scale if quant_dtype == torch.int8 else torch.maximum(2**-3 * e.abs(), 2**-9 * scale)
+    assert ((a - e).abs() <= step * (1 + 1e-5)).all()
+
+
 def assert_within_a_step(q, scale, y_ref, quant_dtype):
     """``q * scale`` within half a quantization step of the reference's (saturated) values ``y_ref``, plus the
     2 ulp of ``y_ref``'s dtype by which the unfused op and the reference may differ (ops_testing.TOLERANCES):
@@ -228,7 +244,13 @@ def test_act_quant(device, num_tokens, hidden, dtype, name, quant_dtype, act):
     if device == "cpu":
         assert_same((q, s), act_quant(name, x, scale, act, quant_dtype, ref=True)[:2])
         return
-    assert_same((q, s), quantize(name, act_output(x, act, triton=True), scale, quant_dtype))
+    unfused = quantize(name, act_output(x, act, triton=True), scale, quant_dtype)
+    if dtype == torch.float32 and act != "silu":
+        # Measured on the H200: with fp32 inputs the fused and the unfused GELU kernels differ in a few elements'
+        # last bits (not rounded away by a cast to a narrower dtype), and fp8 values there one step apart.
+        assert_a_step_apart((q, s), unfused, quant_dtype)
+    else:
+        assert_same((q, s), unfused)
     assert_within_a_step(q, scale if s is None else s, act_output(x, act), quant_dtype)
 
 
@@ -322,9 +344,19 @@ def test_compiled(device, num_tokens, hidden, dtype):
 
     with torch._inductor.config.patch(emulate_precision_casts=device == "cpu"):
         outs = compiled(f)(x, r, w, scale, xa)
-    for out, expected in zip(outs, f(x, r, w, scale, xa), strict=True):
+    # each output's quant dtype and form: q, (q, scale), (q, residual), (q, scale, residual)
+    forms = [(FP8, "q"), (torch.int8, "qs"), (torch.int8, "qr"), (FP8, "qsr"), (torch.int8, "q"), (FP8, "qs")]
+    for out, expected, (qd, form) in zip(outs, f(x, r, w, scale, xa), forms, strict=True):
         out, expected = (out, expected) if isinstance(out, tuple) else ((out,), (expected,))
-        assert_same(out, expected)
+        if device == "cuda" and dtype != torch.bfloat16:
+            # Measured on the H200: fp32 and fp16 inputs gave a few values one quantization step apart from the
+            # eager ops (Inductor launches its own copy of each kernel); bf16 bit for bit.
+            def qsr(t, form=form):
+                d = dict(zip(form, t))
+                return d["q"], d.get("s"), d.get("r")
+            assert_a_step_apart(qsr(out), qsr(expected), qd)
+        else:
+            assert_same(out, expected)
 
 
 def test_errors_name_the_argument():

@@ -23,7 +23,7 @@ OUT_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # (a_scale, w_scale): per tensor [1] / per token [M, 1]; per tensor [1] / per channel [N].
 SCALINGS = [("tensor", "tensor"), ("token", "tensor"), ("tensor", "channel"), ("token", "channel")]
 SHAPES = [(1, 48, 80), (3, 208, 48), (16, 48, 80)]  # (M, K, N)
-TABLE_CONFIGS = [row[3] for row in SMALL_M_TABLE]
+TABLE_CONFIGS = list(dict.fromkeys(rule.config for rule in SMALL_M_TABLE if rule.config is not None))
 
 U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
