@@ -17,7 +17,7 @@ import torch
 
 import ops
 from dispatcher import CompilationConfig, compat, plugins
-from dispatcher.passes import GraphPass, pass_counter
+from dispatcher.passes import ActQuantPass, GraphPass, RMSNormQuantPass, pass_counter
 from models import LLM
 
 from models_testing import PROMPTS, save_hf_llama
@@ -164,3 +164,17 @@ def test_cuda_fused_kernels_match_the_unfused_ops(checkpoint, name):
     assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
     rel = (outs["all"] - outs["none"]).norm(dim=-1) / outs["none"].norm(dim=-1)
     assert rel.max() <= 0.1, f"relative difference of the logits per sequence: {rel.tolist()}"
+
+
+def test_patterns_trace_under_a_bf16_default_dtype():
+    """The loader builds a model (and with it the pass manager) under the model's default dtype: the patterns'
+    example scales stay fp32, as the quantization ops require."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for cls in (RMSNormQuantPass, ActQuantPass):
+            p = cls()
+            p.prepare()
+            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 12}[p.name]  # norms: 2 x 2 forms x 4 quants; acts: 3 x 4
+    finally:
+        torch.set_default_dtype(previous)
