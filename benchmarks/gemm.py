@@ -70,13 +70,11 @@ LLAMA_3_8B = Model(32, (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096
 # --quick: the same structure shrunk 16x (K and N multiples of 16), two layers.
 QUICK = Model(2, (("qkv", 256, 384), ("o", 256, 256), ("gate_up", 256, 1792), ("down", 896, 256)),
               ("lm_head", 256, 8016))
-#: The table's largest M: ours uses the table (past SMALL_M_MAX too) up to it, its largest-M row beyond.
-TABLE_MAX_M = max(rule.max_m for rule in SMALL_M_TABLE)
-
-
 def ours_config(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig | None:
-    """The table's config (None where it leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path)."""
-    return ops.small_m_config(min(m, TABLE_MAX_M), n, k, dtype, max_m=TABLE_MAX_M)
+    """The table's config, past SMALL_M_MAX too, up to the dtype's largest M and its largest-M row beyond (None
+    where the table leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path)."""
+    largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
+    return ops.small_m_config(min(m, largest), n, k, dtype, max_m=largest)
 
 
 @contextmanager

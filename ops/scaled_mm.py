@@ -19,7 +19,8 @@ the only rounding) or exactly (int8: int32 on the GPU; the reference sums in flo
 CUDA paths (the ops are opaque to Inductor: at level 3 they sit in Inductor's graphs as extern calls):
 
 - small M, both ops (fp8 at compute capability >= 8.9, int8 at >= 8.0), where Triton imports and
-  ``ops.small_m_gemm.small_m_config`` has a config (M <= ``SMALL_M_MAX`` = 16): the Triton small-M GEMM
+  ``ops.small_m_gemm.small_m_config`` has a config (M <= ``SMALL_M_MAX`` = 16; int8 up to ``INT8_TRITON_MAX_M`` =
+  128, where ``torch._int_mm`` measured 2.3-2.9x slower at M <= 16): the Triton small-M GEMM
   (``ops/small_m_gemm.py``), which streams ``w`` in place and fuses the epilogue above, op for op, into the GEMM
   (int8: int32 sums, bit-exact with the reference at every M, no padding; fp8: fp32 sums in another order).
   Every scale layout takes it, per tensor or not. ``DYNAMO_ONCE_SMALL_M_GEMM=0`` (read at each call) turns it
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 from dispatcher import envs
 
-from .small_m_gemm import SmallMConfig, small_m_config, small_m_scaled_mm
+from .small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SmallMConfig, small_m_config, small_m_scaled_mm
 from .triton_utils import HAS_TRITON
 
 __all__ = [
@@ -175,7 +176,8 @@ def _small_m(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table). Sizes are concrete here: the op body runs eagerly."""
     if not HAS_TRITON or not envs.small_m_gemm():
         return None
-    return small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype)
+    max_m = INT8_TRITON_MAX_M if a.dtype == torch.int8 else SMALL_M_MAX
+    return small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
 
 
 @torch.library.custom_op("dynamo_once::fp8_scaled_mm", mutates_args=())

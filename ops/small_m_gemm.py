@@ -45,6 +45,7 @@ __all__ = [
     "SmallMConfig",
     "SmallMRule",
     "SMALL_M_MAX",
+    "INT8_TRITON_MAX_M",
     "SMALL_M_TABLE",
     "small_m_config",
     "small_m_scaled_mm",
@@ -203,6 +204,9 @@ class SmallMConfig:
 
 #: M at most this takes the Triton kernel in the public ops (``small_m_config``'s default); above, cuBLAS.
 SMALL_M_MAX = 16
+#: int8 takes it up to this M (decode batches): cuBLASLt's int8 GEMM behind ``torch._int_mm`` was 2.3-2.9x slower
+#: than the kernel at every 8B shape at M <= 16 (padded to 24 rows), far from its bf16 and fp8 GEMMs.
+INT8_TRITON_MAX_M = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +240,15 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head 128256: 236.6 / 247.8
     _R(16, _F16, 0.0, 16384, _C(16, 64, 256, num_warps=8, num_stages=3)),  # gate-up: 57.3 / 56.5 (M=16 59.2 / 61.9)
     _R(16, _F16, 0.0, 0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # qkv 15.2 / 16.0, o 11.3 / 13.3
+    # int8 up to INT8_TRITON_MAX_M (untuned guesses: the 16-row tiles' BLOCK_N / BLOCK_K, taller tiles).
+    _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),
+    _R(32, _I8, 0.0, 0, _C(32, 32, 256, num_warps=4, num_stages=4)),
+    _R(64, _I8, 0.0, 0, _C(64, 32, 128, num_warps=4, num_stages=4)),
+    _R(128, _I8, 0.0, 0, _C(128, 32, 128, num_warps=4, num_stages=3)),
     # Past the ops' range: untuned, for the benchmark's crossover.
-    _R(32, _I8 + _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
+    _R(32, _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
     _R(32, _F16, 0.0, 0, _C(32, 64, 64, num_warps=4, num_stages=4)),
-    _R(64, _I8 + _F8, 0.0, 0, _C(64, 64, 128, num_warps=4, num_stages=4)),
+    _R(64, _F8, 0.0, 0, _C(64, 64, 128, num_warps=4, num_stages=4)),
     _R(64, _F16, 0.0, 0, _C(64, 64, 64, num_warps=4, num_stages=4)),
 )
 del _C, _R, _I8, _F8, _F16
@@ -361,7 +370,7 @@ def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
     """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs).
     fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's runner-up for fp8)."""
     (m, k), n = a.shape, w.shape[0]
-    largest = max(rule.max_m for rule in SMALL_M_TABLE)
+    largest = max(rule.max_m for rule in SMALL_M_TABLE if a.dtype in rule.dtypes)
     m = max(min(m, largest), 1)
     config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
     assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"

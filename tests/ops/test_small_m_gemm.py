@@ -14,7 +14,7 @@ from test_scaled_mm import U32, U_OUT, _bound
 
 import ops
 from dispatcher import envs
-from ops.small_m_gemm import SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig
+from ops.small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig
 
 scaled_mm = importlib.import_module("ops.scaled_mm")
 
@@ -170,7 +170,8 @@ def test_switched_off_the_ops_take_cublas(monkeypatch, qdtype, m, k, n, triton_c
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_larger_m_takes_cublas(qdtype, triton_calls):
     _needs_fp8(qdtype)
-    args = _args(qdtype, SMALL_M_MAX + 1, 4096, 4096, "token", "channel", torch.bfloat16, False)
+    m = INT8_TRITON_MAX_M + 1 if qdtype == INT8 else SMALL_M_MAX + 1
+    args = _args(qdtype, m, 4096, 4096, "token", "channel", torch.bfloat16, False)
     _assert_matches_reference(qdtype, _op(qdtype)(*args), args)
     assert triton_calls == []
 
@@ -202,8 +203,8 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
 
 def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
     """Every small M has a config but fp8's shapes where cuBLAS measured as fast (all but down_proj's)."""
-    largest = max(rule.max_m for rule in SMALL_M_TABLE)
     for dtype in (INT8, FP8, BF16, torch.float16):
+        largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
         for k, n in SHAPES_8B + [(4096, 128256)]:  # and the lm_head
             expected = dtype != FP8 or k >= 2 * n
             assert all((ops.small_m_config(m, n, k, dtype) is not None) == expected for m in range(1, SMALL_M_MAX + 1))
