@@ -6,15 +6,15 @@ on the CPU, where a custom op's module runs its native code), which is the add a
 Every compile runs in a fresh Inductor cache: a graph loaded from the FX graph cache runs no pass.
 """
 
-import collections
-
 import pytest
 import torch
 
 import ops
-from dispatcher import CompilationConfig, compat, plugins
-from dispatcher.passes import GraphPass, pass_counter
+from dispatcher import CompilationConfig, compat
+from dispatcher.passes import pass_counter
 from models import LLM
+
+from pass_testing import counted_after
 
 PROMPTS = [[3, 17, 91, 4, 55, 23, 8], [100, 2], [42]]
 FUSED = torch.ops.dynamo_once.fused_add_rms_norm.default
@@ -50,25 +50,11 @@ def logits(passes, custom_ops="none", op_path=False, opaque=False, dtype=torch.f
     return torch.cat(steps), counts
 
 
-class CountAfter(GraphPass):
-    """Counts the call targets of the graphs after the fused-add pass, over every piece."""
-
-    name = "count_after_fused_add"
-
-    def __init__(self):
-        self.counts = collections.Counter()
-
-    def __call__(self, graph, size):
-        self.counts.update(n.target for n in graph.nodes if n.op == "call_function")
-        return 0
-
-
 @pytest.fixture
 def after():
-    counter = CountAfter()
-    plugins.add_post_grad_pass(counter, after="fused_add_rms_norm")
-    yield counter.counts
-    plugins.remove_post_grad_pass(counter.name)
+    """Call targets' counts of the graphs after the fused-add pass, over every piece."""
+    with counted_after("fused_add_rms_norm") as counts:
+        yield counts
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,16 @@ stays. On the CPU a module calls its op only when its ``forward_cpu`` does what 
 cache: a graph loaded from the FX graph cache runs no pass.
 """
 
-import collections
-
 import pytest
 import torch
 
 import ops
-from dispatcher import CompilationConfig, compat, plugins
-from dispatcher.passes import ActQuantPass, GraphPass, RMSNormQuantPass, pass_counter
+from dispatcher import CompilationConfig, compat
+from dispatcher.passes import ActQuantPass, RMSNormQuantPass, pass_counter
 from models import LLM
 
 from models_testing import PROMPTS, save_hf_llama
+from pass_testing import counted_after
 from quant_testing import FLIP_ATOL, assert_logits_match, prefill_logits, save_quantized
 
 D = torch.ops.dynamo_once
@@ -39,25 +38,11 @@ def fused_ops(kind):
             getattr(D, f"act_and_mul_{kind}_quant").default)
 
 
-class CountAfter(GraphPass):
-    """Counts the call targets of the graphs after the last quant fusion, over every piece."""
-
-    name = "count_after_act_quant"
-
-    def __init__(self):
-        self.counts = collections.Counter()
-
-    def __call__(self, graph, size):
-        self.counts.update(n.target for n in graph.nodes if n.op == "call_function")
-        return 0
-
-
 @pytest.fixture
 def after():
-    counter = CountAfter()
-    plugins.add_post_grad_pass(counter, after="act_quant")
-    yield counter.counts
-    plugins.remove_post_grad_pass(counter.name)
+    """Call targets' counts of the graphs after the last quant fusion, over every piece."""
+    with counted_after("act_quant") as counts:
+        yield counts
 
 
 @pytest.fixture
