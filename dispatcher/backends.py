@@ -82,6 +82,7 @@ class RecordingBackend:
             self.piecewise = PiecewiseBackend(config, level, self.options, owner_name)
         self.graphs: list[torch.fx.GraphModule] = []
         self.shape_envs: list[Any] = []
+        self.compile_s = 0.0  # seconds in __call__: the compiles of the traced graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.graphs:
@@ -96,7 +97,8 @@ class RecordingBackend:
         else:
             compiled = _compile_with(self.backend, gm, example_inputs, self.options)
             compilation_counter.add("num_backend_compilations")
+        dt = time.perf_counter() - t0
+        self.compile_s += dt
         logger.debug("%s: backend %s compiled a graph of %d nodes in %.2fs", self.owner_name,
-                     getattr(self.backend, "__name__", self.backend), len(gm.graph.nodes),
-                     time.perf_counter() - t0)
+                     getattr(self.backend, "__name__", self.backend), len(gm.graph.nodes), dt)
         return compiled

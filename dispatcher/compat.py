@@ -42,6 +42,9 @@ __all__ = [
     "fresh_inductor_cache",
     "triton_ops_decomposed",
     "fx_graph_cache_counts",
+    "save_cache_artifacts",
+    "load_cache_artifacts",
+    "triton_version",
 ]
 
 
@@ -289,3 +292,27 @@ def fx_graph_cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def save_cache_artifacts() -> bytes | None:
+    """``torch.compiler.save_cache_artifacts()``: every compile-cache artifact this process recorded so far
+    (Inductor's FX graphs, AOTAutograd entries, autotuning results), serialized; None when there is none."""
+    result = torch.compiler.save_cache_artifacts()
+    return None if result is None else result[0]
+
+
+def load_cache_artifacts(data: bytes) -> int:
+    """``torch.compiler.load_cache_artifacts(data)``: put saved artifacts into this process's on-disk caches,
+    so that compiles of the same graphs are FX-graph-cache hits; returns how many artifacts it loaded."""
+    info = torch.compiler.load_cache_artifacts(data)
+    artifacts = getattr(info, "artifacts", None) or {}
+    return sum(len(v) for v in artifacts.values())
+
+
+def triton_version() -> str:
+    """Triton's version, "none" without Triton (a CPU-only torch)."""
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return str(getattr(triton, "__version__", "unknown"))

@@ -23,6 +23,8 @@ __all__ = [
     "pdl",
     "small_m_gemm",
     "passes",
+    "cache_dir",
+    "compile_cache_disabled",
 ]
 
 #: name -> one-line description; the CLI and README list these.
@@ -35,6 +37,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
+    "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
+    "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -116,3 +120,19 @@ def passes() -> PassConfig | None:
         return PassConfig.parse(value)
     except ValueError as e:
         raise ValueError(f"DYNAMO_ONCE_PASSES={value!r}: {e}") from None
+
+
+def cache_dir() -> str:
+    """``DYNAMO_ONCE_CACHE_DIR`` (absolute, ``~`` expanded), else ``~/.cache/dynamo_once``; not created here."""
+    value = _get("DYNAMO_ONCE_CACHE_DIR")
+    if value is None or value == "":
+        return os.path.join(os.path.expanduser("~"), ".cache", "dynamo_once")
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"DYNAMO_ONCE_CACHE_DIR={value!r} is not a directory; expected a directory path "
+                         f"(created if missing)")
+    return path
+
+
+def compile_cache_disabled() -> bool:
+    return _bool("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", False)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import compat
+from . import compat, compile_cache
 from .backends import RecordingBackend
 from .config import CompilationConfig, CompilationLevel, get_compilation_config
 from .counters import compilation_counter
@@ -173,6 +173,10 @@ class TorchCompileWrapperWithCustomDispatcher:
         self._do_dispatch_fns: list[Callable[..., Any]] = []
         self._do_input_checker: InputChecker | None = None
         self._do_backend: RecordingBackend | None = None
+        #: Levels 3-4: this model's entry in the compile cache (``dispatcher.compile_cache``), set at the first
+        #: call; None before it, below level 3, with the cache off, or with a key factor that cannot be hashed.
+        self.compile_cache: compile_cache.CacheEntry | None = None
+        self._do_cache_opened = False
         # Each instance traces its own copy of the code: Dynamo's cache is keyed by code identity.
         self._do_traced_code = self.original_code_object.replace()
         traced_fn = _function_from_code(function, self._do_traced_code)
@@ -259,7 +263,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         if level == CompilationLevel.DYNAMO_AS_IS:
             return inner(*args, **kwargs)
         try:
-            with self._capturing(swap_code):
+            with self._capturing(swap_code), compile_cache.first_compile(self._do_open_cache(args, kwargs)):
                 return inner(*args, **kwargs)
         except Exception as e:
             recompile = _find_in_chain(e, RecompileError)
@@ -272,6 +276,32 @@ class TorchCompileWrapperWithCustomDispatcher:
                     f"at level 1 (DYNAMO_AS_IS).\n{e}"
                 ) from e
             raise
+
+    def _do_open_cache(self, args: tuple, kwargs: dict) -> compile_cache.CacheEntry | None:
+        """Levels 3-4, before the first trace: this model's compile-cache entry (once; None after that)."""
+        backend = self._do_backend
+        if self._do_cache_opened or backend is None or backend.piecewise is None or backend.graphs:
+            return None
+        self._do_cache_opened = True
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if isinstance(self._do_bound, torch.nn.Module):
+            tensors += list(self._do_bound.parameters())[:1]
+        self.compile_cache = compile_cache.open_entry(
+            self._do_name, self.compilation_config, self.compilation_level, backend.options, self._do_bound,
+            self._do_function, self.original_code_object, tensors)
+        return self.compile_cache
+
+    def save_compile_cache(self) -> bool:
+        """Levels 3-4: write this model's compile-cache entry again if a compile since the last write (or the
+        load) missed Inductor's cache, e.g. the per-size compiles of a CUDA-graph capture. Returns whether it
+        wrote. The first call writes by itself; ``models.LLM`` calls this once its graphs are captured."""
+        return False if self.compile_cache is None else self.compile_cache.save_locked()
+
+    @property
+    def backend_compile_s(self) -> float:
+        """Seconds the backend spent on the traced graphs (Inductor compiles of the pieces, cache hits included;
+        not the per-size compiles made later)."""
+        return 0.0 if self._do_backend is None else self._do_backend.compile_s
 
     # --------------------------------------------------------- dispatching
     def dispatch_fn(self, index: int) -> Callable[..., Any]:

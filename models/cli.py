@@ -152,6 +152,7 @@ COMMANDS = {
     "diagnose": (_diagnose, "run levels 0, 1, 2, 3 on the same input; report differences, compile time, step latency"),
     "overhead": (_overhead, "per-call dispatch overhead: stock torch.compile vs dynamo-once (benchmark)"),
     "env": (_env, "list the DYNAMO_ONCE_* variables and the effective compilation config"),
+    "cache": (lambda argv: __import__("models.cache_cli", fromlist=["main"]).main(argv), "the compile cache: list | info KEY | clear [KEY]"),
 }
 
 

@@ -5,6 +5,9 @@ import torch
 
 # Keep Dynamo's caches and Inductor's artifacts per test worker.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+# The compile cache off for the suite: a test that counts compiles or pass runs must compile, and nothing is
+# written under ~/.cache. tests/models/test_compile_cache.py turns it on in its own processes.
+os.environ.setdefault("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
 
 
 def _interpreting() -> bool:

@@ -39,6 +39,7 @@ from .input_batch import InputBatch
 from .sampling import Sampler, host_chooser, make_sampler
 from .scheduler import Scheduler
 from .sequence import Chooser, Seq
+from .startup import StartupReport, process_age_s
 from .stats import GenerateStats
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class LLM:
                 raise ValueError("LLM: level applies when the LLM builds the model; a model passed in "
                                  "already read its level at construction (pass a name, path or factory)")
             config.level = CompilationLevel.parse(level)
+        self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
+        self._execute = self.startup.first_token(self._execute)
         t0 = time.perf_counter()
         self.model = self._build_model(model, config, dtype, device)
         self.load_time_s = time.perf_counter() - t0
@@ -124,6 +127,7 @@ class LLM:
         check_one_dynamic_size(compiled)
         self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level,
                                                 compiled[0].compilation_config if compiled else config)
+        self.startup.finish(compiled, self.load_time_s, self.compile_time_s, self.capture_time_s)
 
     @staticmethod
     def _build_model(model: str | nn.Module | Callable[[], nn.Module], config: CompilationConfig,
