@@ -1,4 +1,5 @@
-"""Reference models (Llama, Gemma 2), checkpoint loading, the paged-attention op and the ``LLM`` runner."""
+"""Reference models (Llama, Gemma 2, Llava), checkpoint loading, the paged-attention op, the ``LLM`` runner
+and its text API (``SamplingParams``, ``RequestOutput``)."""
 
 from .attention import Attention, attention, attention_native, write_kv_cache
 from .forward_context import AttentionMetadata, ForwardContext, get_forward_context, set_forward_context
@@ -9,7 +10,8 @@ from .loader import CheckpointError, load_model, supported_architectures
 from .quant_linear import QuantLinear, QuantMergedLinear
 from .quantization import QuantizationConfig, QuantScheme, parse_quantization_config
 from .registry import BUILTIN_MODELS
-from .engine import LLM, GenerateStats
+from .sampling_params import SamplingParams
+from .engine import LLM, GenerateStats, RequestOutput
 
 __all__ = [
     "Attention",
@@ -30,6 +32,8 @@ __all__ = [
     "QuantMergedLinear",
     "QuantScheme",
     "QuantizationConfig",
+    "RequestOutput",
+    "SamplingParams",
     "attention",
     "attention_layers",
     "attention_native",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def _overhead(argv: list[str]) -> int:
@@ -92,28 +93,75 @@ def _device(name: str | None) -> str:
 
 
 def _generate(argv: list[str]) -> int:
-    import random
-
-    from models import LLM
-
-    p = argparse.ArgumentParser(prog="dynamo-once generate", description="generate tokens from random prompts")
+    p = argparse.ArgumentParser(
+        prog="dynamo-once generate",
+        description="continue --prompt (text, with the checkpoint's tokenizer), or, without it, generate tokens "
+                    "after random token prompts (benchmarking: prints ids and step timing)")
     _model_args(p)
     p.add_argument("--level", default=None, help="compilation level 0-4 (default: DYNAMO_ONCE_COMPILE_LEVEL, else 3)")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=16, help="longest prompt; the others are shorter")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--prompt", default=None, help="text to continue; the generated text streams to stdout")
+    p.add_argument("--chat", action="store_true", help="--prompt is a user message, through the chat template")
+    p.add_argument("--num-prompts", type=int, default=4, help="random prompts (without --prompt)")
+    p.add_argument("--prompt-len", type=int, default=16, help="longest random prompt; the others are shorter")
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
+                   help="tokens to generate per prompt (default 16)")
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per step")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None, help="default: all tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="a traceback with errors")
     args = p.parse_args(argv)
     if not _resolve_model(p.prog, args):
         return 2
-    llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, dtype=args.dtype,
-              device=_device(args.device))
+    try:
+        return _generate_text(args) if args.prompt is not None else _generate_random(args)
+    except (ValueError, ImportError) as e:  # CheckpointError, SamplingParams, no tokenizer: the user's to fix
+        if args.verbose:
+            raise
+        print(f"{p.prog}: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+
+
+def _llm(args: argparse.Namespace) -> Any:
+    from models import LLM
+
+    return LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, dtype=args.dtype,
+               device=_device(args.device))
+
+
+def _generate_text(args: argparse.Namespace) -> int:
+    import time
+
+    from models import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    llm = _llm(args)
+    t0 = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        print(out.text, flush=True)
+        num_tokens = len(out.token_ids)
+    else:
+        for piece in llm.generate_stream(args.prompt, params):
+            print(piece, end="", flush=True)
+        print()
+        num_tokens = llm.stats.num_generated
+    dt = time.perf_counter() - t0
+    print(f"{num_tokens} tokens in {dt:.2f}s ({num_tokens / dt:.1f} tokens/s); model {args.model}, level "
+          f"{int(llm.level)}, {llm.device}", file=sys.stderr)
+    return 0
+
+
+def _generate_random(args: argparse.Namespace) -> int:
+    import random
+
+    llm = _llm(args)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(max(1, args.prompt_len - 3 * i))]
                for i in range(args.num_prompts)]
-    out = llm.generate(prompts, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.generate(prompts, args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     for i, (prompt, new) in enumerate(zip(prompts, out)):
         print(f"[{i}] prompt ({len(prompt)} tokens) -> {new}")
     st = llm.stats
@@ -148,7 +196,7 @@ def _diagnose(argv: list[str]) -> int:
 
 
 COMMANDS = {
-    "generate": (_generate, "generate tokens with a model (built-in name or checkpoint) at a level; prints ids and timing"),
+    "generate": (_generate, "continue --prompt with a checkpoint's tokenizer, or random token prompts (ids, timing)"),
     "diagnose": (_diagnose, "run levels 0, 1, 2, 3 on the same input; report differences, compile time, step latency"),
     "overhead": (_overhead, "per-call dispatch overhead: stock torch.compile vs dynamo-once (benchmark)"),
     "env": (_env, "list the DYNAMO_ONCE_* variables and the effective compilation config"),

@@ -3,7 +3,13 @@
 The facade over the engine's parts: the :class:`Scheduler` picks each step's sequences and tokens (decodes
 first, chunked prefill; see :mod:`.scheduler`), the :class:`InputBatch` stages the step's inputs into
 persistent buffers, :class:`StepGraphs` picks the graph it runs and its padding, and :meth:`LLM._execute`
-runs the model on it.
+runs the model on it. Requests go through one :class:`.engine_loop.EngineLoop`: callers on several
+threads share its batches, each getting its own results.
+
+Two ways to call :meth:`LLM.generate`: the text way (strings, vLLM-style dicts, or any prompts with
+``SamplingParams``) returns a :class:`RequestOutput` per prompt, with text when the checkpoint has a
+tokenizer; the token-id way (lists of token ids, no ``SamplingParams``: ``generate(ids, 16,
+temperature=..., seed=...)``) returns the new token ids per prompt, as it always has.
 
 At construction the runner builds the model under the requested compilation
 level, allocates the cache and makes a warm-up forward of ``max_num_tokens``
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,11 +38,19 @@ from dispatcher import (
 )
 
 from ..forward_context import ForwardContext, set_forward_context
-from .kv_cache import KVCache, attention_layers
+from ..image_processing import load_image_processor, process_images
 from ..loader import load_model
+from ..sampling_params import SamplingParams
+from ..tokenizer import eos_token_ids, load_tokenizer
+from .detokenizer import IncrementalDetokenizer
+from .engine_loop import EngineLoop
 from .graphs import StepGraphs, check_one_dynamic_size
 from .input_batch import InputBatch
-from .sampling import Sampler, host_chooser, make_sampler
+from .kv_cache import KVCache, attention_layers
+from .outputs import RequestOutput
+from .prompts import Prompt, is_text_call, parse_prompts
+from .request_sampler import RequestSampler, logprobs_of
+from .sampling import ChooserSampler, Sampler, make_sampler
 from .scheduler import Scheduler
 from .sequence import Chooser, Seq
 from .startup import StartupReport, process_age_s
@@ -48,7 +62,10 @@ __all__ = ["LLM"]
 
 
 class LLM:
-    """Run a causal LM over batches of token-id prompts.
+    """Run a causal LM over batches of prompts: text (with the checkpoint's tokenizer) or token ids.
+
+    One ``LLM`` may be used from several threads at once: each call's sequences join the running batch
+    and each caller gets its own results (see :mod:`.engine_loop`).
 
     Args:
         model: a checkpoint directory or built-in name (:func:`models.load_model`), a
@@ -72,6 +89,9 @@ class LLM:
             None (default): on for a CUDA model, where it makes a decode step of ``generate`` 6-9%
             faster (llama-3.2-1b on an H200, batch 1-128); off on the CPU, where the host runs the
             model itself and there is nothing to overlap.
+        tokenizer: None: the checkpoint directory's (``tokenizer.json`` / ``tokenizer_config.json``, through
+            ``transformers.AutoTokenizer``), none for a built-in model or a model passed in; a path: the
+            tokenizer there; else a tokenizer object (``encode``, ``decode``, ``apply_chat_template``).
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -79,7 +99,7 @@ class LLM:
                  block_size: int = 16, dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None,
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, tokenizer: str | Any | None = None) -> None:
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
@@ -102,7 +122,6 @@ class LLM:
         self.level = compiled[0].compilation_level if compiled else config.level
         param = next(self.model.parameters())
         self.device = param.device
-        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.dtype = param.dtype
         self.vocab_size: int = self.model.config.vocab_size
         self.max_model_len: int = self.model.config.max_position_embeddings
@@ -119,8 +138,10 @@ class LLM:
         self.query_start_loc, self.seq_lens = inputs.query_start_loc, inputs.seq_lens
         self.block_table = inputs.block_table
         self.graphs = StepGraphs(inputs, max_num_tokens, max_num_seqs)
-        self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device)
-        self.stats = GenerateStats()
+        self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device,
+                                   self.device.type == "cuda" if async_scheduling is None else async_scheduling)
+        self._engine = EngineLoop(self.scheduler, self._execute, self.input_batch.forget_table)
+        self._setup_text(model, tokenizer)
         self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
                     self.level.name, self.compile_time_s)
@@ -142,7 +163,39 @@ class LLM:
         raise TypeError(f"LLM: model must be a path, a built-in name, an nn.Module or a factory; "
                         f"got {type(model).__name__}")
 
+    def _setup_text(self, model: Any, tokenizer: str | Any | None) -> None:
+        """The tokenizer, end-of-sequence ids, image processor and per-request sampler of the text way."""
+        self.model_name = model if isinstance(model, str) else type(self.model).__name__
+        if isinstance(tokenizer, str):
+            loaded = load_tokenizer(tokenizer)
+            if loaded is None:
+                raise ValueError(f"LLM: tokenizer={tokenizer!r} holds no tokenizer.json / tokenizer_config.json")
+            tokenizer = loaded
+        elif tokenizer is None and isinstance(model, str):
+            tokenizer = load_tokenizer(model)
+        self.tokenizer = tokenizer
+        #: the checkpoint's end-of-sequence ids (``generation_config.json``, else ``config.json``, else the
+        #: tokenizer's): where a text-way request stops unless ``ignore_eos``
+        self.eos_token_ids = eos_token_ids(model if isinstance(model, str) else "", tokenizer)
+        self._image_processor = (load_image_processor(model) if isinstance(model, str)
+                                 and hasattr(self.model, "prepare_images") else None)
+        self._request_sampler = RequestSampler(self.device)
+
     # ------------------------------------------------------------ the parts' knobs, under the runner's names
+    @property
+    def stats(self) -> GenerateStats:
+        """The timing of the last :meth:`generate` (with overlapping calls from several threads: of the steps
+        since the engine was last idle)."""
+        return self.scheduler.stats
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, value: bool) -> None:
+        self.scheduler.async_scheduling = value
+
     @property
     def chunked_prefill(self) -> bool:
         return self.scheduler.chunked_prefill
@@ -220,41 +273,71 @@ class LLM:
             return self.model.compute_logits(last)  # [B, vocab], the model's dtype
 
     # ------------------------------------------------------------ generate
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
-                 temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-                 eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
-        """Generate up to ``max_new_tokens`` after each prompt; returns the new token ids per prompt.
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | int | None = None,
+                 *, images: Sequence[Any] | None = None, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, seed: int | None = None,
+                 eos_token_id: int | None = None) -> list[RequestOutput] | list[list[int]]:
+        """Generate after each prompt.
+
+        The text way, when a prompt is a string or a dict or ``sampling_params`` is given: returns one
+        :class:`RequestOutput` per prompt (text, token ids, finish reason), as vLLM's ``LLM.generate``.
 
         Args:
-            prompt_token_ids: one list of token ids per sequence, any lengths.
-            temperature: 0 for greedy (argmax, ties to the lowest id, as ``transformers``);
-                else sample from ``softmax(logits / temperature)``.
+            prompts: a prompt or a list of them: a string (tokenized with the checkpoint's tokenizer), a
+                list of token ids, or a dict ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` with
+                optionally ``"multi_modal_data": {"image": ...}`` (see :mod:`.prompts`). A model that takes
+                images expands a lone image token (``<image>``) to its image-token count.
+            sampling_params: one :class:`SamplingParams` for all prompts or one per prompt (default
+                ``SamplingParams()``: vLLM's defaults, temperature 1, 16 tokens).
+            images: one entry per prompt, None or that prompt's images: PIL images or uint8 arrays
+                (processed as the checkpoint's ``preprocessor_config.json`` says) or pixel-value tensors.
+
+        The token-id way, when every prompt is a list of token ids and no ``SamplingParams`` is given
+        (an int in second place is ``max_new_tokens``): returns the new token ids per prompt. Its keywords
+        apply to it only (with the text way they are a ``TypeError``):
+
+            max_new_tokens: tokens per prompt (default 16), always that many unless ``eos_token_id``.
+            temperature: 0 (default) for greedy (argmax, ties to the lowest id, as ``transformers``);
+                else sample from ``softmax(logits / temperature)`` with one generator for the call.
             top_k: sample among the ``top_k`` most likely tokens only.
-            seed: seeds the sampling generator; the same call gives the same tokens.
-            eos_token_id: stop a sequence after this token (None: always ``max_new_tokens``).
-            images: for a model that takes images (one with ``prepare_images``, e.g. Llava): one entry
-                per prompt, None or that prompt's images (see the model's ``prepare_images``).
+            seed: seeds the call's generator (default 0); the same call gives the same tokens.
+            eos_token_id: stop a sequence after this token (None: never; the checkpoint's is not used).
         """
+        legacy = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                      eos_token_id=eos_token_id)
+        if isinstance(sampling_params, int) and not isinstance(sampling_params, bool):
+            if max_new_tokens is not None:
+                raise TypeError("generate: max_new_tokens given twice (second argument and keyword)")
+            legacy["max_new_tokens"], sampling_params = sampling_params, None
+        legacy = {k: v for k, v in legacy.items() if v is not None}
+        if sampling_params is None and not is_text_call(prompts):
+            return self._generate_ids(prompts, images=images, **legacy)
+        if legacy:
+            raise TypeError(f"generate: {', '.join(legacy)} apply to token-id prompts without sampling_params; "
+                            f"with strings, dicts or SamplingParams say it in SamplingParams (max_tokens, "
+                            f"temperature, top_k, seed, stop_token_ids)")
+        return self._generate_prompts(parse_prompts(prompts, images, self._encode), sampling_params)
+
+    def _generate_ids(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
+                      temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
+                      eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
         if temperature < 0:
             raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
-        sample = make_sampler(temperature, top_k, torch.Generator(device=self.device).manual_seed(seed))
-        return self._run(prompt_token_ids, max_new_tokens, host_chooser(sample), eos_token_id, images,
-                         fp32_logits=False, sample=sample if self.async_scheduling else None)
+        sampler = make_sampler(temperature, top_k, torch.Generator(device=self.device).manual_seed(seed))
+        return self._run_ids(prompt_token_ids, max_new_tokens, sampler, eos_token_id, images)
 
     def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
             eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
         """The scheduling loop of :meth:`generate` with a custom token chooser.
 
-        ``choose(seqs, logits)`` gets the step's sequences (``seq.index`` is the
-        prompt's index, ``seq.num_generated`` the tokens so far) and their
-        ``[B, vocab]`` fp32 logits, and returns the next token of each.
+        ``choose(seqs, logits)`` gets the step's sequences of this call (``seq.index`` is the prompt's
+        index, ``seq.num_generated`` the tokens so far) and their ``[B, vocab]`` fp32 logits, and returns
+        the next token of each.
         """
-        return self._run(prompt_token_ids, max_new_tokens, choose, eos_token_id, images, fp32_logits=True)
+        return self._run_ids(prompt_token_ids, max_new_tokens, ChooserSampler(choose), eos_token_id, images)
 
-    def _run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
-             eos_token_id: int | None, images: Sequence[Any] | None, fp32_logits: bool,
-             sample: Sampler | None = None) -> list[list[int]]:
-        """:meth:`run`, through :meth:`Scheduler.run` (which says what ``fp32_logits`` and ``sample`` do)."""
+    def _run_ids(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, sampler: Sampler,
+                 eos_token_id: int | None, images: Sequence[Any] | None) -> list[list[int]]:
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
         if images is not None and len(images) != len(prompt_token_ids):
@@ -262,10 +345,135 @@ class LLM:
                              f"{len(prompt_token_ids)} prompts, {len(images)} entries")
         seqs = [self._new_seq(i, p, max_new_tokens, None if images is None else images[i])
                 for i, p in enumerate(prompt_token_ids)]
-        self.stats = stats = GenerateStats()
-        self.scheduler.run(seqs, max_new_tokens, self._execute, choose, eos_token_id, fp32_logits, sample, stats)
-        self.input_batch.forget_table()  # the block table's rows are stale once their sequences are gone
+        stop = frozenset() if eos_token_id is None else frozenset([eos_token_id])
+        for seq in seqs:
+            seq.sampler, seq.stop_token_ids = sampler, stop
+        self._submit_and_wait(seqs)
         return [s.tokens[s.prompt_len:] for s in seqs]
+
+    def _submit_and_wait(self, seqs: list[Seq]) -> None:
+        """Run ``seqs`` to their ends in the shared engine (taking turns at its steps with other callers)."""
+        self._engine.submit(seqs)
+        try:
+            self._engine.run_until(lambda: all(s.done for s in seqs))
+        except BaseException:
+            self._engine.abort(seqs)  # interrupted while waiting: free them; after a failed step: nothing left
+            raise
+        failed = next((s.error for s in seqs if s.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"LLM: a step failed (run by another caller's thread): {failed!r}") from failed
+
+    # ------------------------------------------------------------ the text way
+    def _generate_prompts(self, prompts: list[Prompt],
+                          sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        seqs = [self._request_seq(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._submit_and_wait(seqs)
+        return [self._output(seq, p) for seq, p in zip(seqs, prompts)]
+
+    @staticmethod
+    def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                           n: int) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * n
+        params = list(sampling_params)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them; got "
+                            f"{[type(p).__name__ for p in params]}")
+        if len(params) != n:
+            raise ValueError(f"generate: {len(params)} SamplingParams for {n} prompts (one, or one per prompt)")
+        return params
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer a conversation (a list of ``{"role": ..., "content": ...}``) or a list of conversations,
+        through the tokenizer's chat template (``add_generation_prompt=True``); one output each."""
+        tok = self._need_tokenizer("chat")
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError(f"LLM.chat: the tokenizer of {self.model_name} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+            # The template writes the special tokens (BOS) itself, as apply_chat_template(tokenize=True).
+            prompts.append(Prompt(text, tok.encode(text, add_special_tokens=False)))
+        return self._generate_prompts(prompts, sampling_params)
+
+    def generate_stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate after one prompt (as :meth:`generate` takes it), yielding the text as it grows: each
+        item is what the last tokens added. Joined, the items are the final text of :meth:`generate`.
+
+        A character split over tokens is yielded once whole; with stop strings, text that may begin one is
+        held back until it cannot. Closing the iterator early ends the request and frees its cache blocks.
+        """
+        self._need_tokenizer("generate_stream")
+        (parsed,) = parse_prompts(prompt, None, self._encode)
+        seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
+        return self._stream(seq)
+
+    def _stream(self, seq: Seq) -> Iterator[str]:
+        self._engine.submit([seq])
+        shown = 0
+        try:
+            while True:
+                self._engine.run_until(lambda: seq.done or len(seq.detokenizer.visible) > shown)
+                done = seq.done  # read before the text: once ended, the text read after it is final
+                text = seq.detokenizer.visible
+                if seq.error is not None:
+                    raise RuntimeError(f"LLM: a step failed (run by another caller's thread): "
+                                       f"{seq.error!r}") from seq.error
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+                if done:
+                    return
+        finally:
+            if not seq.done:
+                self._engine.abort([seq])
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"LLM.{what}: model {self.model_name!r} has no tokenizer (built-in models have "
+                             "random weights and none; a checkpoint directory needs tokenizer.json or "
+                             "tokenizer_config.json, or pass LLM(..., tokenizer=PATH)); pass token ids instead")
+        return self.tokenizer
+
+    def _encode(self, text: str, where: str) -> list[int]:
+        if self.tokenizer is None:
+            self._need_tokenizer(f"generate ({where.removeprefix('generate: ')} is text)")
+        return self.tokenizer.encode(text)
+
+    def _expand_image_tokens(self, tokens: list[int]) -> list[int]:
+        """A model that takes images: each lone image token (an ``<image>``) becomes the image's token run."""
+        if not hasattr(self.model, "prepare_images"):
+            return tokens
+        from ..llava import expand_image_tokens
+
+        config = self.model.config
+        return expand_image_tokens(tokens, config.image_token_index, config.num_image_tokens)
+
+    def _request_seq(self, index: int, prompt: Prompt, params: SamplingParams) -> Seq:
+        tokens = self._expand_image_tokens(prompt.token_ids)
+        seq = self._new_seq(index, tokens, params.max_tokens, prompt.images)
+        seq.sampler, seq.params = self._request_sampler, params
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.stop_token_ids = frozenset(params.stop_token_ids)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, tokens, params.stop)
+        elif params.stop:
+            self._need_tokenizer("generate (stop strings are matched on the text)")
+        return seq
+
+    @staticmethod
+    def _output(seq: Seq, prompt: Prompt) -> RequestOutput:
+        return RequestOutput(
+            prompt=prompt.text, prompt_token_ids=seq.tokens[:seq.prompt_len],
+            text=seq.detokenizer.text if seq.detokenizer is not None else None,
+            token_ids=seq.tokens[seq.prompt_len:], finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None)
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> Seq:
         tokens = [int(t) for t in prompt]
@@ -289,5 +497,6 @@ class LLM:
         if images is not None:
             if not hasattr(self.model, "prepare_images"):
                 raise ValueError(f"{where}: images given, but {type(self.model).__name__} takes no images")
+            images = process_images(images, self._image_processor, where)
             seq.images = self.model.prepare_images(tokens, images, where)
         return seq

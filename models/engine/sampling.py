@@ -1,6 +1,11 @@
-"""Choosing the next tokens: greedy or sampled on the device, and the sampled tokens' way to the host.
+"""Choosing the next tokens: each sequence's sampler, a step's samplers together, and the tokens' way to the host.
 
-On the synchronous path a step's tokens are host ints at once (``choose`` syncs). With async scheduling
+Every sequence has a sampler: the per-request one of ``SamplingParams`` (:mod:`.request_sampler`), the
+one-temperature sampler of a token-id :meth:`LLM.generate` call (:func:`make_sampler`), or the host
+``choose`` of :meth:`LLM.run` (:class:`ChooserSampler`). A step may hold sequences of several calls (one
+engine, callers on several threads): :func:`sample` gives each sampler its rows.
+
+On the synchronous path a step's tokens are host ints at once (``.tolist()`` syncs). With async scheduling
 a decode-only step's tokens stay on the device, as the next step's input ids, while an asynchronous copy
 brings them to one of two alternating host buffers, read one step late.
 """
@@ -8,42 +13,80 @@ brings them to one of two alternating host buffers, read one step late.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .sequence import Chooser, Seq
 
-__all__ = ["PendingStep", "SampledTokens", "Sampler", "host_chooser", "make_sampler"]
+__all__ = ["ChooserSampler", "PendingStep", "SampledTokens", "Sampler", "make_sampler", "sample"]
 
-Sampler = Callable[[torch.Tensor], torch.Tensor]  # logits [B, vocab] -> token ids [B], on the device
+
+class Sampler(Protocol):
+    """Picks the next token of each of a step's sequences (all of them this sampler's) from their logits
+    ``[B, vocab]`` in the model's dtype: device token ids ``[B]`` if ``on_device``, else host ints."""
+
+    on_device: bool
+
+    def __call__(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | list[int]: ...
+
+
+class _CallSampler:
+    on_device = True
+
+    def __init__(self, temperature: float, top_k: int | None, generator: torch.Generator) -> None:
+        self.temperature, self.top_k, self.generator = temperature, top_k, generator
+
+    def __call__(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:  # in the model's dtype: converting is exact, so the argmax is the same
+            return logits.argmax(dim=-1)
+        scaled = logits.float() / self.temperature
+        if self.top_k is not None:
+            kth = scaled.topk(min(self.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
 
 
 def make_sampler(temperature: float, top_k: int | None, generator: torch.Generator) -> Sampler:
-    """Greedy for ``temperature`` 0 (argmax, ties to the lowest id, as ``transformers``), else a draw from
-    ``softmax(logits / temperature)`` with ``generator``, among the ``top_k`` most likely tokens if given."""
-
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        if temperature == 0:  # in the model's dtype: converting is exact, so the argmax is the same
-            return logits.argmax(dim=-1)
-        scaled = logits.float() / temperature
-        if top_k is not None:
-            kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-    return sample
+    """One call's sampler (token-id :meth:`LLM.generate`): greedy for ``temperature`` 0 (argmax, ties to the
+    lowest id, as ``transformers``), else a draw from ``softmax(logits / temperature)`` with ``generator``
+    (one for the call's sequences, in step order), among the ``top_k`` most likely tokens if given."""
+    return _CallSampler(temperature, top_k, generator)
 
 
-def host_chooser(sample: Sampler) -> Chooser:
-    """A ``choose`` (see :meth:`LLM.run`) that returns ``sample``'s tokens as host ints."""
+class ChooserSampler:
+    """:meth:`LLM.run`'s ``choose(seqs, logits)``, given fp32 logits; its tokens are host ints."""
 
-    def choose(seqs: list[Seq], logits: torch.Tensor) -> list[int]:
-        return sample(logits).tolist()
+    on_device = False
 
-    return choose
+    def __init__(self, choose: Chooser) -> None:
+        self.choose = choose
+
+    def __call__(self, seqs: list[Seq], logits: torch.Tensor) -> list[int]:
+        return self.choose(seqs, logits.float())
+
+
+def sample(seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | list[int]:
+    """The next token of each of ``seqs`` (rows of ``logits``), each sampler given its own rows in order:
+    device ids ``[B]`` when every sampler is on the device, else host ints."""
+    first = seqs[0].sampler
+    if all(s.sampler is first for s in seqs):  # one caller's step: no split
+        return first(seqs, logits)
+    groups: dict[int, tuple[Sampler, list[int]]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(id(s.sampler), (s.sampler, []))[1].append(i)
+    parts = [(rows, sampler([seqs[i] for i in rows], logits[rows])) for sampler, rows in groups.values()]
+    if all(isinstance(tokens, torch.Tensor) for _, tokens in parts):
+        out = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        for rows, tokens in parts:
+            out[torch.tensor(rows, device=logits.device)] = tokens
+        return out
+    host = [0] * len(seqs)
+    for rows, tokens in parts:
+        for i, t in zip(rows, tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens):
+            host[i] = int(t)
+    return host
 
 
 @dataclasses.dataclass(eq=False)

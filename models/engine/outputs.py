@@ -1,0 +1,38 @@
+"""``RequestOutput``: what :meth:`LLM.generate` and :meth:`LLM.chat` return for one request called the text way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["RequestOutput"]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One request's prompt and completion.
+
+    Args:
+        prompt: the prompt's text (for :meth:`LLM.chat`: the rendered chat template); None for token ids.
+        prompt_token_ids: the prompt as the model saw it (tokenized, image tokens expanded).
+        text: the generated text, without a matched stop string; None when the model has no tokenizer.
+        token_ids: the generated tokens, the end-of-sequence or stop token included.
+        finish_reason: ``"stop"`` (end-of-sequence token, a stop token or a stop string) or ``"length"``
+            (``max_tokens``).
+        stop_reason: what stopped it: the stop string or the stop token id; None for the checkpoint's
+            end-of-sequence token and for ``"length"`` (as vLLM).
+        logprobs: with ``SamplingParams.logprobs``: per generated token, ``{token id: log-probability}`` of
+            that token and of the most likely ones.
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """``[self]``: vLLM's ``output.outputs[0].text`` reads as it does there (one completion a request)."""
+        return [self]

@@ -1,0 +1,108 @@
+"""``SamplingParams``: how one request is sampled and when it stops, checked when it is made.
+
+The fields and defaults of vLLM's ``SamplingParams`` that :class:`models.LLM` implements. Sampling applies,
+in order: ``temperature`` (0: greedy), ``top_k``, ``top_p`` (on the probabilities left by top-k), ``min_p``
+(against the most likely token left). A request stops at the first of: an end-of-sequence token of the
+checkpoint (``generation_config.json``, else ``config.json``; not with ``ignore_eos``), one of
+``stop_token_ids``, one of the ``stop`` strings in the generated text, ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NoReturn
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+
+#: The most top logprobs a request may ask for per generated token (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping of one request.
+
+    Args:
+        temperature: 0 for greedy (argmax, ties to the lowest id, as ``transformers``); else the logits are
+            divided by it before the masks and the draw.
+        top_p: keep the most likely tokens whose probabilities sum to ``top_p`` (at least one), in (0, 1].
+        top_k: keep the ``top_k`` most likely tokens; None or -1 (vLLM's spelling): all. 0 is refused
+            (vLLM 0 and -1 both mean off; one spelling of "off" besides None is less surprising).
+        min_p: drop tokens less likely than ``min_p`` times the most likely one, in [0, 1].
+        max_tokens: the most tokens generated, >= 1.
+        stop: a string or strings that end generation when the generated text contains one; the returned
+            text stops before it.
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``).
+        ignore_eos: do not stop at the checkpoint's end-of-sequence token(s).
+        seed: this request's own generator: the same seed and prompt give the same tokens in any batch.
+            None: torch's global generator (``torch.manual_seed`` makes a run repeatable).
+        logprobs: for each generated token, the log-probabilities of it and of the ``logprobs`` most likely
+            tokens (from the model's raw logits, before temperature and masks); None: none.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = _real("temperature", self.temperature)
+        if math.isnan(self.temperature) or not 0 <= self.temperature < math.inf:
+            _refuse("temperature", "a finite number >= 0 (0: greedy)", self.temperature)
+        self.top_p = _real("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:  # NaN fails it too
+            _refuse("top_p", "a number in (0, 1]", self.top_p)
+        self.min_p = _real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            _refuse("min_p", "a number in [0, 1]", self.min_p)
+        if self.top_k is not None:
+            if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+                _refuse("top_k", "an int >= 1, or None or -1 for all tokens", self.top_k)
+            self.top_k = None if self.top_k == -1 else int(self.top_k)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _refuse("max_tokens", "an int >= 1", self.max_tokens)
+        if self.seed is not None and not _is_int(self.seed):
+            _refuse("seed", "an int or None", self.seed)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _refuse("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if not isinstance(self.ignore_eos, bool):
+            _refuse("ignore_eos", "a bool", self.ignore_eos)
+        self.stop = self._stop_strings(self.stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
+                _is_int(t) and t >= 0 for t in ids):
+            _refuse("stop_token_ids", "a list of token ids (ints >= 0)", self.stop_token_ids)
+        self.stop_token_ids = [int(t) for t in ids]
+
+    @staticmethod
+    def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
+            _refuse("stop", "a non-empty string or a list of them", stop)
+        return list(stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _refuse(name, "a number", value)
+    return float(value)
+
+
+def _refuse(name: str, expected: str, given: object) -> NoReturn:
+    raise ValueError(f"SamplingParams: {name} must be {expected}; got {given!r}")
