@@ -89,6 +89,9 @@ class EngineLoop:
             while self._busy:
                 self._cv.wait()
             gone = {id(s) for s in seqs}
+            for seq in self._incoming:
+                if id(seq) in gone and not seq.done:
+                    seq.finish_reason = "abort"  # never reached the scheduler
             self._incoming = [s for s in self._incoming if id(s) not in gone]
             self.scheduler.abort(seqs)
             if self._idle():

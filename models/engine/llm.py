@@ -355,7 +355,7 @@ class LLM:
         """Run ``seqs`` to their ends in the shared engine (taking turns at its steps with other callers)."""
         self._engine.submit(seqs)
         try:
-            self._engine.run_until(lambda: all(s.done for s in seqs))
+            self._engine.run_until(_all_done(seqs))
         except BaseException:
             self._engine.abort(seqs)  # interrupted while waiting: free them; after a failed step: nothing left
             raise
@@ -500,3 +500,18 @@ class LLM:
             images = process_images(images, self._image_processor, where)
             seq.images = self.model.prepare_images(tokens, images, where)
         return seq
+
+
+def _all_done(seqs: list[Seq]) -> Callable[[], bool]:
+    """``done()`` for :meth:`EngineLoop.run_until`: whether every one of ``seqs`` ended, amortized O(1) a
+    call (it resumes where the last call found one still running)."""
+    i = 0
+
+    def done() -> bool:
+        nonlocal i
+        while i < len(seqs) and seqs[i].done:
+            i += 1
+        return i == len(seqs)
+
+    return done
+
