@@ -18,7 +18,10 @@ vision tower runs eagerly (see :mod:`models.clip`).
 
 With :class:`models.LLM`, pass one image (``[C, H, W]``), a stack
 (``[N, C, H, W]``) or None per prompt: ``llm.generate(prompts, images=[...])``.
-Images are pixel values already resized and normalized as CLIP's processor does.
+Tensors are pixel values already resized and normalized as CLIP's processor does;
+PIL images and uint8 arrays are processed as the checkpoint's
+``preprocessor_config.json`` says (:mod:`models.image_processing`). Text prompts
+(``"USER: <image>\n..."``) have each lone image token expanded to ``P`` by ``LLM``.
 
 Checkpoints: the hub's Llava 1.5 (transformers 4 names: ``language_model.model.*``,
 ``language_model.lm_head.*``, ``vision_tower.vision_model.*``,

@@ -21,7 +21,7 @@ from dispatcher import CompilationConfig
 from models import LLM, RequestOutput, SamplingParams
 from models.cli import main
 
-from text_testing import byte_token, build_tokenizer, save_chain_llama, save_text_llama, with_files
+from text_testing import byte_token, build_tokenizer, save_chain_llama, save_text_llama, save_text_llava, with_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -368,3 +368,40 @@ def test_cli_prompt_errors_in_one_line(capsys):
     assert err.startswith("dynamo-once generate: LLM.generate_stream: model 'tiny-llama' has no tokenizer")
     assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--top-p", "0", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == "dynamo-once generate: SamplingParams: top_p must be a number in (0, 1]; got 0.0\n"
+
+
+# ------------------------------------------------------------------ Llava
+def test_llava_text_and_raw_images_match_transformers(tmp_path):
+    """A prompt with one <image> (expanded for the caller) and a PIL image or a uint8 array, resized, cropped
+    and normalized as preprocessor_config.json says: LlavaProcessor + transformers generate as the oracle."""
+    import numpy as np
+    from PIL import Image
+
+    from models.image_processing import load_image_processor
+
+    hf, tok, processor = save_text_llava(tmp_path)
+    llm = LLM(str(tmp_path), level=0, max_num_tokens=64)
+    prompt = "USER: <image>\nhello world"
+    rng = np.random.RandomState(0)
+    array = rng.randint(0, 256, (30, 50, 3), dtype=np.uint8)  # wider than high: resized to 28 x 46, cropped
+    pil = Image.fromarray(rng.randint(0, 256, (60, 40, 3), dtype=np.uint8))
+    for image in (pil, array):
+        enc = processor(text=prompt, images=image if image is pil else Image.fromarray(image), return_tensors="pt")
+        with torch.no_grad():
+            ref = hf.generate(**enc, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, enc["input_ids"].shape[1]:].tolist()
+        (out,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, greedy(8, ignore_eos=True))
+        assert out.prompt_token_ids == enc["input_ids"][0].tolist()  # <image> -> 4 image tokens, as HF's processor
+        assert out.token_ids == ref and out.text == tok.decode(ref, skip_special_tokens=True)
+    # images= beside prompts (one without), and the same image as pixel values
+    pixels = processor.image_processor(pil, return_tensors="pt")["pixel_values"][0]
+    a, b = llm.generate([prompt, "hello world"], greedy(8, ignore_eos=True), images=[pil, None])
+    assert llm.generate([{"prompt": prompt, "multi_modal_data": {"image": pixels}}], greedy(8, ignore_eos=True))[0] == a
+    assert b == llm.generate("hello world", greedy(8, ignore_eos=True))[0]
+    # Without transformers' processor: CLIP's steps from the config fields, the same pixels
+    torch.testing.assert_close(load_image_processor(str(tmp_path), use_transformers=False)([pil, array]),
+                               processor.image_processor([pil, Image.fromarray(array)], return_tensors="pt")["pixel_values"],
+                               rtol=0, atol=1e-6)
+    builtin = LLM("tiny-llava", level=0, max_num_tokens=32)  # random weights: no preprocessor_config.json
+    with pytest.raises(ValueError, match="prompt 0: raw images .* need the checkpoint's preprocessor_config.json"):
+        builtin.generate([[1, builtin.model.config.image_token_index]], greedy(), images=[pil])

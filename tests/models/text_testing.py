@@ -101,3 +101,36 @@ def with_files(src, dst, files):
             with open(file, "w") as f:
                 json.dump(content, f)
     return str(dst)
+
+
+# Tiny shapes of Llava 1.5 7B's vision tower (CLIP ViT-L/14 at 336 pixels): (28 / 14) ** 2 = 4 image tokens.
+TINY_VISION = dict(hidden_size=32,  # 1024
+                   intermediate_size=64,  # 4096
+                   num_hidden_layers=2,  # 24
+                   num_attention_heads=4,  # 16
+                   image_size=28,  # 336
+                   patch_size=14,  # 14
+                   projection_dim=32)  # 768
+
+
+def save_text_llava(path):
+    """A tiny random Llava 1.5 with the tokenizer ("<image>" its last id, the image token) and a
+    preprocessor_config.json (CLIP's, at 28 pixels); (transformers model, tokenizer, LlavaProcessor)."""
+    transformers = pytest.importorskip("transformers")
+    from models_testing import TINY_LLAMA
+
+    tok = build_tokenizer(extra_special_tokens=("<image>",))
+    image_token = tok.convert_tokens_to_ids("<image>")
+    assert image_token == len(tok) - 1
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(**dict(TINY_LLAMA, vocab_size=len(tok), bos_token_id=1, eos_token_id=2))
+    config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**TINY_VISION), text_config=text,
+                                      image_token_index=image_token, image_seq_length=4)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    images.save_pretrained(path)
+    tok.save_pretrained(path)
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return model, tok, processor
