@@ -5,9 +5,6 @@ import torch
 
 # Keep Dynamo's caches and Inductor's artifacts per test worker.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-# The compile cache off for the suite: a test that counts compiles or pass runs must compile, and nothing is
-# written under ~/.cache. tests/models/test_compile_cache.py turns it on in its own processes.
-os.environ.setdefault("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
 
 
 def _interpreting() -> bool:
@@ -63,6 +60,9 @@ def _clean_dynamo_and_config(monkeypatch):
     for var in list(os.environ):
         if var.startswith("DYNAMO_ONCE_") or var == "TORCH_COMPILE_DISABLE":
             monkeypatch.delenv(var, raising=False)
+    # The compile cache off: a test that counts compiles or pass runs must compile, and nothing is written
+    # under ~/.cache. tests/models/test_compile_cache.py turns it on where it tests it.
+    monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
     dispatcher.set_compilation_config(None)
     torch._dynamo.reset()
     yield
