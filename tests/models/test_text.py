@@ -346,6 +346,49 @@ def test_threads_share_one_llm(text_llama):
     assert llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
 
 
+def test_a_failing_step_fails_its_batch_and_leaves_the_engine_clean(text_llama, llm):
+    """A run() chooser that raises: its caller gets the exception; a request of another thread in that batch
+    gets a RuntimeError from it (or, had it not joined yet, its tokens); the engine is clean afterwards."""
+    expected = llm.generate("hello world", greedy(40, ignore_eos=True))[0]
+    started = threading.Event()
+
+    def choose(seqs, logits):
+        if seqs[0].num_generated == 3:
+            started.wait(timeout=30)
+            raise KeyError("chooser")
+        return logits.argmax(dim=-1).tolist()
+
+    other = []
+
+    def request():
+        started.set()
+        try:
+            other.append(llm.generate("hello world", greedy(40, ignore_eos=True))[0])
+        except RuntimeError as e:
+            other.append(e)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    with pytest.raises(KeyError, match="chooser"):
+        llm.run([[1, 5, 9]], 8, choose)
+    thread.join(timeout=60)
+    assert other[0] == expected or ("a step failed" in str(other[0]) and isinstance(other[0].__cause__, KeyError))
+    assert llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+    assert llm.generate("hello world", greedy(40, ignore_eos=True))[0] == expected
+
+
+def test_gemma2_text_matches_transformers(tmp_path):
+    from models_testing import save_hf_gemma2
+
+    tok = build_tokenizer()
+    hf = save_hf_gemma2(tmp_path, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), level=0, max_num_tokens=32)
+    for prompt, out in zip(TEXT_PROMPTS, llm.generate(TEXT_PROMPTS, greedy(10))):
+        ref = hf_generate(hf, tok(prompt).input_ids, 10)
+        assert out.token_ids == ref and out.text == tok.decode(ref, skip_special_tokens=True)
+
+
 # ------------------------------------------------------------------ CLI
 def test_cli_prompt(text_llama, llm, capsys):
     path = text_llama[0]
