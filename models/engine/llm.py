@@ -81,11 +81,12 @@ class LLM:
         compilation_config: base config (default: the current one); ``level`` overrides its level.
         chunked_prefill: split prompts over steps to fill each step's token budget (False: whole
             prompts only, and a prompt longer than ``max_num_tokens`` is refused).
-        async_scheduling: in :meth:`generate`, once every prompt is admitted, launch each decode step
-            before reading the last one's tokens: its input ids come from the device, and the host's
-            bookkeeping and the next step's inputs overlap the GPU's work. A sequence that ends on its
-            end-of-sequence token has computed one step more, whose token is dropped. Greedy tokens are
-            the same as without; sampled ones are reproducible for a seed, drawn in another order.
+        async_scheduling: once every prompt is admitted, launch each decode step before reading the last
+            one's tokens: its input ids come from the device, and the host's bookkeeping and the next
+            step's inputs overlap the GPU's work (not for :meth:`run`, whose chooser reads logits on the
+            host). A sequence that ends (end-of-sequence or stop token, stop string) has computed one step
+            more, whose token is dropped. Greedy tokens are the same as without; sampled ones are
+            reproducible for a seed (the token-id call's are drawn in another order).
             None (default): on for a CUDA model, where it makes a decode step of ``generate`` 6-9%
             faster (llama-3.2-1b on an H200, batch 1-128); off on the CPU, where the host runs the
             model itself and there is nothing to overlap.
@@ -321,7 +322,7 @@ class LLM:
     def _generate_ids(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
                       temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
                       eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
-        if temperature < 0:
+        if not temperature >= 0:  # NaN too
             raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
         sampler = make_sampler(temperature, top_k, torch.Generator(device=self.device).manual_seed(seed))
         return self._run_ids(prompt_token_ids, max_new_tokens, sampler, eos_token_id, images)
