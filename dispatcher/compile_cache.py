@@ -328,9 +328,14 @@ class CacheEntry:
         return True
 
     def save_locked(self) -> bool:
-        """:meth:`save` under the entry's lock (a later save, e.g. after the CUDA-graph capture's compiles)."""
-        with self.lock():
-            return self.save()
+        """:meth:`save` under the entry's lock (a later save, e.g. after the CUDA-graph capture's compiles); an
+        OSError (a full disk, a read-only directory) is a warning."""
+        try:
+            with self.lock():
+                return self.save()
+        except OSError as e:
+            logger.warning("%s: compile cache not written: %s", self.name, e)
+            return False
 
 
 def open_entry(name: str, config: CompilationConfig, level: CompilationLevel, options: dict[str, Any],
@@ -343,7 +348,7 @@ def open_entry(name: str, config: CompilationConfig, level: CompilationLevel, op
         return None
     try:
         factors = key_factors(config, level, options, owner, function, code, tensors)
-    except UnhashableFactor as e:
+    except (UnhashableFactor, OSError) as e:
         logger.warning("%s: compile cache off for this model: %s", name, e)
         return None
     key = compute_key(factors)
@@ -358,10 +363,22 @@ def first_compile(entry: CacheEntry | None) -> Iterator[None]:
     if entry is None:
         yield
         return
-    with entry.lock():
+    try:
+        lock = entry.lock()
+        lock.__enter__()
+    except OSError as e:  # e.g. a read-only cache directory
+        logger.warning("%s: compile cache off for this model: cannot lock %s (%s)", entry.name, entry.root, e)
+        yield
+        return
+    try:
         entry.load()
         yield
-        entry.save()
+        try:
+            entry.save()
+        except OSError as e:  # e.g. a full disk: the model is compiled, only the next start is cold
+            logger.warning("%s: compile cache not written: %s", entry.name, e)
+    finally:
+        lock.__exit__(None, None, None)
 
 
 # ------------------------------------------------------------------ the entries (for the CLI)
