@@ -78,3 +78,14 @@ def save_hf_gemma2(path, **overrides):
                 p.normal_(0, 0.3)
     model.save_pretrained(path)
     return model
+
+
+def prefill_logits(llm, prompts):
+    """The logits of each prompt's last token, from a one-token run (prompt order)."""
+    caught = []
+    llm.run(prompts, 1, lambda seqs, logits: caught.append((seqs, logits)) or [0] * len(seqs))
+    out = {}
+    for seqs, logits in caught:
+        for s, row in zip(seqs, logits):
+            out[s.index] = row
+    return [out[i] for i in range(len(prompts))]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import models_testing
 import ops
 
 ct = pytest.importorskip("compressed_tensors")
@@ -247,13 +248,8 @@ FLIP_ATOL = 0.5
 
 
 def prefill_logits(llm, prompts):
-    caught = []
-    llm.run(prompts, 1, lambda seqs, logits: caught.append((seqs, logits)) or [0] * len(seqs))
-    out = {}
-    for seqs, logits in caught:
-        for s, row in zip(seqs, logits):
-            out[s.index] = row
-    return torch.stack([out[i] for i in range(len(prompts))])
+    """``[prompts, vocab]``: each prompt's last-token logits (models_testing.prefill_logits, stacked)."""
+    return torch.stack(models_testing.prefill_logits(llm, prompts))
 
 
 def assert_logits_match(got, ref):

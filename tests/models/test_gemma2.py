@@ -6,8 +6,7 @@ import torch
 from models import LLM
 from models.gemma2 import Gemma2ForCausalLM
 
-from models_testing import PROMPTS, hf_greedy, hf_last_logits, save_hf_gemma2
-from test_llama import prefill_logits
+from models_testing import PROMPTS, hf_greedy, hf_last_logits, prefill_logits, save_hf_gemma2
 
 
 @pytest.fixture(scope="module")

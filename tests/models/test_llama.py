@@ -12,19 +12,9 @@ from dispatcher import (
 from models import LLM, LlamaForCausalLM, load_model
 from models.engine.graphs import check_one_dynamic_size
 
-from models_testing import PROMPTS, hf_greedy, hf_last_logits, save_hf_llama
+from models_testing import PROMPTS, hf_greedy, hf_last_logits, prefill_logits, save_hf_llama
 
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4)}  # measured: 3e-6 at level 0, Inductor adds ~1e-6
-
-
-def prefill_logits(llm, prompts):
-    caught = []
-    llm.run(prompts, 1, lambda seqs, logits: caught.append((seqs, logits)) or [0] * len(seqs))
-    out = {}
-    for seqs, logits in caught:
-        for s, row in zip(seqs, logits):
-            out[s.index] = row
-    return [out[i] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
