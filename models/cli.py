@@ -198,6 +198,8 @@ def _diagnose(argv: list[str]) -> int:
 
 COMMANDS = {
     "generate": (_generate, "continue --prompt with a checkpoint's tokenizer, or random token prompts (ids, timing)"),
+    "serve": (lambda argv: __import__("models.serve.cli", fromlist=["main"]).main(argv),
+              "an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (streaming), /v1/models"),
     "diagnose": (_diagnose, "run levels 0, 1, 2, 3 on the same input; report differences, compile time, step latency"),
     "overhead": (_overhead, "per-call dispatch overhead: stock torch.compile vs dynamo-once (benchmark)"),
     "env": (_env, "list the DYNAMO_ONCE_* variables and the effective compilation config"),

@@ -413,6 +413,28 @@ class LLM:
         seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
         return self._stream(seq)
 
+    def stream_outputs(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """As :meth:`generate_stream`, each item the request so far: a :class:`RequestOutput` whose ``text`` is
+        the text shown so far (joined pieces of :meth:`generate_stream`), ``token_ids`` the tokens so far and
+        ``finish_reason`` None, then a last item, :meth:`generate`'s output (logprobs included). For callers
+        that need counts and the finish reason as they stream (the HTTP server). Closing it early ends the
+        request and frees its cache blocks."""
+        self._need_tokenizer("stream_outputs")
+        (parsed,) = parse_prompts(prompt, None, self._encode)
+        seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
+        return self._stream_outputs(seq, parsed)
+
+    def _stream_outputs(self, seq: Seq, prompt: Prompt) -> Iterator[RequestOutput]:
+        pieces = self._stream(seq)
+        try:
+            text = ""
+            for piece in pieces:
+                text += piece
+                yield RequestOutput(prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None)
+            yield self._output(seq, prompt)
+        finally:
+            pieces.close()  # closed early: the stream's own close aborts the sequence
+
     def _stream(self, seq: Seq) -> Iterator[str]:
         self._engine.submit([seq])
         shown = 0

@@ -17,7 +17,7 @@ class RequestOutput:
         text: the generated text, without a matched stop string; None when the model has no tokenizer.
         token_ids: the generated tokens, the end-of-sequence or stop token included.
         finish_reason: ``"stop"`` (end-of-sequence token, a stop token or a stop string) or ``"length"``
-            (``max_tokens``).
+            (``max_tokens``); None in the items of :meth:`LLM.stream_outputs` but its last.
         stop_reason: what stopped it: the stop string or the stop token id; None for the checkpoint's
             end-of-sequence token and for ``"length"`` (as vLLM).
         logprobs: with ``SamplingParams.logprobs``: per generated token, ``{token id: log-probability}`` of
@@ -28,7 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str | None
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
 

@@ -1,0 +1,3 @@
+"""An OpenAI-compatible HTTP server over :class:`models.LLM` (``dynamo-once serve``; FastAPI + uvicorn, the
+``serve`` extra): :mod:`.app` the routes, :mod:`.protocol` the request and response shapes, :mod:`.bridge`
+the event loop's side of the engine, :mod:`.cli` the command."""

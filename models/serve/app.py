@@ -1,0 +1,214 @@
+"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Built by :func:`build_app` around one :class:`models.LLM` (the model is fixed at start: no request names
+a path). ``stream: true`` answers server-sent events, ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``.
+Every refusal is OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``: a bad field
+400, an unknown model 404, a missing or wrong API key 401, a body over ``max_body_bytes`` 413.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .bridge import AsyncLLM
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_app"]
+
+#: The largest request body taken (1 MiB: ~250k tokens of text; an image-free API has no use for more).
+MAX_BODY_BYTES = 1 << 20
+
+
+def build_app(llm: Any, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving ``llm`` under ``model_name``.
+
+    Args:
+        llm: a :class:`models.LLM` with a tokenizer.
+        model_name: the model's id in ``/v1/models``; a request naming another gets a 404.
+        api_key: when set, every route wants ``Authorization: Bearer <api_key>`` (else 401).
+        max_body_bytes: larger request bodies get a 413.
+    """
+    engine = AsyncLLM(llm)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="dynamo-once", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.engine = engine
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "dynamo-once", "max_model_len": llm.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        _check(req, model_name)
+        prompt = req.one_prompt()
+        max_tokens = req.max_tokens if req.max_tokens is not None else _room(llm, _num_tokens(llm, prompt))
+        params = req.sampling_params(max_tokens, req.logprobs)
+        rid = new_id("cmpl")
+        if req.stream:
+            chunk = lambda text, finish, use=None: completion_chunk(rid, model_name, text, finish, use)  # noqa: E731
+            return await _stream(engine, prompt, params, chunk, req, first=None)
+        out = await _generate(engine, prompt, params)
+        return completion_response(rid, model_name, out, llm.tokenizer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        _check(req, model_name)
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        try:
+            prompt = engine.chat_prompt(messages)
+        except ValueError as e:
+            raise RequestError(str(e), param="messages") from None
+        top = req.top_logprobs_count()
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
+        if max_tokens is None:
+            max_tokens = _room(llm, len(prompt["prompt_token_ids"]))
+        params = req.sampling_params(max_tokens, top)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            chunk = lambda text, finish, use=None: chat_chunk(rid, model_name, {"content": text}, finish, use)  # noqa: E731
+            first = chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None)
+            return await _stream(engine, prompt, params, chunk, req, first)
+        out = await _generate(engine, prompt, params)
+        return chat_response(rid, model_name, out, llm.tokenizer, top or 0)
+
+    return app
+
+
+def _check(req: Any, model_name: str) -> None:
+    if req.model is not None and req.model != model_name:
+        raise RequestError(f"model {req.model!r} does not exist; this server serves {model_name!r}", status=404,
+                           param="model", code="model_not_found")
+    req.check_common()
+
+
+def _num_tokens(llm: Any, prompt: str | dict[str, list[int]]) -> int:
+    return len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(llm.tokenizer.encode(prompt))
+
+
+def _room(llm: Any, num_prompt_tokens: int) -> int:
+    """``max_tokens`` when a request leaves it out: what the context and the cache leave after the prompt
+    (at least 1: a prompt that fills them is refused by the engine, with the reason)."""
+    cache_tokens = llm.kv_cache.num_blocks * llm.kv_cache.block_size
+    return max(1, min(llm.max_model_len, cache_tokens) - num_prompt_tokens)
+
+
+async def _generate(engine: AsyncLLM, prompt: Any, params: Any) -> Any:
+    try:
+        return await engine.generate(prompt, params)
+    except (ValueError, TypeError) as e:  # the prompt: too long, empty, ids out of the vocabulary
+        raise RequestError(str(e).removeprefix("generate: "), param="prompt") from None
+
+
+async def _stream(engine: AsyncLLM, prompt: Any, params: Any, chunk: Callable[..., dict[str, Any]], req: Any,
+                  first: dict[str, Any] | None) -> StreamingResponse:
+    outputs = engine.stream(prompt, params)
+    try:
+        out = await anext(outputs)  # the prompt's errors before the 200 and its headers
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e).removeprefix("generate: "), param="prompt") from None
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    async def events() -> AsyncIterator[str]:
+        nonlocal out
+        sent = 0
+        try:
+            if first is not None:
+                yield _event(first)
+            while True:
+                if len(out.text) > sent or out.finish_reason is not None:
+                    yield _event(chunk(out.text[sent:], out.finish_reason))
+                    sent = len(out.text)
+                if out.finish_reason is not None:
+                    break
+                out = await anext(outputs)
+            if include_usage:
+                yield _event(chunk("", None, usage(out)))
+        except Exception as e:  # after the 200: the error goes in the stream
+            logger.exception("stream failed")
+            yield _event(error_body(str(e), type="internal_error"))
+        finally:
+            await outputs.aclose()  # a client that left: its sequence is aborted and freed
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Guard:
+    """ASGI middleware (not ``@app.middleware``, whose wrapping of streamed responses hides a client's
+    disconnect): the API key and the body size, before any route runs."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            refusal = None
+            if self.expected is not None and not secrets.compare_digest(headers.get(b"authorization", b""),
+                                                                        self.expected):
+                refusal = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                  code="invalid_api_key"), status_code=401)
+            elif not headers.get(b"content-length", b"0").isdigit() or int(
+                    headers.get(b"content-length", b"0")) > self.max_body_bytes:
+                refusal = JSONResponse(error_body(f"request body over {self.max_body_bytes} bytes (or a bad "
+                                                  "Content-Length)"), status_code=413)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)

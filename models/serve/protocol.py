@@ -1,0 +1,205 @@
+"""The OpenAI API's request bodies (pydantic) and the response objects the server writes.
+
+Requests are checked twice: their shape here (types; a field the server does not implement is refused
+rather than silently ignored), their values by :class:`models.SamplingParams`. Either failure is a 400
+in OpenAI's error shape (:func:`error_body`) naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestError", "chat_chunk",
+           "chat_response", "completion_chunk", "completion_response", "error_body", "usage"]
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share; ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``: vLLM's
+    extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted at their no-op values only (the engine has no penalties); anything else is a 400.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise RequestError(f"n must be 1 (one completion a request); got {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise RequestError(f"{name} is not supported (only 0)", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options applies with stream: true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's :class:`SamplingParams`; a bad value is a 400 naming its field."""
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  min_p=self.min_p, max_tokens=max_tokens, stop=self.stop,
+                                  stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                                  seed=self.seed, logprobs=logprobs)
+        except ValueError as e:  # "SamplingParams: NAME must be ..."
+            message = str(e).removeprefix("SamplingParams: ")
+            raise RequestError(message, param=message.split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt (a string, token ids, or a list holding one of them)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def one_prompt(self) -> str | dict[str, list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise RequestError(f"prompt: one prompt a request; got {len(prompt)}", param="prompt")
+            prompt = prompt[0]
+        if self.echo:
+            raise RequestError("echo is not supported", param="echo")
+        return {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the chat template may read them
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as text: a list of parts must be text parts (``{"type": "text", "text": ...}``)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if not all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in self.content):
+            raise RequestError("messages: only text content parts are supported", param="messages")
+        return "".join(p["text"] for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: a conversation through the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def completion_logprobs(out: RequestOutput, tokenizer: Any) -> dict[str, Any] | None:
+    """The legacy completions shape: per token its text, its logprob and the top ones by text."""
+    if out.logprobs is None:
+        return None
+    tokens = [_token(tokenizer, t) for t in out.token_ids[:len(out.logprobs)]]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [row[t] for row, t in zip(out.logprobs, out.token_ids)],
+            "top_logprobs": [{_token(tokenizer, i): lp for i, lp in row.items()} for row in out.logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any] | None:
+    """The chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    if out.logprobs is None:
+        return None
+
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text = _token(tokenizer, token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for row, token in zip(out.logprobs, out.token_ids):
+        ranked = sorted(row.items(), key=lambda kv: -kv[1])[:top]  # the row: its own token first, then the top
+        content.append({**entry(token, row[token]), "top_logprobs": [entry(i, lp) for i, lp in ranked]})
+    return {"content": content}
+
+
+def completion_response(rid: str, model: str, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
+                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}],
+            "usage": usage(out)}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
+                     usage: dict[str, int] | None = None) -> dict[str, Any]:
+    choices = [] if usage is not None else [{"index": 0, "text": text, "logprobs": None,
+                                             "finish_reason": finish_reason}]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage}
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": chat_logprobs(out, tokenizer, top), "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason}],
+            "usage": usage(out)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    choices = [] if usage is not None else [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": finish_reason}]
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage}
+

@@ -1,0 +1,272 @@
+"""``dynamo-once serve``: a live server (uvicorn in a thread, an ephemeral port on 127.0.0.1) over the tiny
+text Llama of text_testing at level 0, driven by the official ``openai`` client and by raw HTTP; offline
+``LLM.generate`` / ``LLM.chat`` / ``LLM.stream_outputs`` as the oracle."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from models import LLM, SamplingParams
+
+from text_testing import save_text_llama
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+try:  # the openai client's HTTP library: httpx2 in its recent releases, httpx before
+    import httpx2 as httpx
+except ImportError:
+    httpx = pytest.importorskip("httpx")
+
+MODEL = "tiny-text-llama"
+API_KEY = "sk-test"
+PROMPTS = ["hello world", "The quick brown", "Café crème", "Stop"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_llama")
+    save_text_llama(path)
+    return LLM(str(path), level=0, max_num_tokens=32, max_num_seqs=8)
+
+
+def start_server(app):
+    """uvicorn serving ``app`` in a daemon thread on a free port; (base url, server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from models.serve.app import build_app
+
+    url, srv = start_server(build_app(llm, MODEL, api_key=API_KEY, max_body_bytes=4096))
+    yield url
+    srv.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, route, body, key=API_KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server}/v1/{route}", json=body, headers=headers, timeout=60)
+
+
+def free_blocks_when_idle(llm, expected, timeout=10):
+    """Wait until the engine's free cache blocks are back to ``expected`` (an abort lands between steps)."""
+    deadline = time.monotonic() + timeout
+    while llm.kv_cache.num_free_blocks != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return llm.kv_cache.num_free_blocks
+
+
+# ------------------------------------------------------------------ the routes, against the offline engine
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_generate(llm, client):
+    expected = llm.generate(PROMPTS[0], greedy())[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=12)
+    assert got.choices[0].text == expected.text
+    assert got.choices[0].finish_reason == expected.finish_reason
+    n_prompt, n_new = len(expected.prompt_token_ids), len(expected.token_ids)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        n_prompt, n_new, n_prompt + n_new)
+
+
+def test_completion_sampling_fields(llm, client):
+    params = dict(temperature=0.8, top_p=0.9, max_tokens=8, seed=3)
+    extensions = dict(top_k=20, min_p=0.05)
+    expected = llm.generate(PROMPTS[1], SamplingParams(stop=["zz"], **params, **extensions))[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], stop=["zz"], extra_body=extensions, **params)
+    assert got.choices[0].text == expected.text  # the seed: the same draw in any batch
+
+
+def test_completion_token_ids_and_logprobs(llm, client):
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    expected = llm.generate({"prompt_token_ids": ids}, greedy(4, logprobs=2))[0]
+    got = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == expected.text
+    assert lp.token_logprobs == pytest.approx([row[t] for row, t in zip(expected.logprobs, expected.token_ids)])
+    # keyed by token text: two byte tokens that both decode to U+FFFD share a key
+    assert [len(row) for row in lp.top_logprobs] == [len({llm.tokenizer.decode([t]) for t in row})
+                                                      for row in expected.logprobs]
+
+
+def test_chat_equals_llm_chat(llm, client):
+    expected = llm.chat(CHAT, greedy())[0]
+    got = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12)
+    assert got.choices[0].message.content == expected.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert got.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_logprobs(llm, client):
+    expected = llm.chat(CHAT, greedy(3, logprobs=2))[0]
+    got = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=3, logprobs=True,
+                                         top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([r[t] for r, t in zip(expected.logprobs,
+                                                                                expected.token_ids)])
+    assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+# ------------------------------------------------------------------ streaming
+def test_completion_stream_equals_non_streamed(llm, client):
+    expected = llm.generate(PROMPTS[0], greedy(16, ignore_eos=True))[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=16,
+                                            extra_body={"ignore_eos": True}, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 2  # it streamed
+    assert "".join(c.choices[0].text for c in text_chunks) == expected.text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_stream_equals_chat(llm, client):
+    expected = llm.chat(CHAT, greedy())[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_stream_is_server_sent_events_ending_in_done(server):
+    body = {"model": MODEL, "prompt": PROMPTS[3], "temperature": 0, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+# ------------------------------------------------------------------ concurrency and disconnects
+def test_concurrent_clients_each_get_their_own_result(llm, client):
+    expected = [out.text for out in llm.generate(PROMPTS, greedy(10, ignore_eos=True))]
+    results, errors = [None] * 4, []
+
+    def ask(i):
+        try:
+            if i % 2:
+                stream = client.completions.create(model=MODEL, prompt=PROMPTS[i], temperature=0, max_tokens=10,
+                                                   extra_body={"ignore_eos": True}, stream=True)
+                results[i] = "".join(c.choices[0].text for c in stream if c.choices)
+            else:
+                results[i] = client.completions.create(model=MODEL, prompt=PROMPTS[i], temperature=0, max_tokens=10,
+                                                       extra_body={"ignore_eos": True}).choices[0].text
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert results == expected
+
+
+def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
+    free = llm.kv_cache.num_free_blocks
+    body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # it runs; then the client leaves
+    assert free_blocks_when_idle(llm, free) == free
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=6)
+    assert got.choices[0].text == llm.generate(PROMPTS[1], greedy(6))[0].text
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("route, body, status, param", [
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "top_k": "many"}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi " * 600, "max_tokens": 1}, 400, "prompt"),
+    ("completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": CHAT, "n": 3}, 400, "n"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_request_gets_the_error_shape(server, route, body, status, param):
+    r = post(server, route, {"model": MODEL, **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+
+
+def test_openai_client_sees_the_errors(client):
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+
+
+def test_bad_json_wrong_key_and_oversized_body(server):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=10,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    for key in ("wrong", None):
+        r = post(server, "completions", {"model": MODEL, "prompt": "hi"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post(server, "completions", {"model": MODEL, "prompt": "x" * 5000})
+    assert r.status_code == 413 and "error" in r.json()
+    assert httpx.get(f"{server}/v1/nothing", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
+
+
+# ------------------------------------------------------------------ the command
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "models.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cli_help():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--host" in r.stdout and "127.0.0.1" in r.stdout
+
+
+@pytest.mark.parametrize("port", ["http", "70000"])
+def test_cli_bad_port_is_one_line(port):
+    r = run_cli("--model", "unused", "--port", port)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"dynamo-once serve: --port must be an integer in [0, 65535]; got {port!r}"]
