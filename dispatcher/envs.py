@@ -14,6 +14,7 @@ from .passes.pass_config import PassConfig
 
 __all__ = [
     "ENV_VARS",
+    "api_key",
     "compile_level",
     "custom_ops",
     "debug",
@@ -39,6 +40,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
+    "DYNAMO_ONCE_API_KEY": "dynamo-once serve: require 'Authorization: Bearer <key>' (as --api-key); unset or empty: none",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -103,6 +105,11 @@ def debug_dump_path() -> str | None:
 
 def pdl() -> bool:
     return _bool("DYNAMO_ONCE_PDL", True)
+
+
+def api_key() -> str | None:
+    """``DYNAMO_ONCE_API_KEY``: the bearer token ``dynamo-once serve`` wants when no ``--api-key`` is given."""
+    return _get("DYNAMO_ONCE_API_KEY") or None
 
 
 def small_m_gemm() -> bool:

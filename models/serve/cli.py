@@ -8,7 +8,6 @@ errors (bad flag value, bad checkpoint, no tokenizer) are one line and exit 2, t
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 
@@ -74,6 +73,8 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
 
+        from dispatcher import envs
+
         from .app import build_app
 
         sock = _bind(args.host, _port(args.port))
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
         hint = " (pip install 'dynamo-once[serve]')" if isinstance(e, ImportError) else ""
         print(f"{p.prog}: {e}{hint}".splitlines()[0], file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("DYNAMO_ONCE_API_KEY") or None
+    api_key = args.api_key or envs.api_key()
     app = build_app(llm, args.served_model_name or args.model, api_key=api_key)
     host, port = sock.getsockname()[:2]
     print(f"{p.prog}: {args.model} on http://{host}:{port}/v1 (level {int(llm.level)}, {llm.device})",

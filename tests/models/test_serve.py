@@ -3,6 +3,8 @@ text Llama of text_testing at level 0, driven by the official ``openai`` client 
 ``LLM.generate`` / ``LLM.chat`` / ``LLM.stream_outputs`` as the oracle."""
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -170,7 +172,7 @@ def test_stream_is_server_sent_events_ending_in_done(server):
 
 
 # ------------------------------------------------------------------ concurrency and disconnects
-def test_concurrent_clients_each_get_their_own_result(llm, client):
+def test_concurrent_clients_each_get_their_own_result(llm, client, monkeypatch):
     expected = [out.text for out in llm.generate(PROMPTS, greedy(10, ignore_eos=True))]
     results, errors = [None] * 4, []
 
@@ -186,6 +188,14 @@ def test_concurrent_clients_each_get_their_own_result(llm, client):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    batch_sizes = []
+    execute = llm._engine._execute
+
+    def counting(batch, *args, **kwargs):
+        batch_sizes.append(len(batch))
+        return execute(batch, *args, **kwargs)
+
+    monkeypatch.setattr(llm._engine, "_execute", counting)
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
@@ -193,6 +203,8 @@ def test_concurrent_clients_each_get_their_own_result(llm, client):
         t.join(60)
     assert not errors
     assert results == expected
+    # continuous batching: the requests shared steps (alone, each takes 10: one prefill + 9 decodes)
+    assert max(batch_sizes) > 1 and len(batch_sizes) < 4 * 10
 
 
 def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
@@ -258,6 +270,35 @@ def test_bad_json_wrong_key_and_oversized_body(server):
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "models.cli", "serve", *args], capture_output=True, text=True,
                           timeout=60)
+
+
+def test_cli_serves_on_localhost(llm, tmp_path):
+    """The command end to end: port 0 (a free one, printed), 127.0.0.1 by default, the key from the
+    environment, the model's id its path."""
+    path = llm.model_name
+    env = {**os.environ, "DYNAMO_ONCE_API_KEY": "sk-env", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "models.cli", "serve", "--model", path, "--port", "0",
+                             "--level", "0", "--max-num-tokens", "32", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        match = re.search(r"on http://(127\.0\.0\.1):(\d+)/v1", line)
+        assert match, line
+        url = f"http://127.0.0.1:{match.group(2)}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-env", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [path]
+        got = client.completions.create(model=path, prompt=PROMPTS[0], temperature=0, max_tokens=6)
+        assert got.choices[0].text == llm.generate(PROMPTS[0], greedy(6))[0].text
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_cli_bad_checkpoint_is_one_line(tmp_path):
+    r = run_cli("--model", str(tmp_path / "missing"), "--port", "0")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("dynamo-once serve: ")
 
 
 def test_cli_help():
