@@ -57,6 +57,7 @@ class Scheduler:
         # The samplers of the sequences in the engine, with their counts: with one (one caller), a step's
         # sampling needs no split by sampler, found without a pass over the batch (~5 us at batch 128).
         self._samplers: dict[int, list] = {}
+        self._admitted: list[Seq] = []  # the running step's newly admitted sequences
 
     @property
     def has_unfinished(self) -> bool:
@@ -92,6 +93,7 @@ class Scheduler:
             self._step_pending(execute)
             return
         batch, num_decodes, admitted = self._schedule()
+        self._admitted = admitted  # in neither waiting nor running until the step ends: fail() needs them
         t0 = time.perf_counter()
         logits = execute(batch, num_decodes)
         stats = self.stats
@@ -161,14 +163,14 @@ class Scheduler:
 
     def fail(self, error: BaseException) -> None:
         """A step raised: every sequence not yet ended gets ``error``; all state is dropped, blocks freed."""
-        seqs = list(self.waiting) + self.running + (self.pending.seqs if self.pending else [])
+        seqs = list(self.waiting) + self.running + self._admitted + (self.pending.seqs if self.pending else [])
         for seq in seqs:
             if not seq.done:
                 seq.error = error
             if seq.blocks:
                 self.kv_cache.free(seq.blocks)
                 seq.blocks = []
-        self.waiting, self.running, self.pending, self._samplers = deque(), [], None, {}
+        self.waiting, self.running, self.pending, self._samplers, self._admitted = deque(), [], None, {}, []
 
     def _schedule(self) -> tuple[list[tuple[Seq, int]], int, list[Seq]]:
         """The next step: its batch of (sequence, new tokens), decodes first; its number of decodes; the

@@ -74,7 +74,8 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     async def completions(req: CompletionRequest) -> Any:
         _check(req, model_name)
         prompt = req.one_prompt()
-        max_tokens = req.max_tokens if req.max_tokens is not None else _room(llm, _num_tokens(llm, prompt))
+        room = _room(llm, _num_tokens(llm, prompt))
+        max_tokens = _max_tokens(req.max_tokens, room)
         params = req.sampling_params(max_tokens, req.logprobs)
         rid = new_id("cmpl")
         if req.stream:
@@ -92,9 +93,8 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         top = req.top_logprobs_count()
-        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
-        if max_tokens is None:
-            max_tokens = _room(llm, len(prompt["prompt_token_ids"]))
+        asked = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), None)
+        max_tokens = _max_tokens(asked, _room(llm, len(prompt["prompt_token_ids"])))
         params = req.sampling_params(max_tokens, top)
         rid = new_id("chatcmpl")
         if req.stream:
@@ -123,6 +123,17 @@ def _room(llm: Any, num_prompt_tokens: int) -> int:
     (at least 1: a prompt that fills them is refused by the engine, with the reason)."""
     cache_tokens = llm.kv_cache.num_blocks * llm.kv_cache.block_size
     return max(1, min(llm.max_model_len, cache_tokens) - num_prompt_tokens)
+
+
+def _max_tokens(asked: int | None, room: int) -> int:
+    """``max_tokens`` as asked (``SamplingParams`` checks it is >= 1), else the room left; past the room a 400
+    naming it (a prompt that leaves no room at all is the engine's 400, naming the prompt)."""
+    if asked is None:
+        return room
+    if isinstance(asked, int) and asked > room > 1:
+        raise RequestError(f"max_tokens={asked} is past the context: the prompt leaves room for {room} tokens",
+                           param="max_tokens")
+    return asked
 
 
 async def _generate(engine: AsyncLLM, prompt: Any, params: Any) -> Any:
@@ -207,6 +218,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:  # a bug or a failed step, not the request
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {e!r}", "internal_error"), status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

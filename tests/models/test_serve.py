@@ -232,6 +232,8 @@ def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi " * 600, "max_tokens": 1}, 400, "prompt"),
     ("completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 10**6}, 400, "max_tokens"),
     ("completions", {}, 400, "prompt"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": CHAT, "n": 3}, 400, "n"),
@@ -311,3 +313,19 @@ def test_cli_bad_port_is_one_line(port):
     r = run_cli("--model", "unused", "--port", port)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"dynamo-once serve: --port must be an integer in [0, 65535]; got {port!r}"]
+
+
+def test_a_failed_step_is_a_500_in_the_error_shape(llm, server, monkeypatch):
+    """The forward fails in the step that admits the prompt: a 500 in the error shape, the blocks the step
+    took back, the next request served."""
+    free = llm.kv_cache.num_free_blocks
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(llm._engine, "_execute", fail)
+    r = post(server, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert free_blocks_when_idle(llm, free) == free
+    assert post(server, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
