@@ -112,6 +112,8 @@ def _check(req: Any, model_name: str) -> None:
         raise RequestError(f"model {req.model!r} does not exist; this server serves {model_name!r}", status=404,
                            param="model", code="model_not_found")
     req.check_common()
+    if req.stream and req.logprobs not in (None, False):
+        raise RequestError("logprobs with stream: true is not supported (ask without streaming)", param="logprobs")
 
 
 def _num_tokens(llm: Any, prompt: str | dict[str, list[int]]) -> int:

@@ -238,6 +238,8 @@ def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": CHAT, "n": 3}, 400, "n"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "stream": True}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
 ])
