@@ -17,6 +17,7 @@ from dispatcher import support_torch_compile
 from ops import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
 
 from .attention import Attention
+from .layers import ConfigError, config_field
 from .quant_linear import make_linear, make_merged_linear
 from .llama import LlamaConfig, LlamaForCausalLM
 
@@ -34,18 +35,21 @@ class Gemma2Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Gemma2Config:
-        llama = LlamaConfig.from_hf({"tie_word_embeddings": True, **hf})
+        llama = LlamaConfig.common_from_hf({"tie_word_embeddings": True, **hf})
         base = {f.name: getattr(llama, f.name) for f in dataclasses.fields(llama)}  # not asdict: keeps quantization
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma2Config: hidden_activation {act!r} is not supported (expected gelu_pytorch_tanh)")
-        n = hf["num_hidden_layers"]
+            raise ConfigError(f"hidden_activation: {act!r} is not supported by Gemma2ForCausalLM "
+                              "(supported: 'gelu_pytorch_tanh')")
+        n = llama.num_hidden_layers
         types = hf.get("layer_types")
         sliding = tuple(t == "sliding_attention" for t in types) if types else tuple(i % 2 == 0 for i in range(n))
-        return cls(**base, query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-                   sliding_window=hf.get("sliding_window", 4096),
-                   attn_logit_softcapping=hf.get("attn_logit_softcapping"),
-                   final_logit_softcapping=hf.get("final_logit_softcapping"), sliding_layers=sliding)
+        window = config_field(hf, "sliding_window", int, None, positive=True) if "sliding_window" in hf else 4096
+        return cls(**base, query_pre_attn_scalar=config_field(hf, "query_pre_attn_scalar", float, 256.0),
+                   sliding_window=window,
+                   attn_logit_softcapping=config_field(hf, "attn_logit_softcapping", float, None),
+                   final_logit_softcapping=config_field(hf, "final_logit_softcapping", float, None),
+                   sliding_layers=sliding)
 
 
 class Gemma2MLP(nn.Module):

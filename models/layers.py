@@ -9,7 +9,43 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MergedLinear", "default_dtype", "rope_from_hf"]
+__all__ = ["ConfigError", "MergedLinear", "config_field", "default_dtype", "rope_from_hf"]
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` field that is missing, ill-typed or not supported; the message starts with the field.
+
+    The loader reports it as a :class:`models.loader.CheckpointError` naming the config file."""
+
+
+_REQUIRED = object()
+_KINDS = {int: "an int", float: "a number", bool: "a bool (true/false)", str: "a string", dict: "a JSON object"}
+
+
+def config_field(hf: dict[str, Any], name: str, kind: type, default: Any = _REQUIRED, positive: bool = False) -> Any:
+    """``hf[name]`` checked to be a ``kind`` (JSON ``null`` or absent: ``default``; no default: required).
+
+    ``int`` refuses bools and floats, ``float`` takes ints (returned as float); ``positive`` ints are >= 1.
+
+    Raises:
+        ConfigError: naming the field: missing, ill-typed, or not positive.
+    """
+    value = hf.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{name}: required field is missing (expected {_KINDS[kind]})")
+        return default
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{name}: expected {_KINDS[kind]}; got {value!r} ({type(value).__name__})")
+    if positive and value < 1:
+        raise ConfigError(f"{name}: expected a positive int; got {value!r}")
+    return float(value) if kind is float else value
 
 
 class MergedLinear(nn.Linear):

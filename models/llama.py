@@ -19,7 +19,7 @@ from dispatcher import support_torch_compile
 from ops import RMSNorm, RotaryEmbedding, SiluAndMul
 
 from .attention import Attention
-from .layers import rope_from_hf
+from .layers import ConfigError, config_field, rope_from_hf
 from .quant_linear import make_linear, make_merged_linear
 from .quantization import QuantizationConfig, parse_quantization_config
 
@@ -50,24 +50,50 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
-        heads = hf["num_attention_heads"]
+        """A Llama config; what this model would silently ignore (a Mistral checkpoint relabelled
+        ``LlamaForCausalLM``: a ``sliding_window``, an ``hidden_act`` other than silu) is refused.
+
+        Raises:
+            ConfigError: naming the field: missing, ill-typed or not supported.
+        """
+        act = config_field(hf, "hidden_act", str, "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act: {act!r} is not supported by LlamaForCausalLM (supported: 'silu')")
+        config = cls.common_from_hf(hf)
+        window = hf.get("sliding_window")
+        if window is not None and hf.get("use_sliding_window") is not False:
+            window = config_field(hf, "sliding_window", int)
+            if window < config.max_position_embeddings:
+                raise ConfigError(f"sliding_window: {window} (sliding-window attention, e.g. Mistral) is not "
+                                  f"supported by LlamaForCausalLM (supported: null, or at least "
+                                  f"max_position_embeddings={config.max_position_embeddings})")
+        return config
+
+    @classmethod
+    def common_from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """The fields Llama shares with its relatives (Gemma 2), each checked for presence and type."""
+        heads = config_field(hf, "num_attention_heads", int, positive=True)
+        hidden = config_field(hf, "hidden_size", int, positive=True)
+        for name in ("rope_scaling", "rope_parameters"):
+            config_field(hf, name, dict, None)
+        config_field(hf, "rope_theta", float, None)
         theta, scaling = rope_from_hf(hf)
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
+            vocab_size=config_field(hf, "vocab_size", int, positive=True),
+            hidden_size=hidden,
+            intermediate_size=config_field(hf, "intermediate_size", int, positive=True),
+            num_hidden_layers=config_field(hf, "num_hidden_layers", int, positive=True),
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            num_key_value_heads=config_field(hf, "num_key_value_heads", int, heads, positive=True),
+            head_dim=config_field(hf, "head_dim", int, hidden // heads, positive=True),
+            rms_norm_eps=config_field(hf, "rms_norm_eps", float, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
-            torch_dtype=hf.get("torch_dtype", hf.get("dtype")),
+            max_position_embeddings=config_field(hf, "max_position_embeddings", int, 2048, positive=True),
+            tie_word_embeddings=config_field(hf, "tie_word_embeddings", bool, False),
+            attention_bias=config_field(hf, "attention_bias", bool, False),
+            mlp_bias=config_field(hf, "mlp_bias", bool, False),
+            torch_dtype=config_field(hf, "torch_dtype", str, None) or config_field(hf, "dtype", str, None),
             quantization=parse_quantization_config(hf),
         )
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .clip import CLIPVisionConfig, CLIPVisionModel, activation
+from .layers import ConfigError
 from .llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -72,25 +73,29 @@ class LlavaConfig:
     def from_hf(cls, hf: dict[str, Any]) -> LlavaConfig:
         text = dict(hf.get("text_config") or {})
         if text.get("model_type", "llama") != "llama":
-            raise ValueError(f"text_config.model_type: expected 'llama' (Llava 1.5's language model); "
+            raise ConfigError(f"text_config.model_type: expected 'llama' (Llava 1.5's language model); "
                              f"got {text['model_type']!r}")
         vision = hf.get("vision_config")
         if vision is not None and vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"vision_config.model_type: expected 'clip_vision_model'; got {vision['model_type']!r}")
+            raise ConfigError(f"vision_config.model_type: expected 'clip_vision_model'; got {vision['model_type']!r}")
         text = {**_LLAMA_DEFAULTS, **text}
         if hf.get("tie_word_embeddings"):  # transformers 5 keeps the flag at the top level
             text["tie_word_embeddings"] = True
         strategy = hf.get("vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy: expected 'default' (drop CLS) or 'full'; "
+            raise ConfigError(f"vision_feature_select_strategy: expected 'default' (drop CLS) or 'full'; "
                              f"got {strategy!r}")
         layer = hf.get("vision_feature_layer", -2)
         if not (isinstance(layer, int) or (isinstance(layer, list) and layer and all(isinstance(i, int) for i in layer))):
-            raise ValueError(f"vision_feature_layer: expected an int or a non-empty list of ints; got {layer!r}")
+            raise ConfigError(f"vision_feature_layer: expected an int or a non-empty list of ints; got {layer!r}")
         act = hf.get("projector_hidden_act", "gelu")
         activation(act, "projector_hidden_act")
+        try:
+            text_config = LlamaConfig.from_hf(text)
+        except ConfigError as e:
+            raise ConfigError(f"text_config.{e}") from None
         config = cls(
-            text_config=LlamaConfig.from_hf(text),
+            text_config=text_config,
             vision_config=CLIPVisionConfig.from_hf(_LLAVA_VISION_DEFAULTS if vision is None else vision),
             image_token_index=hf.get("image_token_index", hf.get("image_token_id", 32000)),
             projector_hidden_act=act,
@@ -100,7 +105,7 @@ class LlavaConfig:
             torch_dtype=hf.get("torch_dtype", hf.get("dtype")) or text.get("torch_dtype", text.get("dtype")),
         )
         if not 0 <= config.image_token_index < config.vocab_size:
-            raise ValueError(f"image_token_index: expected a token id in [0, vocab_size={config.vocab_size}); "
+            raise ConfigError(f"image_token_index: expected a token id in [0, vocab_size={config.vocab_size}); "
                              f"got {config.image_token_index}")
         return config
 

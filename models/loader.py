@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import default_dtype
+from .layers import ConfigError, default_dtype
 from .quantization import QuantizationError
 
 logger = logging.getLogger(__name__)
@@ -127,10 +127,15 @@ def build_model(config: dict[str, Any], dtype: torch.dtype | str | None = None,
                               f"quantized here; quantized architectures: {', '.join(quantized)}")
     try:
         model_config = cls.config_class.from_hf(config)
+        if dtype is None and model_config.torch_dtype is not None:
+            try:
+                parse_dtype(model_config.torch_dtype)
+            except ValueError as e:
+                raise ConfigError(f"torch_dtype: {e}") from None
         dt = parse_dtype(dtype if dtype is not None else model_config.torch_dtype)
         with default_dtype(dt), torch.device(device or "cpu"):
             model = cls(model_config)
-    except QuantizationError as e:
+    except (QuantizationError, ConfigError) as e:
         raise CheckpointError(f"{_config_file(where)}: {e}") from None
     return model.eval().requires_grad_(False)
 

@@ -1,6 +1,7 @@
 """load_model: single and sharded checkpoints, built-in names, and every error case, named."""
 
 import json
+import re
 import os
 import shutil
 
@@ -292,3 +293,56 @@ def test_float_checkpoint_of_a_quantized_config_names_the_weights(ckpt, tmp_path
     with pytest.raises(CheckpointError, match=r"\d+ missing tensor\(s\): .*weight_scale(.|\n)*dtype mismatch: "
                                               r".*\.weight: expected F8_E4M3 \(fp8 e4m3\), checkpoint has F32"):
         load_model(path)
+
+
+def edit_config(path, **changes):
+    """Set config.json fields (``...`` drops one); the file, escaped for a regex."""
+    file = os.path.join(path, "config.json")
+    cfg = json.load(open(file))
+    for k, v in changes.items():
+        if v is ...:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    json.dump(cfg, open(file, "w"))
+    return re.escape(file)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"sliding_window": 16}, r"sliding_window: 16 \(sliding-window attention, e\.g\. Mistral\) is not supported by "
+                             r"LlamaForCausalLM \(supported: null, or at least max_position_embeddings=\d+\)"),
+    ({"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported by LlamaForCausalLM \(supported: 'silu'\)"),
+    ({"hidden_size": "4096"}, r"hidden_size: expected an int; got '4096' \(str\)"),
+    ({"num_hidden_layers": 2.0}, r"num_hidden_layers: expected an int; got 2\.0 \(float\)"),
+    ({"rms_norm_eps": "1e-5"}, r"rms_norm_eps: expected a number; got '1e-5' \(str\)"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings: expected a bool \(true/false\); got 'false'"),
+    ({"num_attention_heads": 0}, r"num_attention_heads: expected a positive int; got 0"),
+    ({"vocab_size": ...}, r"vocab_size: required field is missing \(expected an int\)"),
+    ({"intermediate_size": None}, r"intermediate_size: required field is missing"),
+    ({"torch_dtype": "float64", "dtype": ...}, r"torch_dtype: dtype: expected one of"),
+])
+def test_config_the_model_would_ignore_or_cannot_read(ckpt, tmp_path, changes, message):
+    path = copy_ckpt(ckpt, tmp_path / "c")
+    file = edit_config(path, **changes)
+    with pytest.raises(CheckpointError, match=f"^{file}: {message}"):
+        load_model(path)
+
+
+def test_config_a_mistral_relabelled_llama_is_refused_by_name(ckpt, tmp_path):
+    # A Mistral config.json (sliding window below the context) under LlamaForCausalLM.
+    path = copy_ckpt(ckpt, tmp_path / "c")
+    edit_config(path, model_type="mistral", sliding_window=4, max_position_embeddings=64)
+    with pytest.raises(CheckpointError, match=r"config\.json: sliding_window: 4 .*not supported by LlamaForCausalLM"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("changes", [
+    {"sliding_window": None},  # Mistral v0.2+: no window
+    {"sliding_window": 1 << 20},  # a window past the context changes nothing
+    {"sliding_window": 4, "use_sliding_window": False},  # Qwen2-style: window given, off
+    {"hidden_act": ...},  # absent: silu
+])
+def test_config_fields_that_change_nothing_load(ckpt, tmp_path, changes):
+    path = copy_ckpt(ckpt, tmp_path / "c")
+    edit_config(path, **changes)
+    assert isinstance(load_model(path), LlamaForCausalLM)
