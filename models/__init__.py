@@ -1,17 +1,38 @@
 """Reference models (Llama, Gemma 2, Llava), checkpoint loading, the paged-attention op, the ``LLM`` runner
 and its text API (``SamplingParams``, ``RequestOutput``)."""
 
-from .attention import Attention, attention, attention_native, write_kv_cache
-from .forward_context import AttentionMetadata, ForwardContext, get_forward_context, set_forward_context
-from .engine.kv_cache import KVCache, attention_layers
-from .gemma2 import Gemma2Config, Gemma2ForCausalLM, Gemma2Model
-from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
-from .loader import CheckpointError, load_model, supported_architectures
-from .quant_linear import QuantLinear, QuantMergedLinear
-from .quantization import QuantizationConfig, QuantScheme, parse_quantization_config
-from .registry import BUILTIN_MODELS
-from .sampling_params import SamplingParams
-from .engine import LLM, GenerateStats, RequestOutput
+# Imported on first use (PEP 562), so `import models` (and `dynamo-once --help`) does not import torch.
+_LAZY = {
+    "Attention": ".attention",
+    "attention": ".attention",
+    "attention_native": ".attention",
+    "write_kv_cache": ".attention",
+    "AttentionMetadata": ".forward_context",
+    "ForwardContext": ".forward_context",
+    "get_forward_context": ".forward_context",
+    "set_forward_context": ".forward_context",
+    "KVCache": ".engine.kv_cache",
+    "attention_layers": ".engine.kv_cache",
+    "Gemma2Config": ".gemma2",
+    "Gemma2ForCausalLM": ".gemma2",
+    "Gemma2Model": ".gemma2",
+    "LlamaConfig": ".llama",
+    "LlamaForCausalLM": ".llama",
+    "LlamaModel": ".llama",
+    "CheckpointError": ".loader",
+    "load_model": ".loader",
+    "supported_architectures": ".loader",
+    "QuantLinear": ".quant_linear",
+    "QuantMergedLinear": ".quant_linear",
+    "QuantizationConfig": ".quantization",
+    "QuantScheme": ".quantization",
+    "parse_quantization_config": ".quantization",
+    "BUILTIN_MODELS": ".registry",
+    "SamplingParams": ".sampling_params",
+    "LLM": ".engine",
+    "GenerateStats": ".engine",
+    "RequestOutput": ".engine",
+}
 
 __all__ = [
     "Attention",
@@ -44,3 +65,17 @@ __all__ = [
     "supported_architectures",
     "write_kv_cache",
 ]
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
