@@ -9,14 +9,14 @@ import argparse
 import json
 import sys
 
-from dispatcher import compile_cache
-
 
 class _Error(Exception):
     pass
 
 
 def _one_key(prefix: str) -> str:
+    from dispatcher import compile_cache  # after parsing: --help without torch
+
     keys = compile_cache.find_keys(prefix)
     if not keys:
         raise _Error(f"no entry {prefix!r} in {compile_cache.cache_root()}")
@@ -26,6 +26,8 @@ def _one_key(prefix: str) -> str:
 
 
 def _list(args: argparse.Namespace) -> None:
+    from dispatcher import compile_cache  # after parsing: --help without torch
+
     entries = compile_cache.list_entries()
     print(f"{compile_cache.cache_root()}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
     for key, path, header in entries:
@@ -38,6 +40,8 @@ def _list(args: argparse.Namespace) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
+    from dispatcher import compile_cache  # after parsing: --help without torch
+
     key = _one_key(args.key)
     path = compile_cache.cache_root() / f"{key}{compile_cache.SUFFIX}"
     try:
@@ -53,6 +57,8 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _clear(args: argparse.Namespace) -> None:
+    from dispatcher import compile_cache  # after parsing: --help without torch
+
     keys = [_one_key(args.key)] if args.key else [k for k, _, _ in compile_cache.list_entries()]
     for key in keys:
         compile_cache.remove_entry(key)

@@ -18,9 +18,9 @@ def _overhead(argv: list[str]) -> int:
 def _env(argv: list[str]) -> int:
     import os
 
+    argparse.ArgumentParser(prog="dynamo-once env", description="show DYNAMO_ONCE_* variables").parse_args(argv)
     from dispatcher import envs, get_compilation_config
 
-    argparse.ArgumentParser(prog="dynamo-once env", description="show DYNAMO_ONCE_* variables").parse_args(argv)
     for name, doc in envs.ENV_VARS.items():
         print(f"{name}={os.environ.get(name, '')!s:12} {doc}")
     print(f"\neffective config: {get_compilation_config()}")
@@ -70,14 +70,18 @@ def _quantized_model(model: str, quantization: str | None) -> str:
     return name
 
 
-def _resolve_model(prog: str, args: argparse.Namespace) -> bool:
-    """Set ``args.model`` to what ``--quantization`` asks for; False (after a one-line error) if it cannot."""
-    try:
-        args.model = _quantized_model(args.model, args.quantization)
-    except ValueError as e:  # CheckpointError included
-        print(f"{prog}: {e}", file=sys.stderr)
-        return False
-    return True
+class UserError(ValueError):
+    """A mistake on the command line: :func:`main` prints it as one line and exits 2."""
+
+
+#: What a command raises for input the user can fix (CheckpointError, a bad flag or DYNAMO_ONCE_* value,
+#: SamplingParams, no tokenizer, a missing optional package, a path that cannot be read or written):
+#: one line and exit 2, the traceback only with --verbose.
+USER_ERRORS = (ValueError, ImportError, OSError)
+
+
+def _verbose_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true", help="a traceback with errors")
 
 
 def _builtin_names() -> list[str]:
@@ -95,13 +99,15 @@ def _device(name: str | None) -> str:
 def _generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="dynamo-once generate",
-        description="continue --prompt (text, with the checkpoint's tokenizer), or, without it, generate tokens "
-                    "after random token prompts (benchmarking: prints ids and step timing)")
+        description="continue --prompt (text, with the checkpoint's tokenizer), or, with --random-prompts, generate "
+                    "tokens after random token prompts (benchmarking: prints ids and step timing)")
     _model_args(p)
     p.add_argument("--level", default=None, help="compilation level 0-4 (default: DYNAMO_ONCE_COMPILE_LEVEL, else 3)")
     p.add_argument("--prompt", default=None, help="text to continue; the generated text streams to stdout")
     p.add_argument("--chat", action="store_true", help="--prompt is a user message, through the chat template")
-    p.add_argument("--num-prompts", type=int, default=4, help="random prompts (without --prompt)")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="benchmarking: prompts of random token ids (no tokenizer needed); prints ids and step timing")
+    p.add_argument("--num-prompts", type=int, default=4, help="random prompts (with --random-prompts)")
     p.add_argument("--prompt-len", type=int, default=16, help="longest random prompt; the others are shorter")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
                    help="tokens to generate per prompt (default 16)")
@@ -110,17 +116,14 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None, help="default: all tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="a traceback with errors")
+    _verbose_arg(p)
     args = p.parse_args(argv)
-    if not _resolve_model(p.prog, args):
-        return 2
-    try:
-        return _generate_text(args) if args.prompt is not None else _generate_random(args)
-    except (ValueError, ImportError) as e:  # CheckpointError, SamplingParams, no tokenizer: the user's to fix
-        if args.verbose:
-            raise
-        print(f"{p.prog}: {e}".splitlines()[0], file=sys.stderr)
-        return 2
+    args.model = _quantized_model(args.model, args.quantization)
+    if args.prompt is None and not args.random_prompts:
+        raise UserError("give --prompt TEXT (or --random-prompts for prompts of random token ids)")
+    if args.prompt is not None and args.random_prompts:
+        raise UserError("give --prompt or --random-prompts, not both")
+    return _generate_text(args) if args.prompt is not None else _generate_random(args)
 
 
 def _llm(args: argparse.Namespace) -> Any:
@@ -175,8 +178,6 @@ def _generate_random(args: argparse.Namespace) -> int:
 
 
 def _diagnose(argv: list[str]) -> int:
-    from models.diagnose import diagnose
-
     p = argparse.ArgumentParser(
         prog="dynamo-once diagnose",
         description="run levels 0, 1, 2 (and 3) on the same input and say what their differences mean")
@@ -184,9 +185,11 @@ def _diagnose(argv: list[str]) -> int:
     p.add_argument("--levels", default="0,1,2,3", help="comma-separated (default 0,1,2,3)")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--tolerance", type=float, default=None, help="on max |logits diff| (default 1e-3 fp32, 5e-2 else)")
+    _verbose_arg(p)
     args = p.parse_args(argv)
-    if not _resolve_model(p.prog, args):
-        return 2
+    args.model = _quantized_model(args.model, args.quantization)
+    from models.diagnose import diagnose
+
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     report = diagnose(args.model, levels=levels, max_new_tokens=args.max_new_tokens, tolerance=args.tolerance,
                       dtype=args.dtype, device=_device(args.device))
@@ -197,7 +200,7 @@ def _diagnose(argv: list[str]) -> int:
 
 
 COMMANDS = {
-    "generate": (_generate, "continue --prompt with a checkpoint's tokenizer, or random token prompts (ids, timing)"),
+    "generate": (_generate, "continue --prompt with a checkpoint's tokenizer, or --random-prompts (ids, timing)"),
     "serve": (lambda argv: __import__("models.serve.cli", fromlist=["main"]).main(argv),
               "an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (streaming), /v1/models"),
     "diagnose": (_diagnose, "run levels 0, 1, 2, 3 on the same input; report differences, compile time, step latency"),
@@ -220,7 +223,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return COMMANDS[cmd][0](rest)
+    # Every command: a user error is one line and exit 2, the traceback only with --verbose (which the
+    # commands' parsers take; the others have it removed here).
+    verbose = "--verbose" in rest
+    if cmd not in ("generate", "diagnose", "serve"):
+        rest = [a for a in rest if a != "--verbose"]
+    try:
+        return COMMANDS[cmd][0](rest)
+    except USER_ERRORS as e:
+        if verbose:
+            raise
+        print(f"dynamo-once {cmd}: {e}".splitlines()[0], file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

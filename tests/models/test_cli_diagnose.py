@@ -51,7 +51,7 @@ def test_cli_diagnose_tiny_llama(capsys):
 
 
 def test_cli_generate(capsys):
-    assert main(["generate", "--model", "tiny-llama", "--level", "2", "--num-prompts", "3", "--max-new-tokens", "5",
-                 "--device", "cpu"]) == 0
+    assert main(["generate", "--model", "tiny-llama", "--level", "2", "--random-prompts", "--num-prompts", "3",
+                 "--max-new-tokens", "5", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.count("prompt (") == 3 and "level 2 (DYNAMO_ONCE)" in out and "median decode step" in out

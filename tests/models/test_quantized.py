@@ -222,15 +222,15 @@ def test_unquantized_models_keep_float_layers():
 def test_cli_quantization(quantized, capsys):
     from models.cli import main
 
-    assert main(["generate", "--model", "tiny-llama", "--quantization", "fp8", "--level", "0", "--num-prompts", "2",
-                 "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert main(["generate", "--model", "tiny-llama", "--quantization", "fp8", "--level", "0",
+                 "--random-prompts", "--num-prompts", "2", "--max-new-tokens", "3", "--device", "cpu"]) == 0
     assert "model tiny-llama-fp8 (LlamaForCausalLM" in capsys.readouterr().out
     assert main(["diagnose", "--model", "tiny-llama-int8", "--quantization", "int8", "--levels", "0,2",
                  "--max-new-tokens", "3", "--device", "cpu"]) == 0
     assert "0 vs 2: 0  agree" in capsys.readouterr().out
     path = quantized("fp8-static")[0]
-    assert main(["generate", "--model", path, "--quantization", "fp8", "--level", "0", "--num-prompts", "1",
-                 "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert main(["generate", "--model", path, "--quantization", "fp8", "--level", "0",
+                 "--random-prompts", "--num-prompts", "1", "--max-new-tokens", "2", "--device", "cpu"]) == 0
     capsys.readouterr()
     for argv, message in [
         (["--model", "tiny-llama", "--quantization", "int4"],
