@@ -190,13 +190,19 @@ def _diagnose(argv: list[str]) -> int:
     args.model = _quantized_model(args.model, args.quantization)
     from models.diagnose import diagnose
 
-    levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    from dispatcher import CompilationLevel
+
+    try:
+        levels = [int(CompilationLevel.parse(x.strip())) for x in args.levels.split(",") if x.strip()]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"--levels: expected comma-separated compilation levels 0-4, e.g. 0,1,2,3; "
+                        f"got {args.levels!r}") from None
     report = diagnose(args.model, levels=levels, max_new_tokens=args.max_new_tokens, tolerance=args.tolerance,
                       dtype=args.dtype, device=_device(args.device))
     print(f"diagnose {args.model}: levels {', '.join(map(str, levels))} on one batch of prompts of different "
           f"lengths (prefill and decode mixed), fed the same tokens\n")
     print(report.format())
-    return 0
+    return 0 if report.max_diff else 1  # compared nothing (TORCH_COMPILE_DISABLE=1 made every level 0)
 
 
 COMMANDS = {

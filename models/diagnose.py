@@ -69,7 +69,11 @@ class DiagnoseReport:
         if (2, 3) in self.max_diff and not self.agree(2, 3):
             lines.append("level 3 differs from level 2 beyond the tolerance: Inductor's numerics (or a bug in a "
                          "fused kernel).")
-        if not lines:
+        if not self.max_diff:
+            ran = ", ".join(str(lv) for lv in self.results) or "none"
+            lines.append(f"compared nothing: fewer than two distinct levels ran (levels run: {ran}); give at least "
+                         "two, e.g. --levels 0,1,2,3 (TORCH_COMPILE_DISABLE=1 runs every level as level 0).")
+        elif not lines:
             lines.append("all levels agree: levels 3/4 (Inductor) are safe to try.")
         return lines
 
@@ -104,8 +108,15 @@ def diagnose(model: str | Callable[[], nn.Module], levels: Sequence[int] = (0, 1
         prompts: default :data:`DEFAULT_PROMPTS` (clipped to the vocabulary).
         max_num_tokens: per-step token budget; small, so prefill and decode share steps.
         tolerance: on ``max |logits difference|``; default 1e-3 in fp32, 5e-2 otherwise.
+
+    Raises:
+        ValueError: fewer than two distinct levels (nothing to compare). A level that ran as another
+            (``TORCH_COMPILE_DISABLE=1``: every level as 0) counts once; a report with nothing compared says so.
     """
-    levels = [int(CompilationLevel.parse(lv)) for lv in levels]
+    levels = list(dict.fromkeys(int(CompilationLevel.parse(lv)) for lv in levels))
+    if len(levels) < 2:
+        raise ValueError(f"levels {levels}: fewer than two distinct levels, so it would compare nothing; "
+                         "give at least two, e.g. 0,1,2,3")
     results: dict[int, LevelResult] = {}
     forced: dict[tuple[int, int], int] = {}
     model_dtype = None
@@ -130,12 +141,17 @@ def diagnose(model: str | Callable[[], nn.Module], levels: Sequence[int] = (0, 1
             return out
 
         llm.run(batch, max_new_tokens, choose)
-        results[lv] = LevelResult(CompilationLevel(lv), llm.compile_time_s, llm.stats.median_decode_step_s,
+        if int(llm.level) in results:  # TORCH_COMPILE_DISABLE=1 ran this level as level 0 (with a warning)
+            del llm
+            continue
+        results[int(llm.level)] = LevelResult(CompilationLevel(int(llm.level)), llm.compile_time_s, llm.stats.median_decode_step_s,
                                   compilation_counter.num_recompiles - before, steps)
         logger.info("diagnose: level %d done", lv)
         del llm
     if tolerance is None:
         tolerance = 1e-3 if model_dtype == torch.float32 else 5e-2
     pairs = [(a, b) for a, b in ((0, 1), (1, 2), (0, 2), (2, 3), (3, 4)) if a in results and b in results]
+    first = next(iter(results))
+    pairs += [(first, lv) for lv in results if lv != first and not any(lv in p for p in pairs)]  # e.g. 0,3
     max_diff = {(a, b): _max_diff(results[a].logits, results[b].logits) for a, b in pairs}
     return DiagnoseReport(results, max_diff, tolerance)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dispatcher import envs
 from dispatcher import (
     CompilationConfig,
     CompilationLevel,
@@ -112,6 +113,10 @@ class LLM:
                 raise ValueError("LLM: level applies when the LLM builds the model; a model passed in "
                                  "already read its level at construction (pass a name, path or factory)")
             config.level = CompilationLevel.parse(level)
+        if config.level != CompilationLevel.NO_COMPILATION and envs.torch_compile_disabled():
+            logger.warning("TORCH_COMPILE_DISABLE=1 disables torch.compile: running level 0 (no compilation) "
+                           "instead of level %d (%s)", int(config.level), config.level.name)
+            config.level = CompilationLevel.NO_COMPILATION
         self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
         self._execute = self.startup.first_token(self._execute)
         t0 = time.perf_counter()

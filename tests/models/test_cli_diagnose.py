@@ -1,5 +1,6 @@
 """diagnose: agreement on tiny-llama, the 1-vs-2 disagreement of a model with a branch on T; the CLI."""
 
+import pytest
 import torch
 
 from models import LlamaForCausalLM, LlamaModel, load_model
@@ -55,3 +56,41 @@ def test_cli_generate(capsys):
                  "--max-new-tokens", "5", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert out.count("prompt (") == 3 and "level 2 (DYNAMO_ONCE)" in out and "median decode step" in out
+
+
+@pytest.mark.parametrize("levels", ["2", "1,1", "0,0,NO_COMPILATION"])
+def test_cli_diagnose_fewer_than_two_levels_compares_nothing(levels, capsys):
+    assert main(["diagnose", "--model", "tiny-llama", "--levels", levels, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fewer than two distinct levels, so it would compare nothing" in err
+    assert "agree" not in err
+
+
+@pytest.mark.parametrize("levels", ["0,banana", "0,7", "zero"])
+def test_cli_diagnose_bad_levels_is_one_line(levels, capsys):
+    assert main(["diagnose", "--model", "tiny-llama", "--levels", levels, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("dynamo-once diagnose: --levels: expected comma-separated compilation levels "
+                                       f"0-4, e.g. 0,1,2,3; got {levels!r}\n")
+
+
+def test_cli_diagnose_levels_off_the_usual_pairs_are_compared(capsys):
+    assert main(["diagnose", "--model", "tiny-llama", "--levels", "0,3", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0
+    assert "0 vs 3: " in capsys.readouterr().out
+
+
+def test_torch_compile_disable_runs_an_explicit_level_as_0(monkeypatch, caplog, capsys):
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    from models import LLM
+
+    with caplog.at_level("WARNING"):
+        llm = LLM("tiny-llama", level=2, max_num_tokens=16, device="cpu")
+    assert int(llm.level) == 0
+    assert "TORCH_COMPILE_DISABLE=1 disables torch.compile: running level 0 (no compilation) instead of level 2" \
+        in caplog.text
+    assert len(llm.generate([[1, 2, 3]], 2)[0]) == 2
+    # diagnose: every level ran as 0, so it compared nothing: said so, exit 1 (not "all levels agree")
+    assert main(["diagnose", "--model", "tiny-llama", "--levels", "0,2", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "compared nothing: fewer than two distinct levels ran (levels run: 0)" in out and "safe" not in out
