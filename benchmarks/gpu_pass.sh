@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep|serve ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -62,6 +62,9 @@ for step in $steps; do
                 --models llama-3.2-1b --out "$R/llama-3.2-1b" 2>&1 | tee "$R/decode1b.log" | grep -E "^\{|Error" ;;
     decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --generate --iters 30 --models llama-3-8b \
                 --out "$R/llama-3-8b" 2>&1 | tee "$R/decode8b.log" | grep -E "^\{|Error" ;;
+    serve)    # issue 14: the OpenAI-compatible server (openai client, in-process uvicorn) against offline LLM.generate
+              timeout ${SERVE_TIMEOUT:-560} python3 -m benchmarks.serve --models ${SERVE_MODELS:-llama-3.2-1b,llama-3-8b} \
+                --out "$R/serve" 2>&1 | tee "$R/serve.log" | grep -E "^\{|Error" ;;
     gemm)     # the 8B linear stack + lm_head at M 1/8/32/128: cuBLAS against the small-M Triton GEMM
               timeout 240 python3 -m benchmarks.gemm --out "$R/gemm" 2>&1 | tee "$R/gemm.log" \
                 | grep -E "'ours'|Error" ;;

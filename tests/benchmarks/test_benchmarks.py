@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import common, decode, guard_overhead, runner_host
+from benchmarks import common, decode, guard_overhead, runner_host, serve
 
 
 def read_csv(path):
@@ -49,6 +49,17 @@ def test_decode_quick_writes_every_mode_and_the_end_to_end_step(tmp_path):
     prefill = read_csv(tmp_path / "prefill_quick_tiny-llama.csv")
     assert {r["mode"] for r in prefill} == {"eager", "level 1", "level 3"}
     assert os.path.getsize(tmp_path / "decode_quick_tiny-llama.png") > 0
+
+
+@pytest.mark.slow
+def test_serve_quick_compares_served_with_offline_and_writes_its_files(tmp_path):
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    rows = serve.main(["--quick", "--out", str(tmp_path)])
+    assert [(r["concurrency"], r["metric"]) for r in rows] == [(1, "ms/token"), (4, "tokens/s")]
+    assert all(r["served"] > 0 and r["offline"] > 0 for r in rows)
+    assert len(read_csv(tmp_path / "serve_quick.csv")) == 2
+    assert os.path.getsize(tmp_path / "serve_quick.png") > 0
 
 
 @pytest.mark.slow

@@ -1,0 +1,231 @@
+"""The OpenAI-compatible server against offline ``LLM.generate`` on the same ``models.LLM`` (issue 14).
+
+For each model (built-in random weights, level 3), the server runs in-process (uvicorn in a thread,
+127.0.0.1, an ephemeral port) and the official ``openai`` client drives ``/v1/completions`` with
+token-id prompts of ``--prompt-len`` random tokens and ``ignore_eos`` (the vLLM extension the server
+takes), so every request generates exactly ``--max-tokens`` tokens:
+
+- concurrency 1: time per output token of a streamed request, (last token's arrival - first token's) /
+  (tokens after the first chunk), median over ``--repeats`` requests, against the median decode step of
+  ``LLM.generate`` on the same request;
+- concurrency C (``--concurrency``, default 16, 64): C clients (threads) released together, output
+  tokens/s = all their tokens / (last response - release), against ``LLM.generate`` of the same C
+  requests as one list (tokens / its wall time).
+
+Built-in models have no tokenizer, and the server streams text: the LLM gets :class:`IdTokenizer`, which
+writes token ``i`` as ``" i"`` (the offline runs detokenize with it too, so both sides pay the same).
+``ratio`` is served / offline (ms per token: at most 1.05 is the target; tokens/s: at least 0.9).
+Usage: ``python -m benchmarks.serve [--models llama-3.2-1b,llama-3-8b] [--out DIR]``; ``--quick``
+runs tiny-llama on the CPU at concurrency 1 and 4 to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import common
+
+TARGETS = {"ms/token": 1.05, "tokens/s": 0.9}  # served / offline: at most (latency), at least (throughput)
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for random-weight models: token ``i`` decodes to ``" i"``; no text way in."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        raise ValueError("IdTokenizer: send token ids")
+
+    def decode(self, ids: Any, **_: Any) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+def start_server(llm: Any, model_name: str) -> tuple[str, Any]:
+    """uvicorn serving ``llm`` in a daemon thread on a free port of 127.0.0.1; (base url, server)."""
+    import uvicorn
+
+    from models.serve.app import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name), log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not start in 60 s")
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def served_ms_per_token(client: Any, model: str, prompt: list[int], max_tokens: int) -> float:
+    """One streamed request: ms per output token after the first chunk (each token is one word)."""
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = last = None
+    after_first = tokens = 0
+    for chunk in stream:
+        if not chunk.choices or not chunk.choices[0].text:
+            continue
+        n = len(chunk.choices[0].text.split())
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        else:
+            after_first += n
+        last, tokens = now, tokens + n
+    if tokens != max_tokens or after_first == 0:
+        raise RuntimeError(f"a streamed request gave {tokens} tokens, not {max_tokens}")
+    return (last - first) / after_first * 1e3
+
+
+def served_tokens_per_s(client: Any, model: str, batch: list[list[int]], max_tokens: int) -> float:
+    """``len(batch)`` clients (threads) released together, one request each; output tokens / wall time."""
+    barrier = threading.Barrier(len(batch) + 1)
+    done: list[tuple[float, int]] = []
+    errors: list[BaseException] = []
+
+    def one(prompt: list[int]) -> None:
+        barrier.wait()
+        try:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            done.append((time.perf_counter(), r.usage.completion_tokens))
+        except BaseException as e:  # noqa: BLE001  (re-raised below, on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in batch]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    tokens = sum(n for _, n in done)
+    if tokens != max_tokens * len(batch):
+        raise RuntimeError(f"{len(batch)} requests gave {tokens} tokens, not {max_tokens * len(batch)}")
+    return tokens / (max(t for t, _ in done) - t0)
+
+
+def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """``LLM.generate`` of ``batch``: (median decode step in ms, output tokens/s over the call's wall time)."""
+    from models import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    if tokens != max_tokens * len(batch):
+        raise RuntimeError(f"LLM.generate gave {tokens} tokens, not {max_tokens * len(batch)}")
+    return llm.stats.median_decode_step_s * 1e3, tokens / wall
+
+
+def row(model: str, concurrency: int, metric: str, served: float, off: float) -> dict[str, Any]:
+    ratio = served / off
+    ok = ratio <= TARGETS[metric] if metric == "ms/token" else ratio >= TARGETS[metric]
+    r = dict(model=model, concurrency=concurrency, metric=metric, served=round(served, 3),
+             offline=round(off, 3), ratio=round(ratio, 3), target=("PASS" if ok else "MISS"))
+    print(r, flush=True)
+    return r
+
+
+def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Every measurement of one model: one LLM, one server over it; offline and served runs alternate."""
+    import openai
+
+    from models import LLM
+
+    cmax = max(a.concurrency)
+    llm = LLM(name, level=a.level, max_num_tokens=max(512, cmax), max_num_seqs=cmax, dtype=dtype,
+              device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer())
+    url, server = start_server(llm, name)
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    vocab = llm.model.config.vocab_size
+    rows = []
+    try:
+        one = prompts(a.repeats, a.prompt_len, vocab, seed=1)
+        offline(llm, one[:1], a.max_tokens)  # warm-up, both sides
+        served_ms_per_token(client, name, one[0], a.max_tokens)
+        off = statistics.median(offline(llm, [p], a.max_tokens)[0] for p in one)
+        srv = statistics.median(served_ms_per_token(client, name, p, a.max_tokens) for p in one)
+        rows.append(row(name, 1, "ms/token", srv, off))
+        for c in a.concurrency:
+            if c == 1:
+                continue
+            batch = prompts(c, a.prompt_len, vocab, seed=c)
+            offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs, the clients' connections
+            served_tokens_per_s(client, name, batch, a.max_tokens)
+            off = statistics.median(offline(llm, batch, a.max_tokens)[1] for _ in range(a.batch_repeats))
+            srv = statistics.median(served_tokens_per_s(client, name, batch, a.max_tokens)
+                                    for _ in range(a.batch_repeats))
+            rows.append(row(name, c, "tokens/s", srv, off))
+    finally:
+        client.close()
+        server.should_exit = True
+    del llm
+    return rows
+
+
+def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device, tag: str) -> None:
+    common.write_results(
+        f"serve{tag}", rows, title="OpenAI-compatible server against offline LLM.generate", device=device,
+        out_dir=a.out,
+        notes=[f"prompts of {a.prompt_len} random token ids, {a.max_tokens} output tokens each (ignore_eos), "
+               f"greedy; level {a.level}; server in-process on 127.0.0.1, the openai client in threads",
+               "ms/token (concurrency 1): served = streamed (last token - first token) / tokens after the first; "
+               f"offline = LLM.generate's median decode step; median of {a.repeats} requests; target ratio <= 1.05",
+               f"tokens/s: all clients released together; offline = LLM.generate of the same requests as one list; "
+               f"median of {a.batch_repeats}; target ratio >= 0.9"])
+    speed = [dict(model=r["model"], concurrency=r["concurrency"],
+                  pct=round(100 * (1 / r["ratio"] if r["metric"] == "ms/token" else r["ratio"]), 1)) for r in rows]
+    common.plot_lines(f"serve{tag}", speed, x="concurrency", y="pct", series="model", logx=True, out_dir=a.out,
+                      title=f"Served speed as % of offline ({common.device_name(device)})",
+                      xlabel="concurrent clients", ylabel="% of offline (1: per token; else tokens/s)",
+                      hlines={"target c=1": 100 / TARGETS["ms/token"], "target c>1": 100 * TARGETS["tokens/s"]})
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
+    p.add_argument("--concurrency", default="1,16,64", help="client counts; 1 measures ms per token")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5, help="requests at concurrency 1 (median)")
+    p.add_argument("--batch-repeats", type=int, default=3, help="runs at each concurrency > 1 (median)")
+    p.add_argument("--level", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    a.concurrency = sorted({1, *(int(c) for c in a.concurrency.split(","))})
+    if a.quick:
+        device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]
+        a.concurrency, a.prompt_len, a.max_tokens, a.repeats, a.batch_repeats = [1, 4], 16, 8, 2, 1
+    else:
+        device, dtype, names = torch.device("cuda"), torch.bfloat16, a.models.split(",")
+    rows: list[dict[str, Any]] = []
+    tag = "_quick" if a.quick else ""
+    for name in names:
+        rows += bench_model(name, a, device, dtype)
+        save(rows, a, device, tag)  # after every model: a run cut short keeps what it measured
+    return rows
+
+
+if __name__ == "__main__":
+    main()
