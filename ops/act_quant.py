@@ -21,9 +21,8 @@ import torch
 from torch.library import wrap_triton
 
 from .norm_quant import check_quant_dtype, dynamic_quant_ref, static_quant_ref
-from .quant_fp8 import MIN_SCALE, _per_token_fp8_quant_kernel, check_quant_input, launch_per_token_quant, \
-    per_token_quant_config
-from .quant_int8 import INT8_MIN_SCALE, _per_token_int8_quant_kernel
+from .quant_fp8 import MIN_SCALE, check_quant_input, launch_per_token_quant, per_token_quant_config
+from .quant_int8 import INT8_MIN_SCALE
 from .gelu_and_mul import gelu_and_mul_ref
 from .silu_and_mul import GELU, GELU_TANH, SILU, act_and_mul_config, act_needs_int64, launch_act_and_mul, \
     silu_and_mul_ref
@@ -117,8 +116,7 @@ def _launch_act_and_mul_quant(
     int8 = quant_dtype == torch.int8
     if scale is None and config is None and (known_d is None or known_d > ONE_PASS_MAX):
         # Wider rows: the unfused kernels (the same values, one more round trip of the activation's output).
-        kernel = _per_token_int8_quant_kernel if int8 else _per_token_fp8_quant_kernel
-        return launch_per_token_quant(kernel, launch_act_and_mul(x, ACTIVATIONS[act]), quant_dtype,
+        return launch_per_token_quant(launch_act_and_mul(x, ACTIVATIONS[act]), quant_dtype,
                                       INT8_MIN_SCALE if int8 else MIN_SCALE)
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
     q = torch.empty((*x.shape[:-1], d), dtype=quant_dtype, device=x.device)

@@ -20,7 +20,6 @@ Outputs: ``q`` with ``x``'s shape (contiguous); ``scale`` fp32 of shape ``[1]``,
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch.library import wrap_triton
@@ -217,11 +216,12 @@ def _dynamic_fp8_quant_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, MIN_S: tl.co
 
 
 @triton.jit
-def _per_token_fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride, MIN_S: tl.constexpr,
-                                BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-                                INT64: tl.constexpr, PDL: tl.constexpr):
-    # ROWS rows a program, one scale each. ONE_PASS: a row fits one BLOCK and stays in registers between
-    # its amax and its quantization; else two loops over its blocks. Self-contained, as the kernels above.
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride, MIN_S: tl.constexpr,
+                            BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr, INT8: tl.constexpr,
+                            INT64: tl.constexpr, PDL: tl.constexpr):
+    # ROWS rows a program, one scale each; fp8 e4m3, or with INT8 int8 (quant_int8). ONE_PASS: a row fits one
+    # BLOCK and stays in registers between its amax and its quantization; else two loops over its blocks.
+    # Self-contained, as the kernels above.
     if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -244,17 +244,30 @@ def _per_token_fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_s
             xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(xb))
         amax = tl.max(acc, axis=1)
-    scale = tl.maximum(tl.div_rn(amax, 448.0), tl.full([ROWS], MIN_S, tl.float32))
+    if INT8:
+        scale = tl.maximum(tl.div_rn(amax, 127.0), tl.full([ROWS], MIN_S, tl.float32))
+    else:
+        scale = tl.maximum(tl.div_rn(amax, 448.0), tl.full([ROWS], MIN_S, tl.float32))
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     if ONE_PASS:
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -448.0), 448.0)
-        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        y = tl.div_rn(x, scale[:, None])
+        if INT8:
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+            q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
+        else:
+            q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_rows + cols[None, :], q, mask=mask)
     else:
         for start in range(0, n_cols, BLOCK):
             mask = row_ok[:, None] & (start + cols[None, :] < n_cols)
             xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.div_rn(xb, scale[:, None]), -448.0), 448.0)
-            tl.store(q_rows + start + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+            y = tl.div_rn(xb, scale[:, None])
+            if INT8:
+                y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+                q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+            else:
+                q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+            tl.store(q_rows + start + cols[None, :], q, mask=mask)
 
 
 def static_fp8_quant_config(n: int | None, element_size: int) -> tuple[int, int]:
@@ -350,12 +363,12 @@ def per_token_quant_config(n_cols: int | None) -> tuple[int, int, int]:
     return block, rows, max(1, min(16, block * rows // 256))
 
 
-def launch_per_token_quant(kernel: Any, x: torch.Tensor, q_dtype: torch.dtype, min_scale: float,
+def launch_per_token_quant(x: torch.Tensor, q_dtype: torch.dtype, min_scale: float,
                            config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch a per-token quant kernel over the rows of ``x``'s last dim; returns ``(q, scale)``, ``q`` of
-    ``x``'s shape in ``q_dtype``, ``scale`` fp32 of shape ``x.shape[:-1] + (1,)``.
+    """Quantize the rows of ``x``'s last dim per token to ``q_dtype`` (fp8 e4m3 or int8, scales at least
+    ``min_scale``); returns ``(q, scale)``, ``q`` of ``x``'s shape, ``scale`` fp32 of shape ``x.shape[:-1] + (1,)``.
 
-    Shared by ``_per_token_fp8_quant_kernel`` and quant_int8's kernel (same arguments). Rows may be strided
+    Shared by the fp8 and int8 ops (``_per_token_quant_kernel``). Rows may be strided
     (a 2-D ``x`` with unit column stride is read in place). ``config``: ``(BLOCK, ROWS, num_warps)``
     (default: :func:`per_token_quant_config`).
     """
@@ -369,9 +382,9 @@ def launch_per_token_quant(kernel: Any, x: torch.Tensor, q_dtype: torch.dtype, m
     known_cols, known_rows = known_int(n_cols), known_int(n_rows)
     block, rows, num_warps = config or per_token_quant_config(known_cols)
     known_n = known_rows * known_cols if known_rows is not None and known_cols is not None else None
-    wrap_triton(kernel)[(cdiv(n_rows, rows),)](
+    wrap_triton(_per_token_quant_kernel)[(cdiv(n_rows, rows),)](
         x2, q, scale, n_rows, n_cols, x2.stride(0), MIN_S=min_scale, BLOCK=block, ROWS=rows,
-        ONE_PASS=known_cols is not None and known_cols <= block,
+        ONE_PASS=known_cols is not None and known_cols <= block, INT8=q_dtype == torch.int8,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * n_cols), num_warps=num_warps,
         **pdl_args(pdl_launch(x, known_n)),
     )
@@ -397,7 +410,7 @@ def _dynamic_per_token_scaled_fp8_quant_op(x: torch.Tensor) -> tuple[torch.Tenso
     check_quant_input("dynamic_per_token_scaled_fp8_quant", x, per_token=True)
     if not use_triton(x):
         return dynamic_per_token_scaled_fp8_quant_ref(x)
-    return launch_per_token_quant(_per_token_fp8_quant_kernel, x, FP8_DTYPE, MIN_SCALE)
+    return launch_per_token_quant(x, FP8_DTYPE, MIN_SCALE)
 
 
 def static_scaled_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

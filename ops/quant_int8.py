@@ -80,49 +80,6 @@ def _static_int8_quant_kernel(x_ptr, scale_ptr, q_ptr, n, BLOCK: tl.constexpr, I
         tl.store(q_ptr + offs, q, mask=mask)
 
 
-@triton.jit
-def _per_token_int8_quant_kernel(x_ptr, q_ptr, scale_ptr, n_rows, n_cols, x_row_stride, MIN_S: tl.constexpr,
-                                 BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-                                 INT64: tl.constexpr, PDL: tl.constexpr):
-    # quant_fp8's _per_token_fp8_quant_kernel with the int8 rounding: ROWS rows a program, one scale each;
-    # ONE_PASS: a row fits one BLOCK and stays in registers between its amax and its quantization.
-    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    if INT64:
-        pid = pid.to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    cols = tl.arange(0, BLOCK)
-    x_rows = x_ptr + rows[:, None] * x_row_stride
-    q_rows = q_ptr + rows[:, None] * n_cols
-    if ONE_PASS:
-        mask = row_ok[:, None] & (cols[None, :] < n_cols)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-    else:
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            mask = row_ok[:, None] & (start + cols[None, :] < n_cols)
-            xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(xb))
-        amax = tl.max(acc, axis=1)
-    scale = tl.maximum(tl.div_rn(amax, 127.0), tl.full([ROWS], MIN_S, tl.float32))
-    tl.store(scale_ptr + rows, scale, mask=row_ok)
-    if ONE_PASS:
-        y = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -128.0), 127.0)
-        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see the comment above
-        tl.store(q_rows + cols[None, :], q, mask=mask)
-    else:
-        for start in range(0, n_cols, BLOCK):
-            mask = row_ok[:, None] & (start + cols[None, :] < n_cols)
-            xb = tl.load(x_rows + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.div_rn(xb, scale[:, None]), -128.0), 127.0)
-            q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
-            tl.store(q_rows + start + cols[None, :], q, mask=mask)
-
-
 def _launch_static_int8_quant(x: torch.Tensor, scale: torch.Tensor, config: tuple[int, int] | None = None
                               ) -> torch.Tensor:
     """``config``: ``(BLOCK, num_warps)``, default the static fp8 quant's (the same bytes read and written)."""
@@ -142,7 +99,7 @@ def _launch_static_int8_quant(x: torch.Tensor, scale: torch.Tensor, config: tupl
 def _launch_dynamic_int8_quant(x: torch.Tensor, config: tuple[int, int, int] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``config``: ``(BLOCK, ROWS, num_warps)`` (default: ``quant_fp8.per_token_quant_config``)."""
-    return launch_per_token_quant(_per_token_int8_quant_kernel, x, torch.int8, INT8_MIN_SCALE, config)
+    return launch_per_token_quant(x, torch.int8, INT8_MIN_SCALE, config)
 
 
 @triton_op("dynamo_once::static_scaled_int8_quant", mutates_args=())

@@ -200,7 +200,7 @@ def test_dynamic_int8_quant_configs_and_strided_rows(config):
 def test_per_token_fp8_quant(t, n):
     x = randn(t, n, dtype=torch.bfloat16, scale=4.0)
     x[t // 2] = 0
-    q, scale = fp8.launch_per_token_quant(fp8._per_token_fp8_quant_kernel, x, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+    q, scale = fp8.launch_per_token_quant(x, fp8.FP8_DTYPE, fp8.MIN_SCALE)
     _, scale_ref = fp8.dynamic_per_token_scaled_fp8_quant_ref(x)
     assert scale.shape == (t, 1) and torch.equal(scale, scale_ref)
     assert scale[t // 2].item() == fp8.MIN_SCALE
@@ -211,7 +211,7 @@ def test_per_token_fp8_quant(t, n):
 def test_per_token_fp8_quant_configs_and_strided_rows(config):
     wide = randn(10, 1500, dtype=torch.bfloat16, scale=4.0)
     x = wide[:, :769]
-    q, scale = fp8.launch_per_token_quant(fp8._per_token_fp8_quant_kernel, x, fp8.FP8_DTYPE, fp8.MIN_SCALE, config)
+    q, scale = fp8.launch_per_token_quant(x, fp8.FP8_DTYPE, fp8.MIN_SCALE, config)
     _, scale_ref = fp8.dynamic_per_token_scaled_fp8_quant_ref(x)
     assert torch.equal(scale, scale_ref)
     _fp8_equal(q, x, scale_ref)
