@@ -45,10 +45,16 @@ class PatternPass(GraphPass):
                 return
             t0 = time.perf_counter()
             patterns = compat.pattern_matcher_pass(self.name)
-            # Models are built under a default device (the loader's "cuda" or "meta"): the example inputs
-            # are CPU tensors whatever it is. A pattern holds no device: it matches graphs on any.
-            with torch.device("cpu"):
-                self.num_patterns = self.register_patterns(patterns)
+            # Models are built under a default device (the loader's "cuda" or "meta") and dtype (the model's):
+            # the example inputs are fp32 CPU tensors unless a pass says otherwise. A pattern holds no device:
+            # it matches graphs on any.
+            dtype = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float32)
+            try:
+                with torch.device("cpu"):
+                    self.num_patterns = self.register_patterns(patterns)
+            finally:
+                torch.set_default_dtype(dtype)
             self._patterns, self._prepared_for = patterns, key
         logger.debug("%s: %d patterns traced in %.2fs", self.name, self.num_patterns, time.perf_counter() - t0)
 

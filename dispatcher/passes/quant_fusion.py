@@ -66,9 +66,9 @@ def _quant_ops() -> list[tuple[QuantOp, Any]]:
 
 
 def _tensors(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
-    # fp32 whatever the default dtype (the loader builds models under theirs): scales must be fp32, and an opaque
-    # op's node matches inputs of any dtype.
-    return [torch.empty(s, dtype=torch.float32) for s in shapes]
+    # fp32 (PatternPass.prepare traces under that default): scales must be fp32, and an opaque op's node
+    # matches inputs of any dtype.
+    return [torch.empty(s) for s in shapes]
 
 
 # Each builder returns (search, replacement, example inputs). A search function returns every value the rest
