@@ -89,18 +89,24 @@ def parse_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.fl
     return _DTYPES[key]
 
 
+def read_json_object(file: str) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, generation_config.json, ...) holding one object, or a
+    CheckpointError naming the file."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: unreadable {os.path.basename(file)}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object; got {type(data).__name__}")
+    return data
+
+
 def read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory)")
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: unreadable config.json: {e}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: expected a JSON object; got {type(config).__name__}")
-    return config
+    return read_json_object(file)
 
 
 def model_class_for(config: dict[str, Any], where: str) -> type[nn.Module]:

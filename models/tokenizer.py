@@ -11,11 +11,10 @@ list) of ``generation_config.json``, else of ``config.json`` (or its ``text_conf
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from .loader import CheckpointError
+from .loader import CheckpointError, read_json_object
 
 __all__ = ["TOKENIZER_FILES", "eos_token_ids", "load_tokenizer"]
 
@@ -55,7 +54,7 @@ def eos_token_ids(model: str, tokenizer: Any = None) -> frozenset[int]:
         for name in ("generation_config.json", "config.json"):
             file = os.path.join(model, name)
             if os.path.isfile(file):
-                sources.append((file, _read_json(file)))
+                sources.append((file, read_json_object(file)))
     elif model in BUILTIN_MODELS:
         sources.append((model, BUILTIN_MODELS[model]))
     for where, config in sources:
@@ -67,17 +66,6 @@ def eos_token_ids(model: str, tokenizer: Any = None) -> frozenset[int]:
             return _ids(value, where)
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset() if eos is None else frozenset([int(eos)])
-
-
-def _read_json(file: str) -> dict[str, Any]:
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: unreadable: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object; got {type(data).__name__}")
-    return data
 
 
 def _ids(value: Any, where: str) -> frozenset[int]:
