@@ -386,27 +386,31 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
 
 
 def startup_child(name: str) -> None:
-    """In a fresh process: build ``models.LLM`` at level 3 with every default capture size; print JSON timings."""
+    """In a fresh process, as a user starts one: build ``models.LLM`` at level 3 with every default capture size,
+    generate one token; print the start-up phases (``LLM.startup``) and compile counters as JSON."""
+    import dataclasses
     import json
 
     from dispatcher import compilation_counter
     from models import LLM
 
-    t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     llm = LLM(name, level=3, max_num_tokens=512, max_num_seqs=256, dtype=torch.bfloat16 if cuda else torch.float32,
               device="cuda" if cuda else "cpu")
-    total = time.perf_counter() - t0
-    print(json.dumps({"model": name, "load_s": round(llm.load_time_s, 1),
-                      "trace_and_compile_s": round(llm.compile_time_s, 1), "capture_s": round(llm.capture_time_s, 1),
-                      "compile_and_capture_s": round(llm.compile_time_s + llm.capture_time_s, 1),
-                      "total_s": round(total, 1), "piecewise_sizes": len(llm.piece_sizes),
-                      "full_graph_sizes": len(llm.full_sizes),
+    llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=1)
+    st = dataclasses.asdict(llm.startup)
+    n_sizes = len(llm.full_sizes) + len(llm.piece_sizes)
+    print(json.dumps({"model": name, **{k: round(v, 2) if isinstance(v, float) else v for k, v in st.items()},
+                      "piecewise_sizes": len(llm.piece_sizes), "full_graph_sizes": len(llm.full_sizes),
+                      "capture_ms_per_graph": round(1e3 * llm.startup.capture_s / max(1, n_sizes), 1),
+                      "backend_compiles": compilation_counter.num_backend_compilations,
+                      "dynamo_traces": compilation_counter.num_graphs_seen,
                       "cuda_graphs_captured": compilation_counter.num_cudagraph_captured}), flush=True)
 
 
 def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> list[dict[str, Any]]:
-    """Level-3 start-up in a subprocess with empty Inductor and Triton caches (cold), then again (warm)."""
+    """Level-3 start-up in a subprocess with empty Inductor, Triton and dynamo-once caches (cold), then again with
+    the caches the first run left (warm)."""
     import json
     import os
     import subprocess
@@ -416,7 +420,8 @@ def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> lis
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"), DYNAMO_ONCE_CACHE_DIR=os.path.join(cache, "ours"))
+        env.pop("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", None)
         for kind in kinds:
             out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--startup-child", name], env=env,
                                  capture_output=True, text=True, check=False)
@@ -455,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--startup", nargs="?", const="cold,warm", default=None,
                    help="also measure level-3 start-up with every default capture size: cold (empty Inductor and "
                         "Triton caches) and/or warm (default: both)")
+    p.add_argument("--startup-only", action="store_true", help="with --startup: measure nothing else")
     p.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--generate", action="store_true",
                    help="also time a decode step of models.LLM.generate end to end (level 3; 16-token prompts, "
@@ -492,9 +498,14 @@ def main(argv: list[str] | None = None) -> None:
             common.write_results(
                 f"startup_all_sizes{tag}", measure_startup(name, tuple(a.startup.split(","))), device=device,
                 out_dir=a.out, title="Level-3 start-up of models.LLM with every default capture size",
-                notes=["fresh process each; cold: empty Inductor and Triton caches; warm: the same caches again",
+                notes=["fresh process each, process start to first token (one 8-token prompt); cold: empty Inductor, "
+                       "Triton and dynamo-once compile caches; warm: the caches the cold run left",
+                       "import_s: process start to LLM(...); trace_s: Dynamo's trace and first run; compile_s: "
+                       "Inductor or the compile cache's load; capture_s: every CUDA graph (piecewise and full)",
                        "max_num_tokens 512, max_num_seqs 256: piecewise and full graphs for sizes 1, 2, 4, 8, ..., 256",
                        "load_s: built-in random weights, no checkpoint read (models over 2^28 parameters draw them on the GPU)"])
+            if a.startup_only:
+                continue
 
         def save(rows: list, prefill_rows: list, startup: dict, tag: str = tag, name: str = name) -> None:
             """After every mode, so that a run cut short keeps what it measured."""

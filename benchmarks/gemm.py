@@ -202,14 +202,16 @@ _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 1
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
            (16, 64, 128, 1, True, 4, 4), (16, 64, 256, 1, True, 8, 3), (16, 32, 512, 1, True, 4, 3),
            (16, 32, 256, 2, True, 4, 4), (16, 32, 256, 4, True, 4, 4)]
+_DOT_WIDE = [(64, 64, 256, 1, True, 8, 3), (64, 128, 128, 1, True, 4, 3), (64, 128, 128, 1, True, 8, 3),
+             (128, 64, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 3), (128, 64, 256, 1, True, 8, 3)]
 
 
 def sweep_grid(m: int) -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``)."""
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16
-    if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows
+    if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
-        rows = [(bm,) + r[1:] for r in _DOT_16]
+        rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else [])
     return [SmallMConfig(*r) for r in rows]
 
 
@@ -280,9 +282,11 @@ SWEEP_COLUMNS = ["dtype", "M", "N", "K", "impl", *SmallMConfig.__dataclass_field
                  "correct", "table"]
 
 
-def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None) -> None:
-    cells = [(dtype, n, k) for dtype in DTYPES.values() for _, k, n in model.shapes]
-    cells.append((BF16, model.lm_head[2], model.lm_head[1]))  # the lm_head, unquantized in every model
+def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None,
+          dtypes: Sequence[str] = tuple(DTYPES)) -> None:
+    cells = [(DTYPES[d], n, k) for d in dtypes for _, k, n in model.shapes]
+    if "bf16" in dtypes:
+        cells.append((BF16, model.lm_head[2], model.lm_head[1]))  # the lm_head, unquantized in every model
     rows: list[dict[str, Any]] = []
     for dtype, n, k in dict.fromkeys(cells):
         rows += sweep_shape(dtype, n, k, ms, device, copy_gbps)
@@ -317,11 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens) of the stack runs")
     p.add_argument("--sweep", action="store_true", help="only sweep the kernel's configs on one layer's shapes")
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
+    p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers, on CUDA: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     ms, sweep_ms = _ints(p, "--ms", a.ms), _ints(p, "--sweep-ms", a.sweep_ms)
+    sweep_dtypes = [d.strip() for d in a.sweep_dtypes.split(",") if d.strip()]
+    if not sweep_dtypes or any(d not in DTYPES for d in sweep_dtypes):
+        p.error(f"--sweep-dtypes: expected comma-separated names of {', '.join(DTYPES)}; got {a.sweep_dtypes!r}")
     if not torch.cuda.is_available():
         if a.quick:
             print("benchmarks.gemm --quick: skipped, no CUDA GPU (the Triton kernels run on CPU only in Triton's "
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = common.measure_copy_bandwidth(device=device)
     suffix = "_quick" if a.quick else ""
     if a.sweep:
-        sweep(model, sweep_ms, device, copy_gbps, a.out)
+        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

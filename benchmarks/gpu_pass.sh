@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep|serve ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep|serve|startup ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -65,11 +65,16 @@ for step in $steps; do
     serve)    # issue 14: the OpenAI-compatible server (openai client, in-process uvicorn) against offline LLM.generate
               timeout ${SERVE_TIMEOUT:-560} python3 -m benchmarks.serve --models ${SERVE_MODELS:-llama-3.2-1b,llama-3-8b} \
                 --out "$R/serve" 2>&1 | tee "$R/serve.log" | grep -E "^\{|Error" ;;
+    startup)  # issue 15: process start to first token, cold and warm caches, every default capture size
+              timeout ${STARTUP_TIMEOUT:-560} python3 -m benchmarks.decode --startup --startup-only \
+                --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3-8b,llama-3-8b-fp8} --out "$R/startup" 2>&1 \
+                | tee "$R/startup.log" | grep -E "^\{|Error" ;;
     gemm)     # the 8B linear stack + lm_head at M 1/8/32/128: cuBLAS against the small-M Triton GEMM
               timeout 240 python3 -m benchmarks.gemm --out "$R/gemm" 2>&1 | tee "$R/gemm.log" \
                 | grep -E "'ours'|Error" ;;
     gemmsweep) # the small-M GEMM's configs on each layer shape (int8, fp8, bf16): the best per shape, for its table
-              timeout 300 python3 -m benchmarks.gemm --sweep --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \
+              timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.gemm --sweep --sweep-ms ${SWEEP_MS:-1,4,16} \
+                --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \
                 | grep -E "^best|Error" ;;
     compare1b|compare8b) # this tree against an earlier checkout in $BEFORE (e.g. `git archive <rev> | tar -x -C before`),
               # one after the other: level 3 decode and LLM.generate (1b: also the piecewise path)
