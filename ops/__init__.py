@@ -38,6 +38,7 @@ from .paged_attention import (
     write_kv_cache_ref,
     write_kv_cache_triton,
 )
+from .paged_prefill import PrefillConfig, paged_prefill, paged_prefill_ref, paged_prefill_triton, prefill_config
 from .quant_fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -100,6 +101,7 @@ TORCH_OP_NAMES = (
     "int8_scaled_mm",
     "write_kv_cache",
     "paged_decode",
+    "paged_prefill",
     "rms_norm_static_quant",
     "rms_norm_dynamic_quant",
     "fused_add_rms_norm_static_quant",
@@ -141,6 +143,10 @@ __all__ = [
     "write_kv_cache_triton",
     "paged_decode_triton",
     "decode_num_splits",
+    "paged_prefill",
+    "paged_prefill_triton",
+    "prefill_config",
+    "PrefillConfig",
     "rms_norm_static_quant",
     "rms_norm_dynamic_quant",
     "fused_add_rms_norm_static_quant",
@@ -168,6 +174,7 @@ __all__ = [
     "int8_scaled_mm_ref",
     "write_kv_cache_ref",
     "paged_decode_ref",
+    "paged_prefill_ref",
     "rms_norm_static_quant_ref",
     "rms_norm_dynamic_quant_ref",
     "fused_add_rms_norm_static_quant_ref",

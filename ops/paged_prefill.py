@@ -1,0 +1,309 @@
+"""Varlen paged prefill attention: one Triton launch for every sequence of a step, reading the paged KV cache.
+
+Layout as :mod:`ops.paged_attention`: the cache of one layer is ``[2, num_blocks, block_size, Hkv, D]`` (keys,
+then values) and ``block_table[s, j]`` names sequence ``s``'s block ``j``. Sequence ``s`` owns q's rows
+``query_start_loc[s]:query_start_loc[s + 1]``: its ``query_len`` new tokens, the LAST ``query_len`` of its
+``seq_lens[s]`` tokens, whose keys and values are already in the cache. Whole prompts (no context), chunks of
+a prompt after cached context (chunked prefill) and decode rows (``query_len`` 1) are all the same case.
+
+Semantics (``paged_prefill_ref`` is the definition): a query token at absolute position ``p`` attends to the
+positions ``<= p`` and, with a sliding window, ``> p - sliding_window``; logits are ``scale * q.k``, soft-capped
+as ``cap * tanh(logits / cap)`` when ``logits_soft_cap`` is given (Gemma 2), softmax in fp32, one cast back to
+q's dtype. GQA: query head ``h`` reads KV head ``h // (Hq / Hkv)``.
+
+The kernel (flash attention over pages): a program takes ``BLOCK_Q`` query tokens of one sequence and ALL the
+query heads of one KV head, as one tile of ``BLOCK_M = BLOCK_Q * group`` rows (row ``r``: token ``r // group``,
+head ``r % group``), so each key and value tile is read once per group and ``tl.dot`` gets a full M. It walks
+the sequence's keys ``BLOCK_N`` at a time (several pages: every key's page is looked up in the block table),
+first the tiles every row sees whole (no mask), then the diagonal ones (masked), with the online softmax in
+fp32. The grid is ``(cdiv(max_query_len, BLOCK_Q), S, Hkv)``, from host ints only: no ``.item()``, so a CUDA
+graph can hold it. Programs past their sequence's query length return at once; the query blocks are taken
+longest-context first, so the heavy programs do not form the tail. All tile sizes come from
+``prefill_config``, the one place to tune them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .triton_utils import cdiv, next_power_of_2, tl, triton, use_triton
+
+__all__ = [
+    "PrefillConfig",
+    "prefill_config",
+    "paged_prefill",
+    "paged_prefill_triton",
+    "paged_prefill_ref",
+]
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the softmax runs on exp2, folded into the scale
+
+
+@triton.jit
+def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, q_pos, kv_off,
+                  stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d, d_mask,
+                  PAGE: tl.constexpr, MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    # One tile of BLOCK_N keys at positions start_n...; MASKED: past some row's diagonal or the sequence's end.
+    k_pos = start_n + offs_n
+    if MASKED:
+        n_mask = k_pos < kv_end
+        block = tl.load(bt_row_ptr + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kv_off + offs_d[None, :]
+    k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units unless soft-capped
+    if USE_SOFTCAP:
+        qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0) * 1.4426950408889634  # tanh, then log2
+    if MASKED:
+        qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if USE_WINDOW:
+        qk = tl.where(k_pos[None, :] > q_pos[:, None] - window, qk, float("-inf"))
+    # A window can hide a whole tile from a row: keep its state at m = -inf without exp(-inf - -inf) = NaN.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    stride_q_t, stride_o_t, stride_c_b, stride_c_s, stride_c_h, stride_bt,
+    qk_scale, soft_cap, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    # One program: query block mb of sequence s, KV head kvh with its GROUP query heads.
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks (most keys) first
+    s = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if mb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    q_lo = seq_len - q_len + mb * BLOCK_Q  # position of the block's first token
+
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_D
+    t = mb * BLOCK_Q + offs_m // GROUP_PAD  # token within the sequence's new ones
+    head = kvh * GROUP + offs_m % GROUP_PAD
+    row_mask = (t < q_len) & (offs_m % GROUP_PAD < GROUP)
+    q_pos = q_lo + offs_m // GROUP_PAD
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    rows = (q_start + t).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
+                other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    kv_end = tl.minimum(seq_len, q_lo + BLOCK_Q)  # keys past the block's last token are no row's
+    k_lo = 0
+    if USE_WINDOW:
+        k_lo = tl.maximum(q_lo - window + 1, 0)
+    full_end = k_lo + (q_lo + 1 - k_lo) // BLOCK_N * BLOCK_N  # keys <= q_lo: every row sees them
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    bt_row = block_table_ptr + s.to(tl.int64) * stride_bt
+    kv_off = kvh * stride_c_h
+    for start_n in range(k_lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
+                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
+                                      d_mask, PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE)
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
+                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
+                                      d_mask, PAGE, True, USE_SOFTCAP, USE_WINDOW, IEEE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
+    tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tile sizes of the prefill kernel.
+
+    Args:
+        BLOCK_M: query rows per program, ``BLOCK_Q`` tokens x the group's heads (group padded to a power of
+            two); at least 16 (``tl.dot``'s smallest M).
+        BLOCK_N: keys per tile, a multiple of the cache's block size (raised to it if smaller).
+    """
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+# By head size, for long prompts; the flash-attention forward configs Triton's tutorial runs on Hopper (128 x 64,
+# 8 warps, 3 stages at D = 128). D = 256 (Gemma 2): a 64-row tile, its fp32 accumulator alone is 64 KiB of
+# registers. To be tuned on the H200 (benchmarks): every choice is here.
+_CONFIGS = {
+    64: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    256: PrefillConfig(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+}
+
+
+def prefill_config(head_size: int, group: int, max_query_len: int) -> PrefillConfig:
+    """The config for a head size (rounded up to a power of two, 64..256), query heads per KV head and the
+    longest query: a batch of short queries (``max_query_len`` < the tile's tokens) gets a shorter tile,
+    down to 16 rows, instead of programs mostly masked."""
+    cfg = _CONFIGS[min(max(next_power_of_2(head_size), 64), 256)]
+    group_pad = next_power_of_2(group)
+    rows = min(cfg.BLOCK_M, max(16, group_pad * next_power_of_2(max(max_query_len, 1))))
+    rows = max(rows, group_pad)
+    if rows == cfg.BLOCK_M:
+        return cfg
+    return PrefillConfig(BLOCK_M=rows, BLOCK_N=cfg.BLOCK_N, num_warps=4, num_stages=cfg.num_stages)
+
+
+def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, head_size: int,
+                out: torch.Tensor | None) -> None:
+    num_kv_heads = kv_cache.shape[-2]
+    if num_heads % num_kv_heads or kv_cache.shape[-1] != head_size or q.shape[-1] != num_heads * head_size:
+        raise ValueError(f"paged_prefill: q {tuple(q.shape)} with {num_heads} heads of {head_size} does not fit "
+                         f"kv_cache {tuple(kv_cache.shape)} ([2, num_blocks, block_size, Hkv, D], Hq % Hkv == 0)")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"paged_prefill: out must be like q ({tuple(q.shape)}, {q.dtype}, unit stride last), "
+                         f"got {tuple(out.shape)}, {out.dtype}, strides {out.stride()}")
+
+
+def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
+                         scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                         out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """:func:`paged_prefill` in one Triton launch; writes ``out`` (rows of the sequences only) when given.
+
+    ``max_query_len`` bounds every sequence's query length (a larger bound only adds programs that return at
+    once); ``config`` overrides :func:`prefill_config`. The cache must have unit stride in its last dimension.
+    """
+    _check_args(q, kv_cache, num_heads, head_size, out)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = seq_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    cfg = config or prefill_config(head_size, group, max_query_len)
+    block_q = max(cfg.BLOCK_M // group_pad, 1)
+    block_n = max(cfg.BLOCK_N, page)
+    # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
+    qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _prefill_kernel[(cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
+        q.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        qk_scale, logits_soft_cap or 1.0, sliding_window or 0,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
+        BLOCK_D=max(16, next_power_of_2(head_size)), PAGE=page, BLOCK_N=block_n,
+        USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# An opaque custom op, as paged_decode (ops/paged_attention.py says why not triton_op): Triton on CUDA, the
+# reference elsewhere. No ``out`` argument: an op may not return an alias of its input.
+@torch.library.custom_op("dynamo_once::paged_prefill", mutates_args=())
+def _paged_prefill_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
+                      scale: float, sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> torch.Tensor:
+    impl = paged_prefill_triton if use_triton(q) else paged_prefill_ref
+    return impl(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, num_heads, head_size, scale,
+                sliding_window, logits_soft_cap)
+
+
+@_paged_prefill_op.register_fake
+def _paged_prefill_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
+                        scale: float, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq * D], as both implementations
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int, scale: float,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens over its tokens in the paged cache.
+
+    Args:
+        q: ``[T, Hq * D]``, exactly the sequences' new tokens (``query_start_loc`` covers every row).
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, already holding the new tokens' keys and values.
+        block_table: ``[S, max_blocks]`` int32; seq_lens: ``[S]`` int32, tokens including the new ones.
+        query_start_loc: ``[S + 1]`` int32, sequence ``s``'s rows of q are ``[s]:[s + 1]``.
+        max_query_len: a host int >= every sequence's query length (sets the CUDA grid; no device sync).
+        num_heads, head_size, scale: Hq, D and the softmax scale.
+        sliding_window, logits_soft_cap: see the module docstring (None: off).
+    Returns:
+        ``[T, Hq * D]`` in q's dtype.
+    """
+    return torch.ops.dynamo_once.paged_prefill(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
+                                               num_heads, head_size, scale, sliding_window, logits_soft_cap)
+
+
+def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
+                logits_soft_cap: float | None) -> torch.Tensor:
+    """One sequence in fp32: q ``[Lq, Hkv, group, D]`` (its last Lq positions), k, v ``[L, Hkv, D]``."""
+    lq, seq_len = q.shape[0], k.shape[0]
+    logits = torch.einsum("qhgd,lhd->hgql", q, k) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos  # [Lq, L]
+    if sliding_window is not None:
+        allowed = allowed & (k_pos > q_pos - sliding_window)
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hgql,lhd->qhgd", probs, v)
+
+
+def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
+                      scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 reference of :func:`paged_prefill` (conventions: the module docstring), sequence by sequence.
+
+    Reads ``query_start_loc`` and ``seq_lens`` on the host (a sync on CUDA: a reference, not a kernel path);
+    ``max_query_len`` is unused. Gathers each sequence's pages, attends in fp32, casts back to q's dtype once.
+    """
+    _check_args(q, kv_cache, num_heads, head_size, out)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[s], starts[s + 1]
+        if end == start:
+            continue
+        blocks = block_table[s, : cdiv(seq_len, page)].long()
+        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
+        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len].float()
+        qs = q[start:end].float().reshape(end - start, num_kv_heads, num_heads // num_kv_heads, head_size)
+        o = _attend_ref(qs, k, v, scale, sliding_window, logits_soft_cap)
+        out[start:end] = o.reshape(end - start, num_heads * head_size).to(q.dtype)
+    return out
