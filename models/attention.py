@@ -18,10 +18,18 @@ Implementations:
   Triton kernel, the prefill ones through per-sequence SDPA (a fused kernel;
   a whole prompt reads this step's k, v directly). The kernels are
   :mod:`ops.paged_attention`'s, called through their launchers
-  (``write_kv_cache_triton``, ``paged_decode_triton``): this op already runs
+  (``write_kv_cache_triton``, ``paged_decode_launch``): this op already runs
   eagerly, and another op dispatch per layer would cost host time every step.
   The decode path reads only device tensors (``block_table``, ``seq_lens``,
   ``slot_mapping``): no host sync, safe to capture in a CUDA graph.
+
+Host time matters here: on the piecewise path (a step that mixes prefill and
+decode) the op runs eagerly between CUDA-graph replays, once per layer, and a
+slow op leaves the GPU idle. So the CUDA path computes nothing per layer that
+is the same for every layer of a step (the metadata's decode plan: slices,
+split count, grids, persistent split-KV scratch), launches through
+``FastLaunch`` (the compiled kernels' launchers, not ``kernel[grid](...)``),
+and allocates only its output.
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from ops import HAS_TRITON, paged_decode_triton, write_kv_cache_triton
+from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
+from ops.paged_attention import paged_decode_launch
 from ops.triton_utils import cdiv
 
 from .forward_context import AttentionMetadata, get_forward_context
@@ -99,9 +108,9 @@ def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md
     tokens before it) attends to them directly instead of gathering the same values back from the cache.
     """
     num_kv_heads = kv_cache.shape[-2]
-    for i in range(first_seq, md.num_seqs):
-        start, end = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
-        seq_len = md.seq_lens_cpu[i]
+    spans = md.seq_spans
+    for i in range(first_seq, len(spans)):
+        start, end, seq_len = spans[i]
         if k_new is not None and seq_len == end - start:
             k = k_new[start:end].view(seq_len, num_kv_heads, head_size)
             v = v_new[start:end].view(seq_len, num_kv_heads, head_size)
@@ -126,19 +135,26 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, SDPA per prefill sequence."""
+    """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, SDPA per prefill sequence.
+
+    The step's decode plan (:meth:`AttentionMetadata.decode_plan`) is built by the first layer and reused by
+    the others; the decode kernels write rows ``0..num_decodes-1`` of the output in place (no slices of q,
+    no copy), and every launch goes through ``ops.triton_utils.FastLaunch``.
+    """
     if kv_cache.is_contiguous():
         write_kv_cache_triton(kv_cache, k, v, md.slot_mapping)
     else:
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decodes
-    if md.is_decode_only:  # the metadata's tensors hold exactly the decodes: no slicing
-        return paged_decode_triton(q, kv_cache, md.block_table, md.seq_lens, num_heads, head_size,
-                                   scale, sliding_window, logits_soft_cap)
-    out = torch.empty_like(q)
     if nd:
-        out[:nd] = paged_decode_triton(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], num_heads,
-                                       head_size, scale, sliding_window, logits_soft_cap)
+        shape = kv_cache.shape
+        plan = md.decode_plan(num_heads, shape[3], head_size, shape[2], q.device)
+        paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+        if nd == md.num_seqs:
+            return out
     same = k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype
     _prefill_loop(out, q, kv_cache, md, nd, num_heads, head_size, scale, sliding_window, logits_soft_cap,
                   k if same else None, v if same else None)

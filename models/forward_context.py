@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+
+from ops.paged_attention import DecodePlan, DecodeWorkspace
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -45,6 +48,14 @@ class AttentionMetadata:
     are host copies for the paths that loop over sequences, so that no kernel
     path needs ``.item()`` or ``.tolist()``.
 
+    What every layer of the step would otherwise recompute is derived once, at
+    the first layer's call, and kept here: :meth:`decode_plan` (the decode
+    sequences' slices, split count, grids and split-KV scratch, per layer
+    shape) and :attr:`seq_spans` (each sequence's token range and length). They
+    hold views and shapes only, so a metadata object that a CUDA graph was
+    captured with stays valid for its replays. Build a new object per step;
+    do not mutate one after its first use.
+
     Args:
         slot_mapping: ``[T]`` int64, flat cache slot of each new token.
         query_start_loc: ``[B + 1]`` int32, cumulative new-token counts.
@@ -54,6 +65,8 @@ class AttentionMetadata:
         query_start_loc_cpu: host copy of ``query_start_loc``.
         seq_lens_cpu: host copy of ``seq_lens``.
         max_seq_len: ``max(seq_lens_cpu)``.
+        workspace: persistent split-KV decode scratch (``ops.paged_attention.DecodeWorkspace``), shared by
+            every step of its owner; None: each step's plan allocates its own (once, not per layer).
     """
 
     slot_mapping: torch.Tensor
@@ -64,6 +77,34 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_seq_len: int
+    workspace: DecodeWorkspace | None = None
+    _plans: dict[tuple, DecodePlan] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
+                    device: torch.device) -> DecodePlan:
+        """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape, built at its first
+        call in this step (one dict lookup after)."""
+        key = (num_heads, num_kv_heads, head_size, page, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._new_plan(num_heads, num_kv_heads, head_size, page, device)
+        return plan
+
+    def _new_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
+                  device: torch.device) -> DecodePlan:
+        nd = self.num_decodes
+        whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
+        ws = self.workspace
+        buf = ws.get(num_heads, num_kv_heads, head_size) if ws is not None and ws.device == device else None
+        return DecodePlan(self.block_table if whole else self.block_table[:nd],
+                          self.seq_lens if whole else self.seq_lens[:nd],
+                          num_heads, num_kv_heads, head_size, page, device, workspace=buf)
+
+    @functools.cached_property
+    def seq_spans(self) -> list[tuple[int, int, int]]:
+        """``(first token, end token, seq_len)`` of each sequence, from the host copies."""
+        starts = self.query_start_loc_cpu
+        return [(starts[i], starts[i + 1], n) for i, n in enumerate(self.seq_lens_cpu)]
 
     @property
     def num_seqs(self) -> int:

@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from .triton_utils import cdiv, next_power_of_2, tl, triton, use_triton
+from .triton_utils import FastLaunch, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "write_kv_cache",
@@ -46,6 +46,10 @@ __all__ = [
     "write_kv_cache_triton",
     "paged_decode_triton",
     "decode_num_splits",
+    "decode_workspace_numel",
+    "DecodePlan",
+    "DecodeWorkspace",
+    "paged_decode_launch",
     "write_kv_cache_ref",
     "paged_decode_ref",
 ]
@@ -66,6 +70,9 @@ def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v
     tl.store(dst + half_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+_write_kv_cache_launch = FastLaunch(_write_kv_cache_kernel)
+
+
 def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
     """:func:`write_kv_cache` in one launch (instead of two ``index_copy_`` and their reshapes and casts).
@@ -79,17 +86,17 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     block = next_power_of_2(row)
-    _write_kv_cache_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+    _write_kv_cache_launch(
+        (num_tokens,), k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
         ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)),
     )
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_q_t, stride_q_h,
-    stride_c_b, stride_c_s, stride_c_h,
+    stride_c_half, stride_c_b, stride_c_s, stride_c_h,
     stride_bt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
@@ -99,6 +106,7 @@ def _decode_split_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
+    # NUM_SPLITS == 1: mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -130,7 +138,7 @@ def _decode_split_kernel(
         block = tl.load(block_table_ptr + b * stride_bt + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
         off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -144,7 +152,7 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -152,10 +160,11 @@ def _decode_split_kernel(
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
     mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
-    tl.store(mo, out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
+    tl.store(mo, out.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
 
 
 @triton.jit
@@ -180,6 +189,12 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_o_t + h * stride_o_h + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+# Launched through FastLaunch: the attention op calls them eagerly once per layer and step (the piecewise
+# path), where Triton's own launch costs tens of µs of host time each.
+_decode_split_launch = FastLaunch(_decode_split_kernel)
+_decode_merge_launch = FastLaunch(_decode_merge_kernel)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's interpreter (CPU tensors, tests): small, and still more than one split
@@ -191,11 +206,118 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     """Splits per sequence: about two waves of programs over the SMs, from the batch size only.
 
     Depends on nothing but shapes, so one CUDA graph per batch size stays valid.
-    E.g. H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 1 (256 programs already).
+    E.g. H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 2, 128 -> 1 (no merge kernel).
     """
     sms = _num_sms(device)
     want = cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(32, next_power_of_2(want)))
+
+
+def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           device: torch.device) -> int:
+    """fp32 elements of the split-KV partial results (``[B, Hq, splits, D + 1]``) of the largest of the decode
+    batches of 1 to ``max_num_seqs`` sequences (at :func:`decode_num_splits`; a batch of one split needs none)."""
+    most = 0
+    for n in range(1, max_num_seqs + 1):
+        splits = decode_num_splits(n, num_kv_heads, device)
+        if splits > 1:
+            most = max(most, n * splits)
+    return most * num_heads * (head_size + 1)
+
+
+class DecodeWorkspace:
+    """Persistent split-KV scratch for decode batches of up to ``max_num_seqs``: one fp32 buffer per layer shape.
+
+    Owned by whatever builds a step's metadata (``models.engine.InputBatch``), so that every step's
+    :class:`DecodePlan` is views of the same memory: no allocation per step, and a CUDA graph captured on
+    a plan reads buffers that outlive it. Layers of one step share it: their split and merge launches are
+    stream-ordered. A buffer is allocated at the first :meth:`get` of its shape and never moves.
+    """
+
+    def __init__(self, max_num_seqs: int, device: torch.device | str) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.device = torch.device(device)
+        self._buffers: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def get(self, num_heads: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
+        """The flat fp32 buffer of this layer shape (:func:`decode_workspace_numel` elements)."""
+        key = (num_heads, num_kv_heads, head_size)
+        buf = self._buffers.get(key)
+        if buf is None:
+            numel = decode_workspace_numel(self.max_num_seqs, num_heads, num_kv_heads, head_size, self.device)
+            buf = self._buffers[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+        return buf
+
+
+class DecodePlan:
+    """What :func:`paged_decode_launch` needs that is the same for every layer of one decode batch.
+
+    Built once per step (``models.AttentionMetadata.decode_plan`` caches it per layer shape), so that a layer
+    pays none of it: the number of splits, the grids, the block sizes, the sliced block table and
+    sequence lengths, and the split-KV partial results (views of a :class:`DecodeWorkspace`, or allocated
+    here without one). Holds only shapes and views, no values: a CUDA graph captured on a plan stays valid.
+
+    Args:
+        block_table: ``[B, max_blocks]`` int32, rows of the B decode sequences; seq_lens: ``[B]`` int32.
+        num_heads, num_kv_heads, head_size: Hq, Hkv, D; page: tokens per cache block.
+        device: of the batch; num_splits: a power of two, or None (:func:`decode_num_splits`).
+        workspace: a flat fp32 buffer to take the partial results from; too small or None: allocated here.
+    """
+
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_size: int, page: int, device: torch.device, num_splits: int | None = None,
+                 workspace: torch.Tensor | None = None) -> None:
+        if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
+            raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
+                             f"them in one block) or None; got {num_splits}")
+        b = self.num_seqs = block_table.shape[0]
+        self.num_heads, self.head_size = num_heads, head_size
+        self.block_table, self.seq_lens = block_table, seq_lens
+        splits = self.num_splits = num_splits or decode_num_splits(b, num_kv_heads, device)
+        group = num_heads // num_kv_heads
+        block_d = next_power_of_2(head_size)
+        self.split_grid = (b, num_kv_heads, splits)
+        self.merge_grid = (b, num_heads)
+        self.split_constexprs = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot: >= 16 rows
+                                     HEAD_D=head_size, BLOCK_D=block_d, PAGE=page,
+                                     BLOCK_N=max(page, 64 if block_d <= 128 else 32), NUM_SPLITS=splits)
+        self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
+        self.mid_o: torch.Tensor | None = None
+        self.mid_lse: torch.Tensor | None = None
+        if splits > 1:  # one split: the split kernel writes the output, no partial results
+            n_o, n_lse = b * num_heads * splits * head_size, b * num_heads * splits
+            if workspace is None or workspace.numel() < n_o + n_lse:
+                workspace = torch.empty(n_o + n_lse, dtype=torch.float32, device=device)
+            self.mid_o = workspace[:n_o].view(b, num_heads, splits, head_size)
+            self.mid_lse = workspace[n_o:n_o + n_lse].view(b, num_heads, splits)
+
+
+def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+    """Decode attention of ``plan``'s sequences into ``out`` (rows ``0..B-1`` of ``[>= B, Hq * D]``, any row
+    stride): two launches (one when ``plan.num_splits`` is 1), nothing allocated.
+
+    ``q`` (rows ``0..B-1``) and ``out`` may hold more rows (a mixed batch's prefill tokens): the grid covers
+    the first B only, so no slicing is needed. q's and out's last dimension must be contiguous.
+    """
+    d = plan.head_size
+    sc = kv_cache.stride()
+    bt = plan.block_table
+    if plan.num_splits == 1:
+        mid_o, mid_lse, mo_strides, ml_strides = out, out, (out.stride(0), d, 0), (0, 0)
+    else:
+        mid_o, mid_lse = plan.mid_o, plan.mid_lse
+        mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+    _decode_split_launch(
+        plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse,
+        q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides,
+        scale, logits_soft_cap or 1.0, sliding_window or 0,
+        **plan.split_constexprs, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )
+    if plan.num_splits > 1:
+        _decode_merge_launch(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d,
+                             **plan.merge_constexprs)
 
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -210,43 +332,13 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     Returns:
         ``[B, Hq * D]`` in q's dtype.
     """
-    num_seqs = q.shape[0]
     _, _, page, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
-    q3 = q.view(num_seqs, num_heads, head_size)
-    if q3.stride(-1) != 1:
-        q3 = q3.contiguous()
-    if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
-        raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
-                         f"them in one block) or None; got {num_splits}")
-    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, q.device)
-    block_d = next_power_of_2(head_size)
-    block_g = max(16, next_power_of_2(group))  # tl.dot needs >= 16 rows
-    block_n = max(page, 64 if block_d <= 128 else 32)
-    mid_o = torch.empty(num_seqs, num_heads, splits, head_size, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q3, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
-        q3.stride(0), q3.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        scale, logits_soft_cap or 1.0, sliding_window or 0,
-        GROUP=group, BLOCK_G=block_g, HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=splits, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4,
-    )
-    out = torch.empty(num_seqs, num_heads, head_size, dtype=q.dtype, device=q.device)
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
-    )
-    return out.view(num_seqs, num_heads * head_size)
+    plan = DecodePlan(block_table, seq_lens, num_heads, num_kv_heads, head_size, page, q.device, num_splits)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape[0], num_heads * head_size, dtype=q.dtype, device=q.device)
+    paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+    return out
 
 
 # Opaque custom ops, not triton_op as in the other op files: Inductor would gain nothing from seeing these

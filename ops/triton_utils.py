@@ -36,6 +36,8 @@ __all__ = [
     "SMALL_ELEMENTS",
     "pdl_launch",
     "pdl_args",
+    "FastLaunch",
+    "specialization_key",
 ]
 
 #: At most this many elements (16 tokens x 8192) an op is launch-latency bound: on the H200 it moves
@@ -164,3 +166,142 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
 def pdl_args(pdl: bool) -> dict[str, bool]:
     """A kernel's ``PDL`` constexpr and, when on, the launch option that goes with it."""
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+# ------------------------------------------------------------ fast launches
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """What Triton specializes a kernel on among its runtime (non-constexpr) ``args``; None: an argument of
+    a kind the fast launch does not handle (the normal launch then serves the call).
+
+    Triton 3.x compiles one kernel per: tensor dtype and whether its address is 16-byte aligned; int
+    width class (i32 / i64 / u64), whether it equals 1 (then a constant) or is divisible by 16; floats
+    and bools by type only. Two argument lists with equal keys (and equal constexprs and options) get
+    the same compiled kernel, so the key may be finer than Triton's but never coarser.
+    """
+    key: list[Any] = []
+    put = key.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            if a == 1:
+                put(1)
+            else:
+                put((3 if a % 16 == 0 else 2) + (0 if _I32_MIN <= a <= _I32_MAX else 2 if a < 2**63 else 4))
+        elif t is float:
+            put(0)
+        elif isinstance(a, torch.Tensor):
+            put(a.dtype)
+            put(a.data_ptr() % 16 == 0)
+        elif t is bool or a is None:
+            put(a)
+        else:
+            return None
+    return tuple(key)
+
+
+class FastLaunch:
+    """A Triton kernel launched through its compiled launcher, skipping ``JITFunction.run`` after the first call.
+
+    ``FastLaunch(kernel)(grid, *args, **constexprs_and_options)`` is ``kernel[grid](*args, **kw)``: the runtime
+    arguments positionally, in the kernel's order, constexprs and launch options (``num_warps``, ...) by
+    keyword. ``kernel[grid](...)`` re-binds the arguments, re-derives their specialization, rebuilds the
+    options and the launch metadata, and calls the (empty) launch hooks: tens of µs of Python a launch on
+    the H200's host, three launches per attention layer per step on the piecewise path. Here the first
+    launch of a specialization (:func:`specialization_key` of the arguments, the keywords, the device)
+    goes through ``kernel.run`` as usual, which compiles (or loads) the kernel and returns it; later ones
+    call that compiled kernel's C launcher directly with the same arguments.
+
+    The normal launch serves every call the fast path cannot: Triton's interpreter (``TRITON_INTERPRET=1``:
+    the kernel is no ``JITFunction``), launch hooks set (a profiler such as proton), an argument of another
+    kind (tuples, tensor descriptors), a runtime argument given by keyword, a kernel that needs scratch
+    memory, or a Triton whose internals differ (any attribute missing: logged once at debug level).
+    Like ``kernel.run`` it launches on the current device's current stream (CUDA-graph capture included).
+    It does not re-check the kernel's global variables (``kernel.run`` refuses a changed one): kernels
+    launched this way read constexpr globals only.
+
+    ``FastLaunch.enabled = False`` sends every launch through ``kernel[grid]`` (to measure the difference).
+    """
+
+    enabled = True
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._entries: dict[Any, tuple | None] = {}
+        self._device: Callable[[], int] | None = None  # the current device and stream getters, resolved once
+        self._stream: Callable[[int], int] | None = None
+        self._runtime: Any = None  # triton.knobs.runtime (the launch hooks)
+        self.fast_launches = 0  # how many calls the fast path served (tests)
+        jit = getattr(getattr(triton, "runtime", None), "JITFunction", None)
+        self._usable = HAS_TRITON and jit is not None and isinstance(kernel, jit)
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if not (self._usable and FastLaunch.enabled):
+            self.kernel[grid](*args, **kwargs)
+            return
+        if self._device is None:
+            self._resolve()
+        device = self._device()
+        spec = specialization_key(args)
+        key = (device, spec, tuple(kwargs.items())) if spec is not None else None
+        entry = self._entries.get(key, False) if key is not None and not _hooks_set(self._runtime) else None
+        if not entry:  # unseen (False), or served by the normal launch (None)
+            compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            if entry is False:
+                self._entries[key] = self._entry(compiled, len(args), kwargs)
+            return
+        launch, fixed, tail = entry
+        n = len(grid)
+        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), *fixed, *args, *tail)
+        self.fast_launches += 1
+
+    def _resolve(self) -> None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        self._runtime = knobs.runtime
+        self._device = driver.active.get_current_device
+        self._stream = driver.active.get_current_stream
+
+    def _entry(self, compiled: Any, num_args: int, kwargs: dict[str, Any]) -> tuple | None:
+        """``(launch, fixed leading arguments, constexpr tail)`` of a compiled kernel, or None (normal launch)."""
+        try:
+            params = self.kernel.params
+            if any(p.is_constexpr for p in params[:num_args]):
+                return None  # a constexpr passed positionally: its value is not in the key
+            tail = []
+            for p in params[num_args:]:
+                if p.name in kwargs and p.is_constexpr:
+                    tail.append(kwargs[p.name])
+                elif p.name not in kwargs and p.has_default:
+                    tail.append(p.default)
+                else:
+                    return None  # a runtime argument by keyword (its value would be frozen), or missing
+            if hasattr(compiled, "result"):  # an asynchronous compile's future
+                return None
+            launcher = compiled.run
+            function, packed = compiled.function, compiled.packed_metadata
+            if function is None:
+                return None
+            # The C launch itself when the launcher would only pass it no scratch memory (Triton 3.6's
+            # CudaLauncher.__call__: two closures and two checks a launch); else the launcher.
+            raw = getattr(launcher, "launch", None)
+            if raw is not None and not getattr(launcher, "global_scratch_size", 1) \
+                    and not getattr(launcher, "profile_scratch_size", 1):
+                fixed = (function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, packed,
+                         None, None, None)
+                return raw, fixed, tuple(tail)
+            return launcher, (function, packed, None, None, None), tuple(tail)
+        except Exception:  # noqa: BLE001 - another Triton's internals: keep the normal launch
+            logger.debug("FastLaunch(%s): no fast path, normal launches", self.kernel, exc_info=True)
+            return None
+
+
+def _hooks_set(runtime: Any) -> bool:
+    """Whether Triton's launch hooks (``triton.knobs.runtime``) are set, by a profiler: launches must then go
+    through ``kernel.run``, which calls them."""
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Triton 3.6: HookChain objects, empty unless a hook was added; earlier: None or a callable.
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))

@@ -151,7 +151,8 @@ class StepGraphs:
         return AttentionMetadata(
             slot_mapping=inputs.slot_mapping[:n], query_start_loc=inputs.query_start_loc[:n + 1],
             seq_lens=inputs.seq_lens[:n], block_table=inputs.block_table[:n], num_decodes=n,
-            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, max_seq_len=1)
+            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, max_seq_len=1,
+            workspace=inputs.decode_workspace)
 
     def _decode_step(self, model: nn.Module, layers: dict[str, Attention], n: int) -> torch.Tensor:
         """A decode-only step of ``n`` sequences over the persistent buffers: logits ``[n, vocab]``."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ops.paged_attention import DecodeWorkspace
+
 from ..forward_context import AttentionMetadata
 from .sequence import Seq
 
@@ -60,6 +62,8 @@ class InputBatch:
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
         self._table_seqs: list[Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.pad_block: int | None = None  # the cache block padding writes to, reserved with the CUDA graphs
+        # The decode kernels' split-KV scratch, shared by every step's metadata (see AttentionMetadata.decode_plan).
+        self.decode_workspace = DecodeWorkspace(max_num_seqs, device)
 
     def prepare(self, batch: list[tuple[Seq, int]], num_decodes: int, padding: Padding,
                 device_ids: torch.Tensor | None = None, id_rows: list[int] | None = None
@@ -127,7 +131,8 @@ class InputBatch:
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:num_seqs + 1],
             seq_lens=self.seq_lens[:num_seqs], block_table=self.block_table[:num_seqs],
-            num_decodes=num_decodes + pad_seqs, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens))
+            num_decodes=num_decodes + pad_seqs, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
+            workspace=self.decode_workspace)
         return False, num_seqs, num_tokens, t, images, md
 
     def add_padding(self, ids: list[int], pos: list[int], slots: list[int], starts: list[int], lens: list[int],
