@@ -35,7 +35,7 @@ from .passes import compile_context, with_compile_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PiecewiseBackend", "split_graph", "SplitItem", "PiecewisePiece"]
+__all__ = ["PiecewiseBackend", "split_graph", "SplitItem", "PiecewisePiece", "PieceCompiles", "structure_key"]
 
 
 def _op_name(target: Any) -> str | None:
@@ -124,26 +124,80 @@ def _find_size(fake_args: list[Any], symbol: Any) -> tuple[int, int | None] | No
     return None
 
 
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__qualname__', None) or getattr(target, '__name__', None) or target!r}"
+
+
+def _arg_meta(a: Any) -> str:
+    if isinstance(a, torch.Tensor):
+        return f"T{tuple(a.shape)}{a.stride()}{a.storage_offset()}{a.dtype}{a.device}{a.requires_grad}"
+    if isinstance(a, torch.SymInt):
+        return f"S{a.node.expr}"
+    return f"V{type(a).__name__}:{a!r}"
+
+
+def structure_key(gm: torch.fx.GraphModule, fake_args: list[Any]) -> str | None:
+    """Equal for two pieces that compute the same thing from inputs of the same shapes, dtypes and strides
+    (a decoder's layers: the pieces differ only in their inputs' names), so that one Inductor compile serves
+    both; None for a piece whose code refers to module state (``get_attr``, ``call_module``) or constants that
+    are tensors, which no key here could tell apart."""
+    index: dict[torch.fx.Node, int] = {}
+    parts = [_arg_meta(a) for a in fake_args]
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            return None
+        index[node] = len(index)
+        consts: list[Any] = []
+        args = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda v: consts.append(v) or v)
+        if any(isinstance(c, torch.Tensor) for c in consts):
+            return None
+        args = torch.fx.node.map_arg(args, lambda n: f"%{index[n]}")
+        parts.append(f"{node.op}|{'' if node.op == 'placeholder' else _target_name(node.target)}|{args!r}")
+    return "\n".join(parts)
+
+
+class PieceCompiles:
+    """One piece structure's Inductor compiles, shared by every piece with that :func:`structure_key`:
+    the symbolic-size compile (made at once) and one per size of ``compile_sizes`` (made on first use)."""
+
+    def __init__(self, name: str, graph: torch.fx.GraphModule, fake_args: list[Any], options: dict[str, Any]):
+        self.name = name
+        self.graph = graph
+        self.options = options
+        t0 = time.perf_counter()
+        self.symbolic = _compile_inductor(graph, fake_args, options)
+        logger.debug("%s: compiled for a symbolic token count in %.2fs", name, time.perf_counter() - t0)
+        self.by_size: dict[int, Callable[..., Any]] = {}
+
+    def for_size(self, size: int, args: tuple[Any, ...]) -> Callable[..., Any]:
+        fn = self.by_size.get(size)
+        if fn is None:
+            t0 = time.perf_counter()
+            fn = self.by_size[size] = _compile_inductor(self.graph, list(args), self.options, size)
+            logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
+        return fn
+
+
 class PiecewisePiece:
     """Runs one compiled piece: the symbolic-shape compile, per-size compiles, and (in a PIECEWISE step of
     ``dispatcher.cuda_graph.CUDAGraphs``) its CUDA graph for its runtime size."""
 
-    def __init__(self, name: str, graph: torch.fx.GraphModule, fake_args: list[Any], size_symbol: Any,
-                 config: CompilationConfig, options: dict[str, Any], graphs_on: bool, static_ptrs: set[int]):
+    def __init__(self, name: str, compiles: PieceCompiles, fake_args: list[Any], size_symbol: Any,
+                 config: CompilationConfig, graphs_on: bool, static_ptrs: set[int]):
         self.name = name
-        self.graph = graph
+        self.compiles = compiles
+        self.graph = compiles.graph
         self.config = config
-        self.options = options
         self.static_ptrs = static_ptrs
-        self.input_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
-        t0 = time.perf_counter()
-        self.symbolic = _compile_inductor(graph, fake_args, options)
-        logger.debug("%s: compiled for a symbolic token count in %.2fs", name, time.perf_counter() - t0)
+        self.input_names = [n.name for n in self.graph.graph.nodes if n.op == "placeholder"]
+        self.symbolic = compiles.symbolic
         self.size_at = _find_size(fake_args, size_symbol)
         self.compile_sizes = set(config.compile_sizes) if self.size_at is not None else set()
         # A piece that does not depend on the token count gets no graph (nothing tells its graphs apart).
         self.graphs_on = graphs_on and self.size_at is not None
-        self.by_size: dict[int, Callable[..., Any]] = {}
         # Nothing per size (the common CPU case): the split graph can call the symbolic compile directly.
         self.trivial = not self.compile_sizes and not self.graphs_on
 
@@ -155,15 +209,11 @@ class PiecewisePiece:
 
     def code_for(self, size: int | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         """The compiled code for ``size``: its own compile for a size in ``compile_sizes`` (made on first
-        use, with ``args`` as example inputs), else the symbolic one."""
+        use, with ``args`` as example inputs, and shared with the pieces of the same structure), else the
+        symbolic one."""
         if size not in self.compile_sizes:
             return self.symbolic
-        fn = self.by_size.get(size)
-        if fn is None:
-            t0 = time.perf_counter()
-            fn = self.by_size[size] = _compile_inductor(self.graph, list(args), self.options, size)
-            logger.debug("%s: compiled for %d tokens in %.2fs", self.name, size, time.perf_counter() - t0)
-        return fn
+        return self.compiles.for_size(size, args)
 
     def run_compiled(self, *args: Any) -> Any:
         """A call without CUDA graphs (graphs off for this piece)."""
@@ -247,6 +297,8 @@ class PiecewiseBackend:
     Attributes:
         num_dynamic_sizes: the number of dynamic sizes of the trace (None before it); per-size
             compiles and CUDA graphs need exactly one, the token count.
+        num_piece_compiles: the pieces' distinct structures (:func:`structure_key`): a decoder's middle
+            pieces, one per layer, share one Inductor compile per size.
     """
 
     def __init__(self, config: CompilationConfig, level: CompilationLevel, options: dict[str, Any], owner: str):
@@ -259,6 +311,7 @@ class PiecewiseBackend:
         self.pieces: dict[str, PiecewisePiece] = {}
         self.size_symbol: Any = None  # the one dynamic size (token count) of the traced graph, if there is one
         self.num_dynamic_sizes: int | None = None
+        self.num_piece_compiles = 0  # distinct piece structures, each compiled once (per size) for all its pieces
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         t0 = time.perf_counter()
@@ -284,8 +337,8 @@ class PiecewiseBackend:
             return compiled
         self._compile_pieces(split_gm, capturable, example_inputs, fake_mode, fake_args, use_graphs)
         self.split_gm, self.items = split_gm, items
-        logger.info("%s: %d pieces (%d compiled) in %.1fs", self.owner, len(items), len(capturable),
-                    time.perf_counter() - t0)
+        logger.info("%s: %d pieces (%d compiled, %d distinct) in %.1fs", self.owner, len(items), len(capturable),
+                    self.num_piece_compiles, time.perf_counter() - t0)
         # The generated forward, not Module.__call__: its hook handling costs ~1.5 µs a call.
         return _clone_pool_outputs(split_gm.forward) if use_graphs else split_gm.forward
 
@@ -295,9 +348,18 @@ class PiecewiseBackend:
         # Parameters and buffers: graph inputs that never move between calls.
         static_ptrs = {t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor) and compat.is_static_input(t)}
 
+        shared: dict[str, PieceCompiles] = {}
+
         def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:
-            piece = PiecewisePiece(f"{self.owner}:{name}", getattr(split_gm, name), args, self.size_symbol,
-                                   self.config, self.options, use_graphs, static_ptrs)
+            graph = getattr(split_gm, name)
+            key = structure_key(graph, args)
+            compiles = shared.get(key) if key is not None else None
+            if compiles is None:
+                compiles = PieceCompiles(f"{self.owner}:{name}", graph, args, self.options)
+                if key is not None:
+                    shared[key] = compiles
+            piece = PiecewisePiece(f"{self.owner}:{name}", compiles, args, self.size_symbol, self.config,
+                                   use_graphs, static_ptrs)
             self.pieces[name] = piece
             if piece.trivial:
                 return piece.symbolic
@@ -305,3 +367,4 @@ class PiecewiseBackend:
 
         with fake_mode, compat.python_dispatcher():
             _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)
+        self.num_piece_compiles = len({id(p.compiles) for p in self.pieces.values()})

@@ -19,6 +19,7 @@ def _(x):
 N_LAYERS = 3
 PIECES = 2 * N_LAYERS + 1  # piece, mix, piece, mix, piece, mix, piece
 CAPTURABLE = N_LAYERS + 1  # the pieces between (and around) the splitting ops
+DISTINCT = 2  # relu(linear(x)) before each mix (one compile for all N_LAYERS) and the last linear
 
 
 @support_torch_compile

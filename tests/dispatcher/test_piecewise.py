@@ -5,7 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
-from piecewise_testing import CAPTURABLE, N_LAYERS, PIECES, Toy, TwoSizes, config, eager
+from piecewise_testing import CAPTURABLE, DISTINCT, N_LAYERS, PIECES, Toy, TwoSizes, config, eager, mix
 
 from dispatcher import (
     CompilationConfig,
@@ -16,6 +16,7 @@ from dispatcher import (
     CUDAGraphs,
     compilation_counter,
     set_compilation_config,
+    support_torch_compile,
 )
 from dispatcher.cuda_graph import CapturedGraph
 
@@ -30,12 +31,12 @@ def test_split_and_compile_counters_on_cpu():
         num_graphs_seen=1,
         num_piecewise_graphs_seen=PIECES,
         num_piecewise_capturable_graphs_seen=CAPTURABLE,
-        num_backend_compilations=CAPTURABLE,  # one symbolic-size compile per piece
+        num_backend_compilations=DISTINCT,  # one symbolic-size compile per piece structure
         num_cudagraph_captured=0,
     ):
         x = torch.randn(5, 32)
         torch.testing.assert_close(m(x), eager(m, x), rtol=1e-4, atol=1e-4)
-    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=CAPTURABLE):  # size 8: once more each
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=DISTINCT):  # size 8: once more each
         x = torch.randn(8, 32)
         torch.testing.assert_close(m(x), eager(m, x), rtol=1e-4, atol=1e-4)
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
@@ -44,6 +45,35 @@ def test_split_and_compile_counters_on_cpu():
             torch.testing.assert_close(m(x), eager(m, x), rtol=1e-4, atol=1e-4)
     pw = m._do_backend.piecewise
     assert [it.is_splitting_op for it in pw.items] == [False, True] * N_LAYERS + [False]
+    assert pw.num_piece_compiles == DISTINCT
+
+
+@torch.no_grad()
+def test_pieces_of_one_structure_share_a_compile_but_not_their_inputs():
+    """The layers' pieces share one compile: each still computes with its own layer's weights, and a piece whose
+    inputs differ in shape (here a wider last layer) gets its own."""
+
+    @support_torch_compile
+    class Widening(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+                                               torch.nn.Linear(32, 48)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.ops.dynamo_once_test.mix(torch.relu(layer(x)))
+            return x
+
+    with set_compilation_config(config()):
+        m = Widening()
+    x = torch.randn(6, 32)
+    expected = x
+    for layer in m.layers:
+        expected = mix(torch.relu(layer(expected)))
+    with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=2):
+        torch.testing.assert_close(m(x), expected, rtol=1e-4, atol=1e-4)
+    assert m._do_backend.piecewise.num_piece_compiles == 2
 
 
 @torch.no_grad()
