@@ -1,0 +1,155 @@
+"""ops.triton_utils.FastLaunch: the specialization key, the normal launch wherever the fast path cannot serve,
+and (on CUDA) fast launches giving the normal launches' results, bit for bit.
+
+On the CPU no Triton kernel runs outside the interpreter, so the fast path's bookkeeping is checked on a
+real ``JITFunction`` whose ``run`` (compile and launch) and compiled launcher are stand-ins."""
+
+import pytest
+import torch
+
+from ops import triton_utils
+from ops.triton_utils import FastLaunch, specialization_key
+
+triton = pytest.importorskip("triton")
+
+
+def test_key_follows_what_triton_specializes_on():
+    x = torch.zeros(64)
+    key = specialization_key((x, 1, 16, 17, 2**40, 0.5, None, True))
+    assert key == (torch.float32, True, 1, 3, 2, 5, 0, None, True)  # 2**40: i64, divisible by 16
+    # a different dtype, a 4-byte offset (not 16-byte aligned), a stride of 1 against 2 (1 is a constant)
+    assert specialization_key((x.double(),))[0] == torch.float64
+    assert specialization_key((x[1:],)) == (torch.float32, False)
+    assert specialization_key((x[4:],)) == (torch.float32, True)
+    assert specialization_key((1,)) != specialization_key((2,))
+    assert specialization_key((32,)) == specialization_key((48,))  # both divisible by 16: one kernel
+    assert specialization_key(((1, 2),)) is None  # a tuple argument: the normal launch
+
+
+def _plain(x_ptr, n, BLOCK: "tl.constexpr"):  # noqa: F821 - never compiled: run() is a stand-in
+    pass
+
+
+class _Launcher:
+    """A stand-in for Triton 3.6's CudaLauncher: ``launch`` is the C entry point."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _Compiled:
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 1234, (4, 1, 0)
+
+
+class _NoHooks:
+    launch_enter_hook = launch_exit_hook = None
+
+
+def _fake_jit(monkeypatch):
+    """A real JITFunction whose ``run`` records its calls and returns the stand-in compiled kernel."""
+    kernel = triton.runtime.JITFunction(_plain)
+    launcher = _Launcher()
+    runs = []
+
+    def run(*args, grid, warmup, **kwargs):
+        runs.append((grid, args, kwargs))
+        return _Compiled(launcher)
+
+    monkeypatch.setattr(kernel, "run", run)
+    fast = FastLaunch(kernel)
+
+    def resolve():
+        fast._device, fast._stream, fast._runtime = (lambda: 0), (lambda device: 777), _NoHooks()
+
+    monkeypatch.setattr(fast, "_resolve", resolve)
+    return fast, runs, launcher
+
+
+def test_first_launch_compiles_through_run_later_ones_call_the_launcher(monkeypatch):
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x = torch.zeros(64)
+    fast((4,), x, 32, BLOCK=128, num_warps=4)
+    assert len(runs) == 1 and launcher.calls == []
+    fast((5, 2), x, 48, BLOCK=128, num_warps=4)  # same specialization (48 % 16 == 0)
+    assert len(runs) == 1 and fast.fast_launches == 1
+    assert launcher.calls[-1] == (5, 2, 1, 777, 1234, False, True, None, None, (4, 1, 0), None, None, None, x, 48, 128)
+    fast((4,), x[1:], 48, BLOCK=128, num_warps=4)  # misaligned: another specialization, compiled by run
+    fast((4,), x, 48, BLOCK=64, num_warps=4)  # another constexpr
+    assert len(runs) == 3 and fast.fast_launches == 1
+    fast((4,), x[1:], 16, BLOCK=128, num_warps=4)
+    assert len(runs) == 3 and fast.fast_launches == 2
+
+
+def test_normal_launch_where_the_fast_path_cannot_serve(monkeypatch):
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x = torch.zeros(64)
+    for _ in range(2):
+        fast((4,), x, n=32, BLOCK=128)  # a runtime argument by keyword: its value would be frozen
+    assert len(runs) == 2 and launcher.calls == []
+
+    class Hooked:
+        launch_enter_hook, launch_exit_hook = type("Chain", (), {"calls": [print]})(), None
+
+    fast((4,), x, 32, BLOCK=128)
+    fast._runtime = Hooked()  # a profiler's launch hook: every launch through run, which calls it
+    fast((4,), x, 32, BLOCK=128)
+    assert len(runs) == 4 and launcher.calls == []
+    monkeypatch.setattr(FastLaunch, "enabled", False)
+    calls = []
+    monkeypatch.setattr(type(fast.kernel), "__getitem__", lambda self, grid: lambda *a, **k: calls.append(grid))
+    fast((3,), x, 32, BLOCK=128)
+    assert calls == [(3,)]
+
+
+def test_an_interpreted_or_missing_kernel_is_launched_as_usual():
+    calls = []
+
+    class Interpreted:  # what triton.jit returns under TRITON_INTERPRET=1: no JITFunction
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    fast = FastLaunch(Interpreted())
+    fast((2, 3), 5, BLOCK=8)
+    fast((2, 3), 5, BLOCK=8)
+    assert calls == [((2, 3), (5,), {"BLOCK": 8})] * 2 and fast.fast_launches == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_seqs", [1, 3, 64, 200])  # many splits (a merge launch) down to one (none)
+def test_fast_launches_equal_normal_launches_on_cuda(num_seqs, monkeypatch):
+    from ops import paged_attention as pa
+
+    g = torch.Generator().manual_seed(num_seqs)
+    heads, kv_heads, head, block = 8, 2, 64, 16
+    ctx = torch.randint(0, 200, (num_seqs,), generator=g)
+    per_seq = int((ctx.max() + 1 + block - 1) // block)
+    table = torch.arange(num_seqs * per_seq, dtype=torch.int32).view(per_seq, num_seqs).t().contiguous().cuda()
+    seq_lens = (ctx + 1).int().cuda()
+    cache = torch.randn(2, num_seqs * per_seq, block, kv_heads, head, generator=g).bfloat16().cuda()
+    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * head, generator=g).bfloat16().cuda()
+    q, k, v = qkv.split([heads * head, kv_heads * head, kv_heads * head], -1)  # strided rows, as in a model
+    slots = (table[:, 0].long() * block + torch.arange(num_seqs, device="cuda") % block)
+
+    def step():
+        c = cache.clone()
+        pa.write_kv_cache_triton(c, k, v, slots)
+        return c, pa.paged_decode_triton(q, c, table, seq_lens, heads, head, head**-0.5)
+
+    monkeypatch.setattr(FastLaunch, "enabled", False)
+    expected = step()
+    monkeypatch.setattr(FastLaunch, "enabled", True)
+    before = pa._decode_split_launch.fast_launches + pa._write_kv_cache_launch.fast_launches
+    for _ in range(3):  # the first may compile through run; the others are fast
+        got = step()
+        torch.cuda.synchronize()
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+    assert pa._decode_split_launch.fast_launches + pa._write_kv_cache_launch.fast_launches >= before + 4
+    assert triton_utils.FastLaunch.enabled
