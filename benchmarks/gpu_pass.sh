@@ -22,7 +22,7 @@ steps=${*:-tests ops overhead decode}
 for step in $steps; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    failed)   timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
+    failed)   timeout ${FAILED_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf -n ${FAILED_WORKERS:-0} \
                 ${FAILED_TESTS:-tests/models/test_llava.py tests/ops/test_size_configs.py} > "$R/failed_tests.log" 2>&1
               grep -E "^E |FAILED|passed|failed" "$R/failed_tests.log" | head -30 ;;
     tests)    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -n ${TEST_WORKERS:-8} -m cuda --durations=30 \
@@ -65,6 +65,13 @@ for step in $steps; do
     serve)    # issue 14: the OpenAI-compatible server (openai client, in-process uvicorn) against offline LLM.generate
               timeout ${SERVE_TIMEOUT:-560} python3 -m benchmarks.serve --models ${SERVE_MODELS:-llama-3.2-1b,llama-3-8b} \
                 --out "$R/serve" 2>&1 | tee "$R/serve.log" | grep -E "^\{|Error" ;;
+    quant)    # issue 12: the quantized 8B decode step at level 3 (native code: the default)
+              for m in ${QUANT_MODELS:-llama-3-8b-int8 llama-3-8b-fp8}; do
+                timeout ${QUANT_TIMEOUT:-150} python3 -m benchmarks.decode --models $m --iters 30 --prefill 0 \
+                  --modes "level 3" --out "$R/quant" 2>&1 | tee "$R/quant_$m.log" | grep -E "^\{|Error"
+              done ;;
+    importtime) python3 -X importtime -c "import benchmarks.decode; from models import LLM" 2> "$R/importtime.log";
+              sort -t'|' -k2 -n "$R/importtime.log" | tail -12 ;;
     startup)  # issue 15: process start to first token, cold and warm caches, every default capture size
               timeout ${STARTUP_TIMEOUT:-560} python3 -m benchmarks.decode --startup --startup-only \
                 --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3-8b,llama-3-8b-fp8} --out "$R/startup" 2>&1 \
