@@ -154,21 +154,25 @@ class PrefillConfig:
     num_stages: int
 
 
-# By head size, for long prompts; the flash-attention forward configs Triton's tutorial runs on Hopper (128 x 64,
-# 8 warps, 3 stages at D = 128). D = 256 (Gemma 2): a 64-row tile, its fp32 accumulator alone is 64 KiB of
-# registers. To be tuned on the H200 (benchmarks): every choice is here.
+# By head size, for long bf16/fp16 prompts; the flash-attention forward configs Triton's tutorial runs on Hopper
+# (128 x 64, 8 warps, 3 stages at D = 128). D = 256 (Gemma 2): a 64-row tile, its fp32 accumulator alone is 64 KiB
+# of registers. fp32 (tests, references): small tiles, as its 4-byte K and V tiles (and q) would pass the H200's
+# 227 KiB of shared memory at the bf16 sizes (D = 128: 64 KiB a stage for K + V, 64 KiB for q), and its exact
+# (IEEE) dot runs on the FMA units anyway. To be tuned on the H200 (benchmarks): every choice is here.
 _CONFIGS = {
     64: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     128: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     256: PrefillConfig(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
 }
+_FP32_CONFIG = PrefillConfig(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
 
 
-def prefill_config(head_size: int, group: int, max_query_len: int) -> PrefillConfig:
-    """The config for a head size (rounded up to a power of two, 64..256), query heads per KV head and the
-    longest query: a batch of short queries (``max_query_len`` < the tile's tokens) gets a shorter tile,
-    down to 16 rows, instead of programs mostly masked."""
-    cfg = _CONFIGS[min(max(next_power_of_2(head_size), 64), 256)]
+def prefill_config(head_size: int, group: int, max_query_len: int,
+                   dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
+    """The config for a head size (rounded up to a power of two, 64..256), query heads per KV head, the
+    longest query and q's dtype: a batch of short queries (``max_query_len`` < the tile's tokens) gets a shorter
+    tile, down to 16 rows, instead of programs mostly masked."""
+    cfg = _FP32_CONFIG if dtype == torch.float32 else _CONFIGS[min(max(next_power_of_2(head_size), 64), 256)]
     group_pad = next_power_of_2(group)
     rows = min(cfg.BLOCK_M, max(16, group_pad * next_power_of_2(max(max_query_len, 1))))
     rows = max(rows, group_pad)
@@ -208,7 +212,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     _, _, page, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    cfg = config or prefill_config(head_size, group, max_query_len)
+    cfg = config or prefill_config(head_size, group, max_query_len, q.dtype)
     block_q = max(cfg.BLOCK_M // group_pad, 1)
     block_n = max(cfg.BLOCK_N, page)
     # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.

@@ -142,6 +142,16 @@ def test_rejects_heads_that_do_not_fit_the_cache():
         ops.paged_prefill_ref(*op_args(q, cache, md, 6, 64))
 
 
+def test_config_by_head_size_dtype_and_query_length():
+    """Long queries: the head size's tile; decode-length ones: 16 rows; a group wider than the tile: one token."""
+    assert ops.prefill_config(128, 4, 4096) == PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert ops.prefill_config(80, 4, 4096).BLOCK_M == 128 and ops.prefill_config(256, 2, 4096).BLOCK_M == 64
+    assert ops.prefill_config(128, 4, 1).BLOCK_M == 16 and ops.prefill_config(128, 1, 5).BLOCK_M == 16
+    assert ops.prefill_config(128, 4, 9).BLOCK_M == 64
+    assert ops.prefill_config(128, 256, 4096).BLOCK_M == 256
+    assert ops.prefill_config(128, 4, 4096, torch.float32).BLOCK_N == 16
+
+
 def _opcheck_args(device):
     q, _, _, cache, md = prefill_batch(SPECS, 8, 2, 64, torch.bfloat16, device)
     return (*op_args(q, cache, md, 8, 64), 21, 50.0)
@@ -201,10 +211,12 @@ def test_interpreted_kernel_matches_reference(heads, kw, dtype, config):
 @pytest.mark.usefixtures("bf16_dot_in_the_interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
-def test_interpreted_head_size_128(heads, dtype):
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_interpreted_large_heads(head_size, heads, dtype):
+    """The default configs of D = 128 (Llama) and 256 (Gemma 2)."""
     num_heads, num_kv_heads = heads
-    q, _, _, cache, md = prefill_batch(SPECS[2:5], num_heads, num_kv_heads, 128, dtype)
-    args = op_args(q, cache, md, num_heads, 128)
+    q, _, _, cache, md = prefill_batch(SPECS[2:5], num_heads, num_kv_heads, head_size, dtype)
+    args = op_args(q, cache, md, num_heads, head_size)
     kw = {"sliding_window": 21}
     assert_matches_reference(ops.paged_prefill_triton(*args, **kw), ops.paged_prefill_ref(*args, **kw), args, kw,
                              "interpret")
