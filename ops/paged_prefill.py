@@ -19,16 +19,18 @@ first the tiles every row sees whole (no mask), then the diagonal ones (masked),
 fp32. The grid is ``(cdiv(max_query_len, BLOCK_Q), S, Hkv)``, from host ints only: no ``.item()``, so a CUDA
 graph can hold it. Programs past their sequence's query length return at once; the query blocks are taken
 longest-context first, so the heavy programs do not form the tail. All tile sizes come from
-``prefill_config``, the one place to tune them.
+``prefill_config``, the one place to tune them. The launcher goes through ``FastLaunch`` and passes the cache
+whole (no per-half views): the attention layer calls it eagerly once per layer and step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from .triton_utils import cdiv, next_power_of_2, tl, triton, use_triton
+from .triton_utils import FastLaunch, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "PrefillConfig",
@@ -84,8 +86,8 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    stride_q_t, stride_o_t, stride_c_b, stride_c_s, stride_c_h, stride_bt,
+    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    stride_q_t, stride_o_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     qk_scale, soft_cap, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,6 +127,8 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + s.to(tl.int64) * stride_bt
     kv_off = kvh * stride_c_h
+    k_cache_ptr = kv_cache_ptr
+    v_cache_ptr = kv_cache_ptr + stride_c_kv  # the values' half (an int64 argument past 2**31 elements)
     for start_n in range(k_lo, full_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
                                       kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
@@ -136,6 +140,10 @@ def _prefill_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
     tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+# Launched through FastLaunch, as the decode kernels: the attention op calls it eagerly once per layer and step.
+_prefill_launch = FastLaunch(_prefill_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +175,7 @@ _CONFIGS = {
 _FP32_CONFIG = PrefillConfig(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
 
 
+@functools.cache
 def prefill_config(head_size: int, group: int, max_query_len: int,
                    dtype: torch.dtype = torch.bfloat16) -> PrefillConfig:
     """The config for a head size (rounded up to a power of two, 64..256), query heads per KV head, the
@@ -217,10 +226,9 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     block_n = max(cfg.BLOCK_N, page)
     # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
     qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _prefill_kernel[(cdiv(max_query_len, block_q), num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        q.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+    _prefill_launch(
+        (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), q, kv_cache, block_table, seq_lens, query_start_loc,
+        out, q.stride(0), out.stride(0), *kv_cache.stride()[:4], block_table.stride(0),
         qk_scale, logits_soft_cap or 1.0, sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
         BLOCK_D=max(16, next_power_of_2(head_size)), PAGE=page, BLOCK_N=block_n,
