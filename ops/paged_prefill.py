@@ -162,17 +162,19 @@ class PrefillConfig:
     num_stages: int
 
 
-# By head size, for long bf16/fp16 prompts; the flash-attention forward configs Triton's tutorial runs on Hopper
-# (128 x 64, 8 warps, 3 stages at D = 128). D = 256 (Gemma 2): a 64-row tile, its fp32 accumulator alone is 64 KiB
-# of registers. fp32 (tests, references): small tiles, as its 4-byte K and V tiles (and q) would pass the H200's
-# 227 KiB of shared memory at the bf16 sizes (D = 128: 64 KiB a stage for K + V, 64 KiB for q), and its exact
-# (IEEE) dot runs on the FMA units anyway. To be tuned on the H200 (benchmarks): every choice is here.
+# By head size, for long bf16/fp16 prompts: the flash-attention forward configs of Triton's tutorial on Hopper
+# (128 x 64, 8 warps, 3 stages at D = 128). Compiled ahead for sm_90 here (Triton 3.6, 16-divisible strides as at
+# run time: K and V tiles by cp.async in 3 stages, QK and PV on wgmma), none spills: D = 128 174 registers a
+# thread and 96 KiB of shared memory (one program an SM); D = 64 122 registers at 8 warps (248 at 4) and 48 KiB;
+# D = 256 (Gemma 2) a 64-row tile, 185 registers, 96 KiB. fp32 (tests, references): small tiles, its exact (IEEE)
+# dot runs on the FMA units; at 4 warps D = 256 spilled 1 KiB a thread (at 8: 118 registers, none). Not yet timed
+# on the H200 (benchmarks): every choice is here.
 _CONFIGS = {
-    64: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    64: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     128: PrefillConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     256: PrefillConfig(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
 }
-_FP32_CONFIG = PrefillConfig(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2)
+_FP32_CONFIG = PrefillConfig(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=2)
 
 
 @functools.cache
