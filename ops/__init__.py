@@ -2,8 +2,8 @@
 ``CustomOp`` modules (switched per op by ``CompilationConfig.custom_ops``) and fp32 references.
 
 Triton is optional: without it every op runs its reference on any device. The paged-attention
-ops (``paged_attention``) have no module: the attention layer of ``models`` calls their launchers. The
-W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
+ops (``paged_attention``, ``paged_prefill``) have no module: the attention layer of ``models`` calls their
+launchers. The W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
 norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the graph passes put them in place of
 the unfused sequences. The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
 small M on CUDA, public for benchmarks and for bf16 linears (``small_m_mm``).
