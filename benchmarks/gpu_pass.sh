@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep|serve|startup ...]
+# Usage: bash benchmarks/gpu_pass.sh [tests|passes|failed|compare1b|compare8b|comparepw|ops|opsfull|sweepsmall|overhead|profile|profileprefill|prefill1b|clean|ops3|tracesize|decode|decode8b|gemm|gemmsweep|serve|startup|attnhost|mixed ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -105,6 +105,12 @@ for step in $steps; do
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
               done ;;
+    attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
+              timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
+                | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
+    mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
+              timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
+                ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -66,7 +66,8 @@ class AttentionMetadata:
         seq_lens_cpu: host copy of ``seq_lens``.
         max_seq_len: ``max(seq_lens_cpu)``.
         workspace: persistent split-KV decode scratch (``ops.paged_attention.DecodeWorkspace``), shared by
-            every step of its owner; None: each step's plan allocates its own (once, not per layer).
+            every step of its owner; None: each step's plan allocates its own (once, not per layer; under
+            CUDA-graph capture, in the graph's pool).
     """
 
     slot_mapping: torch.Tensor
@@ -85,6 +86,10 @@ class AttentionMetadata:
         """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape, built at its first
         call in this step (one dict lookup after)."""
         key = (num_heads, num_kv_heads, head_size, page, device)
+        if self.workspace is None and device.type == "cuda":
+            # Scratch of its own, which a CUDA graph must not capture from outside it: this object may die
+            # before the graph. Under capture, a plan allocated there (in the graph's pool), as before plans.
+            key += (torch.cuda.is_current_stream_capturing(),)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._new_plan(num_heads, num_kv_heads, head_size, page, device)

@@ -148,3 +148,41 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
     configs = {c for m in (1, 4, 16) for c in gemm.sweep_grid(m)}
     assert len(configs) <= 24
     assert all(c.BLOCK_M >= m for m in (1, 4, 16) for c in gemm.sweep_grid(m))
+
+
+def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
+    from benchmarks import attention_host
+
+    rows = attention_host.main(["--quick", "--out", str(tmp_path)])
+    assert {(r["decodes"], r["prefill"]) for r in rows} == {(1, 32), (4, 32), (1, 0), (4, 0)}
+    assert all(r["host_us"] > 0 and r["gpu_us"] is None for r in rows)
+    assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 4
+
+
+def test_attention_host_shapes_are_the_models():
+    from benchmarks import attention_host
+
+    assert attention_host.attention_shape("llama-3-8b") == (32, 8, 128, 32)
+    assert attention_host.attention_shape("llama-3.2-1b") == (32, 8, 64, 16)
+
+
+@pytest.mark.slow
+def test_mixed_step_quick_matches_its_parts_and_writes_its_files(tmp_path):
+    from benchmarks import mixed_step
+
+    rows = mixed_step.main(["--quick", "--out", str(tmp_path)])
+    assert [(r["prefill"], r["decodes"]) for r in rows] == [(8, 1), (8, 3)]
+    # fp32 on the CPU: the mixed step's logits are its parts' (the same sequences, split differently)
+    assert all(r["mixed_us"] > 0 and r["ratio"] > 0 and r["logits_max_diff"] < 1e-3 for r in rows)
+    assert len(read_csv(tmp_path / "mixed_step_quick.csv")) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("script", ["attention_host", "mixed_step"])
+def test_mixed_step_benchmarks_refuse_without_a_gpu(script, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"benchmarks.{script}")
+    with pytest.raises(SystemExit) as e:
+        mod.main([])
+    assert e.value.code == 2 and "needs a" in capsys.readouterr().err

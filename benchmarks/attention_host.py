@@ -1,0 +1,182 @@
+"""Host time of one ``torch.ops.dynamo_once.attention`` call on a mixed step (issue 18: target <= 25 µs).
+
+On the piecewise path (a step mixing prefill and decode) the attention op runs eagerly between the
+pieces' CUDA-graph replays, once per layer: its host time, not its GPU time, sets the step's pace when
+it is the larger. For each model's attention shape (bf16 paged cache, 16-token blocks) and B decode
+sequences of ``--context`` cached tokens, plus one ``--prefill``-token prompt (0: decodes only), this
+times a step's worth of calls (one per layer of the model, a fresh metadata object per step, as the
+runner builds one: the first call builds the step's decode plan, the others reuse it):
+
+- ``host_us``: host time per call. The calls of one step are issued back to back with no synchronization
+  and timed with ``time.perf_counter`` (a step's few hundred launches never fill the GPU's queue, so the
+  host never waits for the GPU); the median over ``--steps`` steps, each started on an idle GPU;
+- ``gpu_us``: GPU time per call (CUDA events around a step), for the ratio;
+- ``launch``: ``fast`` (``ops.triton_utils.FastLaunch``, the default) or ``triton`` (every kernel through
+  ``kernel[grid](...)``, ``FastLaunch.enabled = False``), to see what the launch path costs.
+
+Usage: ``python -m benchmarks.attention_host [--models llama-3-8b,llama-3.2-1b] [--out DIR]``;
+``--quick`` runs tiny-llama's shape on the CPU (the native path) to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
+from models.registry import BUILTIN_MODELS
+from ops.paged_attention import DecodeWorkspace
+from ops.triton_utils import FastLaunch
+
+BLOCK = 16
+
+
+def attention_shape(name: str) -> tuple[int, int, int, int]:
+    """``(Hq, Hkv, D, layers)`` of a built-in model's attention."""
+    cfg = BUILTIN_MODELS[name]
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    return heads, cfg["num_key_value_heads"], cfg.get("head_dim", cfg["hidden_size"] // heads), cfg["num_hidden_layers"]
+
+
+class MixedStep:
+    """One attention layer with its paged cache, and a step of ``batch`` decodes (``context`` cached tokens
+    each, first) and one ``prefill``-token prompt, in persistent buffers as the runner keeps them."""
+
+    def __init__(self, name: str, batch: int, prefill: int, context: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        heads, kv_heads, head, self.num_layers = attention_shape(name)
+        per_seq = -(-(context + 1) // BLOCK)
+        prompt_blocks = -(-prefill // BLOCK)
+        num_blocks = batch * per_seq + prompt_blocks
+        self.layer = Attention(heads, head, head**-0.5, kv_heads, "attn")
+        KVCache({"attn": self.layer}, num_blocks * BLOCK, BLOCK, dtype=dtype, device=device)
+        g = torch.Generator().manual_seed(0)
+        self.layer.kv_cache.copy_(torch.randn(self.layer.kv_cache.shape, generator=g).to(dtype))
+        width = max(per_seq, prompt_blocks)
+        table = torch.zeros(batch + (prefill > 0), width, dtype=torch.int32)
+        slots, starts, lens = [], [0], []
+        for i in range(batch):
+            table[i, :per_seq] = torch.arange(i * per_seq, (i + 1) * per_seq)
+            slots.append(int(table[i, context // BLOCK]) * BLOCK + context % BLOCK)
+            starts.append(starts[-1] + 1)
+            lens.append(context + 1)
+        if prefill:
+            table[batch, :prompt_blocks] = torch.arange(batch * per_seq, batch * per_seq + prompt_blocks)
+            slots += [int(table[batch, p // BLOCK]) * BLOCK + p % BLOCK for p in range(prefill)]
+            starts.append(starts[-1] + prefill)
+            lens.append(prefill)
+        t = starts[-1]
+        # q, k, v as a model has them: column slices of one qkv projection (strided rows).
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * head, generator=g).to(dtype).to(device)
+        self.q, self.k, self.v = qkv.split([heads * head, kv_heads * head, kv_heads * head], -1)
+        self.md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_table=table.to(device),
+            num_decodes=batch, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
+            workspace=DecodeWorkspace(batch, device))
+
+    def step(self) -> None:
+        """One step's calls, one per layer, under a fresh metadata object (its plan built by the first)."""
+        md = dataclasses.replace(self.md)
+        q, k, v = self.q, self.k, self.v
+        op = torch.ops.dynamo_once.attention
+        with set_forward_context(ForwardContext({"attn": self.layer}, md)):
+            for _ in range(self.num_layers):
+                op(q, k, v, "attn")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(s: MixedStep, device: torch.device, steps: int) -> tuple[float, float | None]:
+    """``(host µs per call, GPU µs per call or None)``: medians over ``steps`` steps."""
+    with torch.inference_mode():
+        for _ in range(3):  # compiles, plans, allocator warm
+            s.step()
+        host, gpu = [], []
+        for _ in range(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            s.step()
+            host.append((time.perf_counter() - t0) * 1e6 / s.num_layers)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                s.step()
+                end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end) * 1e3 / s.num_layers)
+    return statistics.median(host), (statistics.median(gpu) if gpu else None)
+
+
+def measure(names: list[str], batches: list[int], prefills: list[int], context: int, device: torch.device,
+            dtype: torch.dtype, steps: int, launches: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for name in names:
+        for prefill in prefills:
+            for b in batches:
+                s = MixedStep(name, b, prefill, context, device, dtype)
+                for launch in launches:
+                    FastLaunch.enabled = launch == "fast"
+                    try:
+                        host, gpu = time_step(s, device, steps)
+                    finally:
+                        FastLaunch.enabled = True
+                    rows.append(dict(model=name, decodes=b, prefill=prefill, launch=launch,
+                                     host_us=round(host, 1), gpu_us=None if gpu is None else round(gpu, 1),
+                                     host_over_gpu=None if not gpu else round(host / gpu, 2)))
+                    print(rows[-1], flush=True)
+                del s
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3-8b,llama-3.2-1b")
+    p.add_argument("--batches", default="1,8,32,128", help="decode sequences per step")
+    p.add_argument("--prefill", default="512,0", help="prompt tokens in the step (0: decodes only), comma-separated")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per decode sequence")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--launches", default="fast,triton", help="fast (FastLaunch) and/or triton (kernel[grid])")
+    p.add_argument("--quick", action="store_true", help="tiny-llama's shape on the CPU, to check the harness")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        device, dtype, names, batches, prefills, context, steps = (torch.device("cpu"), torch.float32, ["tiny-llama"],
+                                                                   [1, 4], [32, 0], 32, 3)
+        launches = ["fast"]
+    else:
+        if not torch.cuda.is_available():
+            p.error("the attention op's CUDA path needs a GPU (torch.cuda.is_available() is False); --quick runs "
+                    "the harness on the CPU")
+        device, dtype, names = torch.device("cuda"), torch.bfloat16, a.models.split(",")
+        try:
+            batches, prefills = [int(b) for b in a.batches.split(",")], [int(n) for n in a.prefill.split(",")]
+        except ValueError:
+            p.error(f"--batches, --prefill: expected comma-separated integers; got {a.batches!r}, {a.prefill!r}")
+        context, steps, launches = a.context, a.steps, a.launches.split(",")
+    rows = measure(names, batches, prefills, context, device, dtype, steps, launches)
+    common.write_results("attention_host" + ("_quick" if a.quick else ""), rows, device=device, out_dir=a.out,
+                         title="Host time of one dynamo_once::attention call (eager, as on the piecewise path)",
+                         notes=[f"B decodes of {context} cached tokens each, plus one prompt of `prefill` tokens "
+                                "(0: none); bf16 paged cache, 16-token blocks; one call per layer of the model a "
+                                "step, a fresh metadata object per step (the first call builds the decode plan)",
+                                "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
+                                f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
+                                "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
+                                "the prompt goes through per-sequence SDPA (no prefill kernel wired yet)"])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
