@@ -65,7 +65,8 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
         qk = tl.dot(q, tl.trans(k))
     qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units unless soft-capped
     if USE_SOFTCAP:
-        qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0) * 1.4426950408889634  # tanh, then log2
+        # tanh, then log2 units (LOG2E as a literal: a FastLaunch kernel reads no non-constexpr global)
+        qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0) * 1.4426950408889634
     if MASKED:
         qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
     if USE_WINDOW:
@@ -213,6 +214,8 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     once); ``config`` overrides :func:`prefill_config`. The cache must have unit stride in its last dimension.
     """
     _check_args(q, kv_cache, num_heads, head_size, out)
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"paged_prefill_triton: the cache needs unit stride in D, got strides {kv_cache.stride()}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = seq_lens.shape[0]
