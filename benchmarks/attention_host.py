@@ -81,7 +81,7 @@ class MixedStep:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_table=table.to(device),
             num_decodes=batch, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
-            workspace=DecodeWorkspace(batch, device))
+            workspace=DecodeWorkspace(batch))
 
     def step(self) -> None:
         """One step's calls, one per layer, under a fresh metadata object (its plan built by the first)."""

@@ -45,7 +45,7 @@ class MixedHarness:
         cfg = decode.mode_config("level 3", device.type == "cuda", capture_sizes)
         self.h = decode.Harness(name, cfg, max_decodes + extra_rows, context, max_prefill + max_decodes, device, dtype)
         self.base_block = max_decodes * per  # the prompt's blocks follow every decode sequence's
-        self.workspace = DecodeWorkspace(max_decodes, device)  # persistent, as the runner's
+        self.workspace = DecodeWorkspace(max_decodes)  # persistent, as the runner's
         self.rows: torch.Tensor | None = None
         # The decodes' and the prompt's token ids, the same wherever a step puts them.
         vocab = self.h.model.config.vocab_size

@@ -100,7 +100,7 @@ class AttentionMetadata:
         nd = self.num_decodes
         whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
         ws = self.workspace
-        buf = ws.get(num_heads, num_kv_heads, head_size) if ws is not None and ws.device == device else None
+        buf = ws.get(num_heads, num_kv_heads, head_size, device) if ws is not None else None
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf)

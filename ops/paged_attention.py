@@ -231,21 +231,20 @@ class DecodeWorkspace:
     Owned by whatever builds a step's metadata (``models.engine.InputBatch``), so that every step's
     :class:`DecodePlan` is views of the same memory: no allocation per step, and a CUDA graph captured on
     a plan reads buffers that outlive it. Layers of one step share it: their split and merge launches are
-    stream-ordered. A buffer is allocated at the first :meth:`get` of its shape and never moves.
+    stream-ordered. A buffer is allocated at the first :meth:`get` of its shape and device, and never moves.
     """
 
-    def __init__(self, max_num_seqs: int, device: torch.device | str) -> None:
+    def __init__(self, max_num_seqs: int) -> None:
         self.max_num_seqs = max_num_seqs
-        self.device = torch.device(device)
-        self._buffers: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def get(self, num_heads: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-        """The flat fp32 buffer of this layer shape (:func:`decode_workspace_numel` elements)."""
-        key = (num_heads, num_kv_heads, head_size)
+    def get(self, num_heads: int, num_kv_heads: int, head_size: int, device: torch.device) -> torch.Tensor:
+        """The flat fp32 buffer of this layer shape (:func:`decode_workspace_numel` elements) on ``device``."""
+        key = (num_heads, num_kv_heads, head_size, device)
         buf = self._buffers.get(key)
         if buf is None:
-            numel = decode_workspace_numel(self.max_num_seqs, num_heads, num_kv_heads, head_size, self.device)
-            buf = self._buffers[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=self.device)
+            numel = decode_workspace_numel(self.max_num_seqs, num_heads, num_kv_heads, head_size, device)
+            buf = self._buffers[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
         return buf
 
 

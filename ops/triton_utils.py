@@ -215,9 +215,11 @@ class FastLaunch:
     call that compiled kernel's C launcher directly with the same arguments.
 
     The normal launch serves every call the fast path cannot: Triton's interpreter (``TRITON_INTERPRET=1``:
-    the kernel is no ``JITFunction``), launch hooks set (a profiler such as proton), an argument of another
-    kind (tuples, tensor descriptors), a runtime argument given by keyword, a kernel that needs scratch
-    memory, or a Triton whose internals differ (any attribute missing: logged once at debug level).
+    the kernel is no ``JITFunction``), launch or pre-run hooks set (a profiler such as proton), an argument
+    of another kind (tuples, tensor descriptors), a runtime argument given by keyword, or a Triton whose
+    internals differ (any attribute missing: logged at debug level). A kernel that needs scratch memory is
+    launched through its compiled launcher's Python wrapper (which allocates it), the others through the C
+    entry point itself.
     Like ``kernel.run`` it launches on the current device's current stream (CUDA-graph capture included).
     It does not re-check the kernel's global variables (``kernel.run`` refuses a changed one): kernels
     launched this way read constexpr globals only.
@@ -269,6 +271,8 @@ class FastLaunch:
         """``(launch, fixed leading arguments, constexpr tail)`` of a compiled kernel, or None (normal launch)."""
         try:
             params = self.kernel.params
+            if self.kernel.pre_run_hooks:  # run() calls them before every launch
+                return None
             if any(p.is_constexpr for p in params[:num_args]):
                 return None  # a constexpr passed positionally: its value is not in the key
             tail = []

@@ -63,7 +63,7 @@ class InputBatch:
         self._table_seqs: list[Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
         self.pad_block: int | None = None  # the cache block padding writes to, reserved with the CUDA graphs
         # The decode kernels' split-KV scratch, shared by every step's metadata (see AttentionMetadata.decode_plan).
-        self.decode_workspace = DecodeWorkspace(max_num_seqs, device)
+        self.decode_workspace = DecodeWorkspace(max_num_seqs)
 
     def prepare(self, batch: list[tuple[Seq, int]], num_decodes: int, padding: Padding,
                 device_ids: torch.Tensor | None = None, id_rows: list[int] | None = None

@@ -230,3 +230,44 @@ def test_native_decodes_equal_the_paged_decode_reference(kw):
     out = attention_native(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5, window, cap)
     ref = ops.paged_decode_ref(q, layer.kv_cache, md.block_table, md.seq_lens, HEADS, HEAD, HEAD**-0.5, window, cap)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_plan_is_built_once_per_step_from_the_persistent_workspace():
+    """Every layer of a step shares one plan (per layer shape); each step's plan is views of the same scratch."""
+    import dataclasses
+
+    from ops.paged_attention import DecodeWorkspace, decode_num_splits, decode_workspace_numel
+
+    layer = new_layer()
+    _, _, _, md = make_batch(layer, SPECS)
+    ws = DecodeWorkspace(max_num_seqs=8)
+    md = dataclasses.replace(md, workspace=ws)
+    cpu = torch.device("cpu")
+    plan = md.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
+    assert md.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan  # a dict lookup for the other layers
+    nd = md.num_decodes
+    assert plan.num_seqs == nd == 3 and plan.block_table.shape[0] == nd and plan.seq_lens.shape == (nd,)
+    assert plan.block_table.data_ptr() == md.block_table.data_ptr()  # views, no copies
+    assert plan.num_splits == decode_num_splits(nd, KV_HEADS, cpu) > 1
+    buf = ws.get(HEADS, KV_HEADS, HEAD, cpu)
+    assert plan.mid_o.data_ptr() == buf.data_ptr() and plan.mid_lse.untyped_storage().data_ptr() == buf.data_ptr()
+    next_step = dataclasses.replace(md)  # the next step's metadata: a new plan, the same memory
+    plan2 = next_step.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
+    assert plan2 is not plan and plan2.mid_o.data_ptr() == buf.data_ptr()
+    # the scratch holds the largest batch's partial results; batches that need more fall back to their own
+    assert buf.numel() == decode_workspace_numel(8, HEADS, KV_HEADS, HEAD, cpu)
+    for n in range(1, 9):
+        splits = decode_num_splits(n, KV_HEADS, cpu)
+        assert splits == 1 or n * HEADS * splits * (HEAD + 1) <= buf.numel()
+    assert md.seq_spans == [(s, e, n) for s, e, n in zip(md.query_start_loc_cpu, md.query_start_loc_cpu[1:],
+                                                         md.seq_lens_cpu)]
+
+
+def test_decode_plan_of_one_split_has_no_partial_results():
+    from ops.paged_attention import DecodePlan
+
+    table, lens = torch.zeros(4, 3, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"), num_splits=1)
+    assert plan.mid_o is None and plan.mid_lse is None and plan.split_grid == (4, KV_HEADS, 1)
+    with pytest.raises(ValueError, match="num_splits must be a power of two .* got 3"):
+        DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"), num_splits=3)

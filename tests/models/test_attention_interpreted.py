@@ -74,3 +74,20 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(mode
     assert llm.generate(prompts, max_new_tokens=8) == expected
     assert llm.generate(prompts[:3], max_new_tokens=5) == [t[:5] for t in expected[:3]]  # 3 decodes pad to 4
     assert llm.stats.num_mixed_steps >= 1  # 16 tokens a step: the 13-token prompt is chunked next to decodes
+
+
+@pytest.mark.parametrize("num_decodes", [1, 5])
+def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes):
+    """Three layers' calls on one step's metadata with a persistent workspace: one plan, the native results."""
+    import dataclasses
+
+    from ops.paged_attention import DecodeWorkspace
+
+    specs = [(9, 1), (70, 1), (0, 1), (3, 1), (BLOCK * 5, 1)][:num_decodes] + [(0, 6), (5, 3)]
+    layer = new_layer(num_blocks=len(specs) * 20)
+    q, k, v, md = make_batch(layer, specs)
+    md = dataclasses.replace(md, workspace=DecodeWorkspace(8))
+    for _ in range(3):
+        out, ref = both_paths(layer, q, k, v, md)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert len(md._plans) == 1
