@@ -205,9 +205,9 @@ def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
 class FastLaunch:
     """A Triton kernel launched through its compiled launcher, skipping ``JITFunction.run`` after the first call.
 
-    ``FastLaunch(kernel)(grid, *args, **constexprs_and_options)`` is ``kernel[grid](*args, **kw)``: the runtime
-    arguments positionally, in the kernel's order, constexprs and launch options (``num_warps``, ...) by
-    keyword. ``kernel[grid](...)`` re-binds the arguments, re-derives their specialization, rebuilds the
+    ``FastLaunch(kernel)(grid, *args, **constexprs_and_options)`` is ``kernel[grid](*args, **kw)``: the grid a
+    tuple, the runtime arguments positionally in the kernel's order, constexprs and launch options
+    (``num_warps``, ...) by keyword. ``kernel[grid](...)`` re-binds the arguments, re-derives their specialization, rebuilds the
     options and the launch metadata, and calls the (empty) launch hooks: tens of µs of Python a launch on
     the H200's host, three launches per attention layer per step on the piecewise path. Here the first
     launch of a specialization (:func:`specialization_key` of the arguments, the keywords, the device)
@@ -240,7 +240,7 @@ class FastLaunch:
         self._usable = HAS_TRITON and jit is not None and isinstance(kernel, jit)
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if not (self._usable and FastLaunch.enabled):
+        if not (self._usable and FastLaunch.enabled and type(grid) is tuple):  # a callable grid: run() calls it
             self.kernel[grid](*args, **kwargs)
             return
         if self._device is None:
@@ -248,7 +248,10 @@ class FastLaunch:
         device = self._device()
         spec = specialization_key(args)
         key = (device, spec, tuple(kwargs.items())) if spec is not None else None
-        entry = self._entries.get(key, False) if key is not None and not _hooks_set(self._runtime) else None
+        try:
+            entry = self._entries.get(key, False) if key is not None and not _hooks_set(self._runtime) else None
+        except TypeError:  # an unhashable constexpr
+            key = entry = None
         if not entry:  # unseen (False), or served by the normal launch (None)
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if entry is False:

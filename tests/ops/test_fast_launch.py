@@ -153,3 +153,16 @@ def test_fast_launches_equal_normal_launches_on_cuda(num_seqs, monkeypatch):
             assert torch.equal(a, b)
     assert pa._decode_split_launch.fast_launches + pa._write_kv_cache_launch.fast_launches >= before + 4
     assert triton_utils.FastLaunch.enabled
+
+
+def test_callable_grids_and_unhashable_constexprs_take_the_normal_launch(monkeypatch):
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x = torch.zeros(64)
+    calls = []
+    monkeypatch.setattr(type(fast.kernel), "__getitem__", lambda self, grid: lambda *a, **k: calls.append(grid))
+    grid = lambda meta: (4,)  # noqa: E731
+    fast(grid, x, 32, BLOCK=128)
+    assert calls == [grid]
+    for _ in range(2):
+        fast((4,), x, 32, BLOCK=[128])
+    assert len(runs) == 2 and launcher.calls == []
