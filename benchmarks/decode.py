@@ -422,6 +422,8 @@ def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> lis
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"), DYNAMO_ONCE_CACHE_DIR=os.path.join(cache, "ours"))
         env.pop("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", None)
+        # Byte-compiled imports first, as an installed torch has them (not a compile cache: both runs get them).
+        subprocess.run([sys.executable, "-c", "import benchmarks.decode, models, triton"], env=env, check=False)
         for kind in kinds:
             out = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--startup-child", name], env=env,
                                  capture_output=True, text=True, check=False)

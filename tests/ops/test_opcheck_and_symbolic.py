@@ -65,6 +65,13 @@ def _samples(num_tokens: int, device: str) -> dict:
                                              slots)),
         "paged_decode": (ops.paged_decode, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache, block_table, seq_lens, 4,
                                             HEAD_SIZE, HEAD_SIZE**-0.5, 48, 50.0)),
+        # One sequence: its T new tokens after 64 cached ones, 8 blocks of the cache's 32; max_query_len is a
+        # bound on T (64), not T, so that it is one constant under a symbolic T.
+        "paged_prefill": (ops.paged_prefill, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache,
+                                              torch.arange(8, dtype=torch.int32, device=device)[None],
+                                              torch.tensor([64 + num_tokens], dtype=torch.int32, device=device),
+                                              torch.tensor([0, num_tokens], dtype=torch.int32, device=device), 64, 4,
+                                              HEAD_SIZE, HEAD_SIZE**-0.5, 48, 50.0)),
         # Fused norm / activation + quant: both quant dtypes, both norm forms, each activation among the six.
         "rms_norm_static_quant": (ops.rms_norm_static_quant, (x, w, EPS, q_scale, ops.FP8_DTYPE)),
         "rms_norm_dynamic_quant": (ops.rms_norm_dynamic_quant, (x, w, EPS, torch.int8, True)),
