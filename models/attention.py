@@ -44,6 +44,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
+from dispatcher.cuda_graph import thread_state as graph_state
 from ops.paged_attention import paged_decode_launch
 from ops.triton_utils import cdiv
 
@@ -123,10 +124,13 @@ def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                      md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
-                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """The reference: write the cache, then attend sequence by sequence. Returns ``[T, Hq * D]``."""
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: write the cache, then attend sequence by sequence. Returns ``[T, Hq * D]`` (``out``,
+    when given)."""
     write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     _prefill_loop(out, q, kv_cache, md, 0, num_heads, head_size, scale, sliding_window, logits_soft_cap)
     return out
 
@@ -134,7 +138,8 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 # ------------------------------------------------------------------ CUDA
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
-                   sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                   sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, SDPA per prefill sequence.
 
     The step's decode plan (:meth:`AttentionMetadata.decode_plan`) is built by the first layer and reused by
@@ -147,7 +152,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decodes
     if nd:
         shape = kv_cache.shape
@@ -170,7 +176,16 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_nam
         raise KeyError(f"dynamo_once::attention: no layer {layer_name!r} in the forward context; "
                        f"it has {sorted(ctx.layers)[:8]}") from None
     md = ctx.attn_metadata
-    if md is None:  # profile / warm-up run: no cache yet
+    # In a PIECEWISE step the next piece's CUDA graph reads this output: written into the layer's persistent
+    # buffer (marked static by the engine), it is read in place, with neither an allocation here nor a copy
+    # into the graph's input before each replay. Decided by facts that are the same at capture and replay.
+    buf = layer.piecewise_out
+    if buf is not None and graph_state.step is not None and q.shape[0] <= buf.shape[0] and buf.dtype == q.dtype:
+        out = buf[:q.shape[0]]
+        if md is None:  # profile / warm-up run (or the pieces' capture): no cache yet
+            return out.zero_()
+        return layer.forward_impl(q, k, v, md, out=out)
+    if md is None:
         return torch.zeros_like(q)
     return layer.forward_impl(q, k, v, md)
 
@@ -226,17 +241,21 @@ class Attention(nn.Module):
         self.logits_soft_cap = logits_soft_cap
         # Set by KVCache; a plain attribute, not a buffer, so Dynamo never sees it.
         self.kv_cache: torch.Tensor | None = None
+        # Set by the engine's CUDA graphs (models.engine.graphs): ``[max piecewise size, Hq * D]``, where the
+        # op writes its output in a PIECEWISE step (see _attention_impl); None: a new tensor each call.
+        self.piecewise_out: torch.Tensor | None = None
         self._impl = attention_cuda if torch.cuda.is_available() and HAS_TRITON else attention_native
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.dynamo_once.attention(q, k, v, self.layer_name)
 
-    def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError(f"Attention {self.layer_name}: no KV cache allocated (models.KVCache)")
         impl = attention_cuda if (self._impl is attention_cuda and q.is_cuda) else attention_native
         return impl(q, k, v, self.kv_cache, md, self.num_heads, self.head_size, self.scale,
-                    self.sliding_window, self.logits_soft_cap)
+                    self.sliding_window, self.logits_soft_cap, out)
 
     def extra_repr(self) -> str:
         return (f"{self.layer_name}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "

@@ -271,3 +271,29 @@ def test_decode_plan_of_one_split_has_no_partial_results():
     assert plan.mid_o is None and plan.mid_lse is None and plan.split_grid == (4, KV_HEADS, 1)
     with pytest.raises(ValueError, match="num_splits must be a power of two .* got 3"):
         DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"), num_splits=3)
+
+
+def test_piecewise_steps_write_the_output_into_the_layers_persistent_buffer(monkeypatch):
+    """In a PIECEWISE step (the next piece's CUDA graph reads the output in place) the op writes into the
+    layer's buffer; anywhere else, and for a step larger than the buffer, it returns a new tensor."""
+    from dispatcher.cuda_graph import thread_state
+
+    layer = new_layer()
+    q, k, v, md = make_batch(layer, SPECS)
+    cache = layer.kv_cache.clone()
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        expected = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        layer.piecewise_out = buf = torch.full((q.shape[0] + 3, HEADS * HEAD), float("nan"))
+        layer.kv_cache.copy_(cache)
+        assert torch.ops.dynamo_once.attention(q, k, v, "l0").data_ptr() != buf.data_ptr()  # no step: new
+        monkeypatch.setattr(thread_state, "step", object())  # what CUDAGraphs.run sets for a PIECEWISE step
+        layer.kv_cache.copy_(cache)
+        out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        assert out.data_ptr() == buf.data_ptr() and out.shape == q.shape
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        layer.piecewise_out = buf[:2]  # smaller than the step: a new tensor
+        assert torch.ops.dynamo_once.attention(q, k, v, "l0").data_ptr() != buf.data_ptr()
+    layer.piecewise_out = buf
+    with set_forward_context(ForwardContext({"l0": layer}, None)):  # the pieces' capture: zeros, in the buffer
+        out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+    assert out.data_ptr() == buf.data_ptr() and not out.any()
