@@ -18,7 +18,9 @@ from ops import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
 
 from .attention import Attention
 from .layers import ConfigError, config_field
-from .quant_linear import make_linear, make_merged_linear
+from .parallel.linear import column_parallel_linear, row_parallel_linear
+from .parallel.state import divide
+from .parallel.vocab import vocab_parallel_embedding
 from .llama import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["Gemma2Config", "Gemma2Model", "Gemma2ForCausalLM"]
@@ -55,11 +57,11 @@ class Gemma2Config(LlamaConfig):
 class Gemma2MLP(nn.Module):
     def __init__(self, config: Gemma2Config, prefix: str) -> None:
         super().__init__()
-        inter, quant = config.intermediate_size, config.quantization
-        self.gate_up_proj = make_merged_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"], False,
-                                               quant, prefix)
+        inter, quant = divide(config.intermediate_size, "intermediate_size"), config.quantization  # this rank's
+        self.gate_up_proj = column_parallel_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
+                                                   False, quant, prefix)
         self.act_fn = GeluAndMul(approximate="tanh")
-        self.down_proj = make_linear(inter, config.hidden_size, False, quant, f"{prefix}.down_proj")
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, False, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -69,15 +71,17 @@ class Gemma2Attention(nn.Module):
     def __init__(self, config: Gemma2Config, rotary: RotaryEmbedding, sliding: bool, prefix: str) -> None:
         super().__init__()
         d = config.head_dim
-        self.q_size = config.num_attention_heads * d
-        self.kv_size = config.num_key_value_heads * d
+        heads = divide(config.num_attention_heads, "num_attention_heads")  # this rank's (see LlamaAttention)
+        kv_heads = divide(config.num_key_value_heads, "num_key_value_heads")
+        self.q_size = heads * d
+        self.kv_size = kv_heads * d
         bias, quant = config.attention_bias, config.quantization
-        self.qkv_proj = make_merged_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                           ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
-        self.o_proj = make_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
+        self.qkv_proj = column_parallel_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                               ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
         self.rotary_emb = rotary
-        self.attn = Attention(config.num_attention_heads, d, config.query_pre_attn_scalar**-0.5,
-                              config.num_key_value_heads, layer_name=f"{prefix}.attn",
+        self.attn = Attention(heads, d, config.query_pre_attn_scalar**-0.5,
+                              kv_heads, layer_name=f"{prefix}.attn",
                               sliding_window=config.sliding_window if sliding else None,
                               logits_soft_cap=config.attn_logit_softcapping)
 
@@ -117,7 +121,7 @@ class Gemma2Model(nn.Module):
     def __init__(self, config: Gemma2Config, prefix: str = "model") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, is_neox_style=True, rope_scaling=config.rope_scaling)
         self.layers = nn.ModuleList(

@@ -20,7 +20,9 @@ from ops import RMSNorm, RotaryEmbedding, SiluAndMul
 
 from .attention import Attention
 from .layers import ConfigError, config_field, rope_from_hf
-from .quant_linear import make_linear, make_merged_linear
+from .parallel.linear import column_parallel_linear, row_parallel_linear
+from .parallel.state import divide
+from .parallel.vocab import parallel_lm_head, vocab_parallel_embedding
 from .quantization import QuantizationConfig, parse_quantization_config
 
 __all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM"]
@@ -101,11 +103,13 @@ class LlamaConfig:
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str) -> None:
         super().__init__()
-        inter, quant = config.intermediate_size, config.quantization
-        self.gate_up_proj = make_merged_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
-                                               config.mlp_bias, quant, prefix)
+        # This rank's slice of the intermediate size (all of it without tensor parallelism).
+        inter, quant = divide(config.intermediate_size, "intermediate_size"), config.quantization
+        self.gate_up_proj = column_parallel_linear(config.hidden_size, [inter, inter], ["gate_proj", "up_proj"],
+                                                   config.mlp_bias, quant, prefix)
         self.act_fn = SiluAndMul()
-        self.down_proj = make_linear(inter, config.hidden_size, config.mlp_bias, quant, f"{prefix}.down_proj")
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, config.mlp_bias, quant,
+                                             f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
@@ -115,15 +119,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         d = config.head_dim
-        self.q_size = config.num_attention_heads * d
-        self.kv_size = config.num_key_value_heads * d
+        # This rank's heads (tensor parallel: query and KV heads are both split, GQA groups stay whole).
+        heads = divide(config.num_attention_heads, "num_attention_heads")
+        kv_heads = divide(config.num_key_value_heads, "num_key_value_heads")
+        self.q_size = heads * d
+        self.kv_size = kv_heads * d
         bias, quant = config.attention_bias, config.quantization
-        self.qkv_proj = make_merged_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                           ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
-        self.o_proj = make_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
+        self.qkv_proj = column_parallel_linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                               ["q_proj", "k_proj", "v_proj"], bias, quant, prefix)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
         self.rotary_emb = rotary
-        self.attn = Attention(config.num_attention_heads, d, d**-0.5, config.num_key_value_heads,
-                              layer_name=f"{prefix}.attn")
+        self.attn = Attention(heads, d, d**-0.5, kv_heads, layer_name=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
@@ -160,7 +166,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, prefix: str = "model") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache for all layers: Llama 3.2's 131072 positions x 64 dims are 32 MiB in fp32.
         rotary = RotaryEmbedding(config.head_dim, config.head_dim, config.max_position_embeddings,
                                  config.rope_theta, is_neox_style=True, rope_scaling=config.rope_scaling)
@@ -188,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
     supports_quantization = True
     #: checkpoint tensors with no parameter here, skipped by the loader
     ignored_checkpoint_names = (r"\.rotary_emb\.inv_freq$",)
+    #: shards over a tensor-parallel group (:mod:`models.parallel`)
+    supports_tensor_parallel = True
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -195,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config, prefix="model")
         # A tied head is the embedding, stored in floating point, whatever the quantization config targets.
         quant = None if config.tie_word_embeddings else config.quantization
-        self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, quant, "lm_head")
+        self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size, quant)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -150,25 +150,32 @@ def _config_file(where: str) -> str:
     return os.path.join(where, "config.json") if os.path.isdir(where) else where
 
 
-def checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, torch.Tensor, int, tuple[int, ...]]]:
-    """HF tensor name -> (our parameter name, parameter, first row, expected shape) for every checkpoint tensor.
+Narrow = tuple[int, int, int] | None
+"""``(dim, start, length)``: the slice of a checkpoint tensor that a (tensor-parallel) parameter holds."""
 
-    A module with a ``checkpoint_rows(leaf)`` method (merged and quantized linears) says where each checkpoint
-    tensor of its parameter ``leaf`` goes: ``(HF sibling module name or None for its own, first row, shape)``.
+
+def checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, torch.Tensor, int, tuple[int, ...], Narrow]]:
+    """HF tensor name -> (our parameter name, parameter, first row, expected shape, slice read) for every
+    checkpoint tensor.
+
+    A module with a ``checkpoint_rows(leaf)`` method (merged, quantized and tensor-parallel linears) says
+    where each checkpoint tensor of its parameter ``leaf`` goes: ``(HF sibling module name or None for its
+    own, first row, shape)``, and for a tensor-parallel layer a fourth entry, ``(dim, start, length)``: only
+    that slice of the checkpoint tensor is read (the shape checked is the whole tensor's).
     """
     rename = getattr(model, "checkpoint_name", lambda n: n)
     modules = dict(model.named_modules())
-    layout: dict[str, tuple[str, torch.Tensor, int, tuple[int, ...]]] = {}
+    layout: dict[str, tuple[str, torch.Tensor, int, tuple[int, ...], Narrow]] = {}
     for name, param in model.named_parameters():  # a tied weight appears once
         module_name, _, leaf = name.rpartition(".")
         rows = getattr(modules[module_name], "checkpoint_rows", None)
         if rows is None:
-            layout[rename(name)] = (name, param, 0, tuple(param.shape))
+            layout[rename(name)] = (name, param, 0, tuple(param.shape), None)
             continue
         parent = module_name.rpartition(".")[0]
-        for shard, row, shape in rows(leaf):
+        for shard, row, shape, *narrow in rows(leaf):
             base = module_name if shard is None else f"{parent}.{shard}" if parent else shard
-            layout[rename(f"{base}.{leaf}")] = (name, param, row, shape)
+            layout[rename(f"{base}.{leaf}")] = (name, param, row, shape, narrow[0] if narrow else None)
     return layout
 
 
@@ -266,6 +273,15 @@ def _check_tensors(model: nn.Module, files: list[str], layout: dict[str, Any],
     return found
 
 
+def _read(f: Any, key: str, narrow: Narrow) -> torch.Tensor:
+    """A checkpoint tensor, or only its ``(dim, start, length)`` slice (a tensor-parallel rank's)."""
+    if narrow is None:
+        return f.get_tensor(key)
+    dim, start, length = narrow
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return f.get_slice(key)[index]
+
+
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let each module that asks (quantized merged linears: one weight and input scale over their shards)
     finish its weights once they are all in."""
@@ -291,13 +307,13 @@ def load_weights(model: nn.Module, files: list[str], progress: bool = True) -> N
                 hf = canonical(key)
                 if hf not in found:
                     continue
-                _, param, row, shape = layout[hf]
+                _, param, row, shape, narrow = layout[hf]
                 try:
-                    tensor = f.get_tensor(key)
+                    tensor = _read(f, key, narrow)
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {hf} (truncated file?): {e}") from None
                 with torch.no_grad():
-                    rows = param.data[row:row + shape[0]]
+                    rows = param.data[row:row + (narrow[2] if narrow and narrow[0] == 0 else shape[0])]
                     rows.copy_(tensor.reshape(rows.shape))  # [out, 1] and [] scales into [out] and [1]
     process_weights_after_loading(model)
 
@@ -325,9 +341,13 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
     with torch.no_grad():
         for module in model.modules():
             quantized = hasattr(module, "quantize_from")
-            if quantized or isinstance(module, (nn.Linear, nn.Embedding)):
+            if quantized or isinstance(module, (nn.Linear, nn.Embedding)) or hasattr(module, "tp_shard"):
                 w = module.weight
-                drawn = torch.empty(w.shape, dtype=torch.float32, device=draw_on).normal_(0.0, std, generator=gen)
+                # A tensor-parallel layer draws the whole weight (the same draws as one rank would) and keeps its slice.
+                shape = getattr(module, "full_weight_shape", w.shape)
+                drawn = torch.empty(shape, dtype=torch.float32, device=draw_on).normal_(0.0, std, generator=gen)
+                if hasattr(module, "tp_shard"):
+                    drawn = module.tp_shard(drawn)
                 if quantized:
                     module.quantize_from(drawn)
                 else:

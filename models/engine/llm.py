@@ -20,6 +20,7 @@ decode batch), and ``compile_time_s`` measures it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,9 @@ from dispatcher import (
 from ..forward_context import ForwardContext, set_forward_context
 from ..image_processing import load_image_processor, process_images
 from ..loader import load_model
+from ..parallel.executor import TensorParallelExecutor
+from ..parallel.state import TensorParallelState, get_tp_state, use_tensor_parallel
+from ..parallel.validate import check_size, check_tensor_parallel, device_type
 from ..sampling_params import SamplingParams
 from ..tokenizer import eos_token_ids, load_tokenizer
 from .detokenizer import IncrementalDetokenizer
@@ -94,6 +98,9 @@ class LLM:
         tokenizer: None: the checkpoint directory's (``tokenizer.json`` / ``tokenizer_config.json``, through
             ``transformers.AutoTokenizer``), none for a built-in model or a model passed in; a path: the
             tokenizer there; else a tokenizer object (``encode``, ``decode``, ``apply_chat_template``).
+        tensor_parallel_size: ranks that each hold a shard of the model (Llama, Gemma 2; :mod:`models.parallel`):
+            this process is rank 0 and starts ranks 1..N-1 as worker processes (one GPU each on CUDA), which
+            :meth:`close` stops. Needs ``model`` as a path or built-in name; no async scheduling.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -101,7 +108,8 @@ class LLM:
                  block_size: int = 16, dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None,
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
-                 async_scheduling: bool | None = None, tokenizer: str | Any | None = None) -> None:
+                 async_scheduling: bool | None = None, tokenizer: str | Any | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
@@ -117,10 +125,16 @@ class LLM:
             logger.warning("TORCH_COMPILE_DISABLE=1 disables torch.compile: running level 0 (no compilation) "
                            "instead of level %d (%s)", int(config.level), config.level.name)
             config.level = CompilationLevel.NO_COMPILATION
+        self._tp, tp_state = self._start_tensor_parallel(check_size(tensor_parallel_size), dict(
+            model=model, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, num_cache_tokens=num_cache_tokens,
+            block_size=block_size, dtype=dtype, device=device, compilation_config=config,
+            chunked_prefill=chunked_prefill, async_scheduling=async_scheduling))
+        async_scheduling = False if self._tp is not None else async_scheduling
         self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
         self._execute = self.startup.first_token(self._execute)
         t0 = time.perf_counter()
-        self.model = self._build_model(model, config, dtype, device)
+        with self._tp_guard("load"), use_tensor_parallel(tp_state):
+            self.model = self._build_model(model, config, dtype, device)
         self.load_time_s = time.perf_counter() - t0
         self.model.eval()
         self.compilation_config = config
@@ -148,13 +162,45 @@ class LLM:
                                    self.device.type == "cuda" if async_scheduling is None else async_scheduling)
         self._engine = EngineLoop(self.scheduler, self._execute, self.input_batch.forget_table)
         self._setup_text(model, tokenizer)
-        self.compile_time_s = self._warm_up()
+        if self._tp is not None:
+            self._tp.attach(self.input_batch)
+        with self._tp_guard("warm-up"):
+            self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
                     self.level.name, self.compile_time_s)
         check_one_dynamic_size(compiled)
-        self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level,
-                                                compiled[0].compilation_config if compiled else config)
+        with self._tp_guard("CUDA-graph capture"):
+            self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level,
+                                                    compiled[0].compilation_config if compiled else config)
+            if self._tp is not None:
+                self._tp.wait_ready()
         self.startup.finish(compiled, self.load_time_s, self.compile_time_s, self.capture_time_s)
+
+    @staticmethod
+    def _start_tensor_parallel(size: int, kwargs: dict[str, Any]
+                               ) -> tuple[TensorParallelExecutor | None, TensorParallelState]:
+        """The group a model of ``size`` ranks is built in: started here (this process rank 0, the workers
+        building with ``kwargs``), or the one this process already is a rank of (a worker)."""
+        current = get_tp_state()
+        if size == 1 or current.world_size > 1:
+            if size != current.world_size:
+                raise ValueError(f"LLM: tensor_parallel_size={size}, but built in a tensor-parallel group of "
+                                 f"{current.world_size}")
+            return None, current
+        check_tensor_parallel(kwargs["model"], size, kwargs["device"], kwargs["async_scheduling"])
+        workers = TensorParallelExecutor(size, LLM, dict(kwargs, async_scheduling=False, tensor_parallel_size=size),
+                                         device_type(kwargs["device"]))
+        return workers, workers.state
+
+    def _tp_guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Around what every rank runs together: a failure ends the group and names the failing rank."""
+        return self._tp.guard(what) if self._tp is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave their group; the LLM cannot run after it.
+        Also done when the LLM is garbage-collected and at exit."""
+        if self._tp is not None:
+            self._tp.close()
 
     @staticmethod
     def _build_model(model: str | nn.Module | Callable[[], nn.Module], config: CompilationConfig,
@@ -264,7 +310,15 @@ class LLM:
         """
         full_graph, num_seqs, num_tokens, t, images, md = self.input_batch.prepare(
             batch, num_decodes, self.graphs.padding, device_ids, id_rows)
-        b = len(batch)
+        if self._tp is None:
+            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
+        with self._tp.guard("step"):  # the workers run the step with this one
+            self._tp.send_step(full_graph, num_seqs, num_tokens, t, len(batch), md.num_decodes if md else 0)
+            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
+
+    def _forward_step(self, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int, images: list,
+                      md: Any) -> torch.Tensor:
+        """The forward of a staged step (:meth:`InputBatch.prepare`'s results; ``b`` sequences): logits ``[B, vocab]``."""
         if full_graph:
             return self.graphs.replay(num_seqs)[:b]
         with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():

@@ -1,0 +1,50 @@
+"""Tensor parallelism for Llama and Gemma 2 over ``torch.distributed`` (gloo on CPU, NCCL on GPUs).
+
+``LLM(model, tensor_parallel_size=N)`` (CLI: ``--tensor-parallel-size N``) makes the caller's process rank 0
+and starts ranks 1..N-1 as worker processes (``torch.multiprocessing``, spawn): each builds its shard of
+the model from the same checkpoint, compiles it at the LLM's level and keeps its own KV cache (its KV
+heads). The caller schedules and samples; every step it sends the step's staged inputs to the workers
+(:mod:`.executor`, :mod:`.worker`) and all ranks run the step together.
+
+The layers (:mod:`.linear`, :mod:`.vocab`), Megatron-style:
+
+- QKV and gate-up are column-parallel: each rank holds its query and KV heads (GQA: the KV heads are split
+  too, so ``num_key_value_heads`` and ``num_attention_heads`` must be multiples of N) and its slice of the
+  intermediate size; no communication.
+- o_proj and down_proj are row-parallel: each rank multiplies its slice of the input features, then one
+  all-reduce sums the partial outputs (a bias is added once, after it).
+- The embedding is vocab-parallel (each rank its slice of the vocabulary: masked lookup, then an
+  all-reduce); the LM head holds the same slice (tied or not) and its logits are all-gathered.
+
+Communication is two custom ops, opaque to Dynamo and Inductor so that the traced graph holds each
+collective as one node a graph pass can match (:mod:`.communication`): ``torch.ops.dynamo_once.all_reduce(x,
+group_name)`` and ``torch.ops.dynamo_once.all_gather(x, dim, group_name)``. The piecewise backend does not
+split at them: NCCL collectives are captured in the pieces' CUDA graphs.
+
+Each rank reads only its slices of the checkpoint's tensors (safetensors slices). Not supported: quantized
+(W8A8) checkpoints, Llava, and async scheduling (each refused with an error saying so).
+"""
+
+from .state import (
+    TensorParallelState,
+    destroy_tensor_parallel,
+    divide,
+    get_tp_state,
+    init_tensor_parallel,
+    process_group,
+    tp_rank,
+    tp_size,
+    use_tensor_parallel,
+)
+
+__all__ = [
+    "TensorParallelState",
+    "destroy_tensor_parallel",
+    "divide",
+    "get_tp_state",
+    "init_tensor_parallel",
+    "process_group",
+    "tp_rank",
+    "tp_size",
+    "use_tensor_parallel",
+]

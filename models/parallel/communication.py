@@ -1,0 +1,63 @@
+"""The collectives of the tensor-parallel layers, as custom ops: one opaque node each in the traced graph.
+
+``torch.ops.dynamo_once.all_reduce(x, group_name)`` (sum) and ``torch.ops.dynamo_once.all_gather(x, dim,
+group_name)`` are functional (a new tensor out, the input untouched) and have fake implementations, so
+Dynamo traces them, AOTAutograd and Inductor keep each as one node (a graph pass can match
+``GEMM -> all_reduce``), and the piecewise backend leaves them inside the pieces (they are not splitting
+ops: NCCL collectives are captured in CUDA graphs). The group travels as its name, a string, which a
+custom op's schema can hold; :func:`models.parallel.process_group` resolves it at run time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import process_group
+
+__all__ = ["all_reduce", "all_gather", "tensor_parallel_all_reduce", "tensor_parallel_all_gather"]
+
+# torch 2.13 renames all_gather_into_tensor (deprecated there); 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@torch.library.custom_op("dynamo_once::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group_name``, on every rank."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=process_group(group_name))
+    return out
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dynamo_once::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, on every rank."""
+    group = process_group(group_name)
+    n = dist.get_world_size(group)
+    dim = dim % x.dim()
+    x = x.movedim(dim, 0).contiguous()  # [.., d, ..] -> [d, ..]: ranks' blocks are then contiguous
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()  # [n * d, ..] -> [.., n * d, ..]
+
+
+@all_gather.register_fake
+def _(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= dist.get_world_size(process_group(group_name))
+    return x.new_empty(shape)
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """``x`` summed over the group ``group_name`` (``x`` itself for None: no group)."""
+    return x if group_name is None else torch.ops.dynamo_once.all_reduce(x, group_name)
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, dim: int, group_name: str | None) -> torch.Tensor:
+    """``x`` of every rank of ``group_name`` concatenated along ``dim`` (``x`` itself for None: no group)."""
+    return x if group_name is None else torch.ops.dynamo_once.all_gather(x, dim, group_name)

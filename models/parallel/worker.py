@@ -1,0 +1,95 @@
+"""A tensor-parallel worker process: rank r of the group, running every step the caller sends.
+
+Spawned by :class:`.executor.TensorParallelExecutor`. It joins the group, builds its runner (the ``LLM``
+class, with the caller's arguments, under ``use_tensor_parallel``: its model is rank r's shard, its KV
+cache holds its KV heads), which warms up and compiles (and captures CUDA graphs) in step with the caller,
+then says "ready" and serves steps until the caller sends None or its pipe closes. An exception is sent to
+the caller (its traceback), then the process exits at once: its collectives' peers fail instead of waiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dispatcher import envs
+
+from ..forward_context import AttentionMetadata
+from .executor import NVLS_OFF, WorkerSpec, format_exception
+from .state import destroy_tensor_parallel, init_tensor_parallel, use_tensor_parallel
+
+__all__ = ["worker_main", "run_step"]
+
+
+def _setup_process(spec: WorkerSpec) -> None:
+    os.environ.update(NVLS_OFF)
+    # Each rank its own compile-cache directory: ranks of one model have one key, and the entry's lock is held
+    # over the first call, collectives included (one rank would wait for the lock, the other for it).
+    cache = os.path.join(envs.cache_dir(), f"tp{spec.world_size}-rank{spec.rank}")
+    os.makedirs(cache, exist_ok=True)
+    os.environ["DYNAMO_ONCE_CACHE_DIR"] = cache
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.rank)
+
+
+def worker_main(spec: WorkerSpec, conn: Any) -> None:
+    """The process's entry point (spawn): join, build, serve; exits with 1 after reporting an exception."""
+    try:
+        _setup_process(spec)
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        state = init_tensor_parallel(spec.rank, spec.world_size, spec.backend, store, spec.timeout_s)
+        with use_tensor_parallel(state):
+            runner = spec.runner(**spec.kwargs)
+        conn.send(("ready", ""))
+        _serve(runner, conn, spec)
+    except BaseException:  # noqa: BLE001 - everything goes to the caller
+        try:
+            conn.send(("error", format_exception()))
+        finally:
+            sys.stderr.flush()
+            os._exit(1)  # at once: no teardown that could wait on the group's other ranks
+    destroy_tensor_parallel(state)  # asked to stop: a normal exit (the compile workers' pools shut down)
+
+
+def _serve(runner: Any, conn: Any, spec: WorkerSpec) -> None:
+    step = 0
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the caller is gone
+            return
+        if message is None:
+            return
+        if spec.fault is not None and spec.fault[1] == step:
+            _inject(spec.fault[0], step)
+        run_step(runner, message)
+        step += 1
+
+
+def _inject(kind: str, step: int) -> None:
+    """The test hook (``executor.WORKER_FAULT``)."""
+    if kind == "exit":
+        os._exit(3)
+    raise RuntimeError(f"injected fault at step {step}")
+
+
+def run_step(runner: Any, message: tuple) -> None:
+    """One step from the caller (:func:`.executor.step_message`): stage its inputs into ``runner``'s buffers,
+    then run its forward as the caller does (the logits, all-gathered, are dropped)."""
+    _, (ids, pos, slots, starts, lens, rows), full_graph, num_seqs, num_tokens, t, b, num_decodes = message
+    inputs = runner.input_batch
+    inputs.stage(ids, pos, slots, starts, lens, None if rows is None else torch.tensor(rows, dtype=torch.int32))
+    md = None
+    if not full_graph:  # as InputBatch.prepare builds it
+        md = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping[:num_tokens], query_start_loc=inputs.query_start_loc[:num_seqs + 1],
+            seq_lens=inputs.seq_lens[:num_seqs], block_table=inputs.block_table[:num_seqs],
+            num_decodes=num_decodes, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
+            workspace=inputs.decode_workspace)
+    runner._forward_step(full_graph, num_seqs, num_tokens, t, b, [], md)
