@@ -75,6 +75,15 @@ for step in $steps; do
               done ;;
     importtime) python3 -X importtime -c "import benchmarks.decode; from models import LLM" 2> "$R/importtime.log";
               sort -t'|' -k2 -n "$R/importtime.log" | tail -12 ;;
+    startupprof) # where a warm start's seconds go: llama-3.2-1b cold once, then warm under cProfile
+              d=/tmp/startupprof; rm -rf $d; mkdir -p $d
+              export TORCHINDUCTOR_CACHE_DIR=$d/inductor TRITON_CACHE_DIR=$d/triton DYNAMO_ONCE_CACHE_DIR=$d/ours
+              timeout 120 python3 -m benchmarks.decode --startup-child ${PROF_MODEL:-llama-3.2-1b} | tail -1
+              timeout 120 python3 -m cProfile -o "$R/warm_start.prof" -m benchmarks.decode --startup-child \
+                ${PROF_MODEL:-llama-3.2-1b} | tail -1
+              python3 -c "import pstats; pstats.Stats('$R/warm_start.prof').sort_stats('cumulative').print_stats(150)" \
+                > "$R/warm_start_prof.txt" 2>&1
+              unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR DYNAMO_ONCE_CACHE_DIR ;;
     startup)  # issue 15: process start to first token, cold and warm caches, every default capture size
               timeout ${STARTUP_TIMEOUT:-560} python3 -m benchmarks.decode --startup --startup-only \
                 --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3-8b,llama-3-8b-fp8} --out "$R/startup" 2>&1 \
