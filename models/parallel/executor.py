@@ -172,7 +172,7 @@ class TensorParallelExecutor:
                         proc.join(1.0)
                         return WorkerError(rank, f"its process exited with code {proc.exitcode} (no error reported)")
                     if kind == "error":
-                        return WorkerError(rank, text)
+                        return WorkerError(rank, _summary(text))
                 elif ready == proc.sentinel:
                     if conn.poll():  # its report came before its exit
                         return self._poll(0)
@@ -237,7 +237,7 @@ class TensorParallelExecutor:
                 raise self._poll(_REPORT_WAIT_S) or WorkerError(rank, f"exited with code {proc.exitcode}")
             kind, text = conn.recv()
             if kind != "ready":
-                raise WorkerError(rank, text)
+                raise WorkerError(rank, _summary(text))
 
     def close(self) -> None:
         """Stop the workers (asked first, then terminated) and leave the group; safe to call twice."""
@@ -263,6 +263,12 @@ def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelSta
         with contextlib.suppress(Exception):
             destroy_tensor_parallel(state[0])
     logger.debug("tensor parallel: %d workers stopped", len(procs))
+
+
+def _summary(report: str) -> str:
+    """A worker's traceback with its last line (the exception) first."""
+    lines = report.rstrip().splitlines()
+    return f"{lines[-1]}\n{report}" if lines else "(no report)"
 
 
 def format_exception() -> str:

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..layers import ConfigError
 from ..loader import CheckpointError, model_class_for, read_config
@@ -46,11 +47,15 @@ def check_tensor_parallel(model: Any, size: int, device: torch.device | str | No
     """Refuse what tensor parallelism does not run, before any worker starts.
 
     Raises:
+        RuntimeError: this process already has a ``torch.distributed`` group.
         ValueError: the model is not a path or built-in name; ``async_scheduling=True``; more ranks than GPUs;
             the architecture is not Llama or Gemma 2; a checkpoint with a ``quantization_config``.
         CheckpointError: the checkpoint's config, naming the field that ``size`` does not divide.
     """
     where = f"LLM: tensor_parallel_size={size}"
+    if dist.is_initialized():
+        raise RuntimeError(f"{where}: this process already has a torch.distributed default group (another "
+                           f"tensor-parallel LLM still open? close() it first)")
     if not isinstance(model, str):
         raise ValueError(f"{where} needs a checkpoint directory or a built-in name as model (every rank loads its "
                          f"own shard); got {type(model).__name__}")

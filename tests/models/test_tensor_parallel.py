@@ -1,0 +1,203 @@
+"""Tensor parallelism (models.parallel): TP=2 over gloo on the CPU (two processes: this one as rank 0 and a
+spawned worker) against TP=1; the collectives as single graph nodes; per-rank checkpoint slices; worker
+failures reported as errors naming the rank; bad sizes refused. The two-GPU test (NCCL, CUDA graphs) is
+marked cuda and needs two GPUs."""
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dispatcher import compat, CompilationConfig, compilation_counter, set_compilation_config
+from models import BUILTIN_MODELS, LLM, CheckpointError, ForwardContext, attention_layers, set_forward_context
+from models.loader import build_model, init_random_weights, load_model, load_weights, read_config, _weight_files
+from models.parallel import TensorParallelState, init_tensor_parallel, destroy_tensor_parallel, use_tensor_parallel
+from models.parallel import executor
+from models.parallel.executor import _REPORT_WAIT_S, WorkerError
+from models.parallel.linear import RowParallelLinear
+
+from models_testing import LLAMA3_SCALING, PROMPTS, save_hf_gemma2, save_hf_llama
+from pass_testing import counted_after
+
+NEW_TOKENS = 6
+# Odd vocabulary: the last rank's slice is padded (64 + 63 rows); biases on QKV, o, gate-up, down.
+LLAMA_OVERRIDES = dict(vocab_size=127, attention_bias=True, mlp_bias=True, rope_scaling=LLAMA3_SCALING)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_llama")
+    save_hf_llama(path, **LLAMA_OVERRIDES)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_gemma2")
+    save_hf_gemma2(path)  # tied embeddings: the LM head is the vocab-parallel embedding's slice
+    return str(path)
+
+
+def _greedy(path, level, tp):
+    llm = LLM(path, level=level, max_num_tokens=16, max_num_seqs=4, tensor_parallel_size=tp)
+    try:
+        return llm.generate(PROMPTS, NEW_TOKENS)  # chunked prefill: 16-token steps, prompts and decodes mixed
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("level", [0, 2, 3])
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+def test_tp2_greedy_equals_tp1(model, level, request):
+    path = request.getfixturevalue(f"{model}_dir")
+    expected = _greedy(path, level, 1)
+    t0 = time.perf_counter()
+    assert _greedy(path, level, 2) == expected
+    assert time.perf_counter() - t0 < 120
+
+
+# ------------------------------------------------------------------ one process: shards, graph structure
+def _rank(rank, world_size=2, group_name=None):
+    """Build as ``rank`` of ``world_size`` without a group (collectives are the identity)."""
+    return use_tensor_parallel(TensorParallelState(rank, world_size, group_name, None))
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "built-in"])
+def test_each_rank_holds_its_slices(source, llama_dir):
+    """Rank r's parameters are its slices of the TP=1 model's (checkpoint: read as slices; built-in: the same
+    random draws as TP=1, sliced)."""
+    def build():
+        if source == "built-in":
+            return load_model("tiny-llama")
+        model = build_model(read_config(llama_dir), where=llama_dir)
+        load_weights(model, _weight_files(llama_dir), progress=False)
+        return model
+
+    full = dict(build().named_parameters())
+    for rank in range(2):
+        with _rank(rank):
+            shard = build()
+        modules = dict(shard.named_modules())
+        for name, param in shard.named_parameters():
+            module = modules[name.rpartition(".")[0]]
+            whole = not hasattr(module, "tp_shard") or (isinstance(module, RowParallelLinear) and name.endswith("bias"))
+            # norms and row-parallel biases are whole on every rank; column-parallel biases sliced as the rows
+            expected = full[name] if whole else module.tp_shard(full[name])
+            torch.testing.assert_close(param, expected, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone: its all-reduce is the identity, but a real collective op."""
+    store = dist.HashStore()
+    state = init_tensor_parallel(0, 1, "gloo", store, 60)
+    yield state.group_name
+    destroy_tensor_parallel(state)
+
+
+def test_all_reduce_is_one_graph_node_at_level_3(one_rank_group):
+    """Built as rank 0 of 2 over a one-rank group: the 5 all-reduces (embedding; o_proj and down_proj of 2
+    layers) stay one node each in the post-grad graphs, and the piecewise split is at attention only."""
+    ids, pos = torch.arange(8), torch.arange(8)
+    # A fresh Inductor cache: a cached compile would not run the counting pass.
+    with compat.fresh_inductor_cache(), counted_after("noop") as counts:  # the pass is the model's when built in the block
+        with set_compilation_config(CompilationConfig(level=3)), _rank(0, 2, one_rank_group):
+            model = build_model(BUILTIN_MODELS["tiny-llama"], where="tiny-llama")
+        init_random_weights(model)
+        with compilation_counter.expect(num_piecewise_capturable_graphs_seen=3, num_piecewise_graphs_seen=5), \
+                set_forward_context(ForwardContext(attention_layers(model), None)), torch.inference_mode():
+            model(ids, pos)
+    all_reduce = torch.ops.dynamo_once.all_reduce.default
+    assert counts[all_reduce] == 5, counts
+
+
+# ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("kind, step, reported", [("exit", 2, "its process exited with code 3"),
+                                                  ("raise", 0, "RuntimeError: injected fault at step 0")])
+def test_worker_failure_is_an_error_naming_the_rank(kind, step, reported, monkeypatch, llama_dir):
+    """Rank 1 dies (or raises) inside a step while rank 0 waits in a collective: the caller gets a WorkerError
+    naming rank 1 at once (gloo's connection closes), the group is shut down, and later calls say so."""
+    monkeypatch.setattr(executor, "WORKER_FAULT", (kind, 1, step))
+    llm = LLM(llama_dir, level=0, max_num_tokens=16, tensor_parallel_size=2)
+    procs = list(llm._tp._procs)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match=f"tensor-parallel worker rank 1 failed: .*{reported}") as info:
+        llm.generate(PROMPTS, NEW_TOKENS)
+    assert info.value.rank == 1
+    assert time.perf_counter() - t0 < _REPORT_WAIT_S + 10  # no hang
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(WorkerError, match="shut down after an earlier failure"):
+        llm.generate(PROMPTS, 1)
+    assert not dist.is_initialized()  # rank 0 left the group: a new tensor-parallel LLM may start
+    llm.close()  # again: nothing left to do
+
+
+def test_close_stops_the_workers(llama_dir):
+    llm = LLM(llama_dir, level=0, max_num_tokens=16, tensor_parallel_size=2)
+    procs = list(llm._tp._procs)
+    assert all(p.is_alive() for p in procs)
+    llm.close()
+    assert not any(p.is_alive() for p in procs) and [p.exitcode for p in procs] == [0]
+    assert not dist.is_initialized()
+    assert LLM(llama_dir, level=0, max_num_tokens=16).generate(PROMPTS[:1], 2)  # an unsharded model after it
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "2", True, None])
+def test_bad_size_is_refused(size):
+    with pytest.raises(ValueError, match=rf"LLM: tensor_parallel_size must be a positive int; got {size!r}"):
+        LLM("tiny-llama", tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("size, field", [(3, "num_attention_heads: 4"), (4, "num_key_value_heads: 2")])
+def test_size_must_divide_the_heads(size, field):
+    """Each rank holds whole query and KV heads (tiny-llama: 4 heads, 2 KV heads): refused before any worker
+    starts, naming the field."""
+    with pytest.raises(CheckpointError, match=rf"tiny-llama: {field} is not divisible by tensor_parallel_size={size}"):
+        LLM("tiny-llama", tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model="tiny-llama-fp8"), "is quantized \\(quantization_config\\); W8A8 layers are not sharded yet"),
+    (dict(model="tiny-llava"), "LlavaForConditionalGeneration is not sharded here"),
+    (dict(model="tiny-llama", async_scheduling=True), "async_scheduling=True is not supported"),
+    (dict(model="tiny-llama", device="cuda"), "one GPU a rank, but"),
+])
+def test_unsupported_is_refused(kwargs, message):
+    if kwargs.get("device") == "cuda" and torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs are visible")
+    with pytest.raises(ValueError, match=f"LLM: tensor_parallel_size=2.*{message}"):
+        LLM(**kwargs, tensor_parallel_size=2)
+
+
+def test_model_object_is_refused():
+    model = load_model("tiny-llama")
+    with pytest.raises(ValueError, match="needs a checkpoint directory or a built-in name as model .* got "
+                                         "LlamaForCausalLM"):
+        LLM(model, tensor_parallel_size=2)
+
+
+def test_second_group_in_one_process_is_refused(one_rank_group):
+    with pytest.raises(RuntimeError, match="already has a torch.distributed default group"):
+        LLM("tiny-llama", tensor_parallel_size=2)
+
+
+# ------------------------------------------------------------------ two GPUs
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+def test_tp2_nccl_with_cuda_graphs_equals_tp1(model, request):
+    """Level 3 on two GPUs: NCCL collectives inside the piecewise and whole-step CUDA graphs (fp32: no
+    near-ties between the two reduction orders)."""
+    path = request.getfixturevalue(f"{model}_dir")
+    kwargs = dict(level=3, max_num_tokens=32, max_num_seqs=8, device="cuda", dtype="float32")
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(path, **kwargs, tensor_parallel_size=tp)
+        try:
+            assert llm.cuda_graphs is not None and llm.full_sizes and llm.piece_sizes
+            out[tp] = llm.generate(PROMPTS, 12)
+        finally:
+            llm.close()
+    assert out[2] == out[1]
