@@ -112,6 +112,8 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=16,
                    help="tokens to generate per prompt (default 16)")
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks holding a shard of the model each, one process (and GPU) a rank (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None, help="default: all tokens")
@@ -130,7 +132,7 @@ def _llm(args: argparse.Namespace) -> Any:
     from models import LLM
 
     return LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, dtype=args.dtype,
-               device=_device(args.device))
+               device=_device(args.device), tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate_text(args: argparse.Namespace) -> int:
@@ -154,6 +156,7 @@ def _generate_text(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(f"{num_tokens} tokens in {dt:.2f}s ({num_tokens / dt:.1f} tokens/s); model {args.model}, level "
           f"{int(llm.level)}, {llm.device}", file=sys.stderr)
+    llm.close()  # tensor-parallel workers, if any
     return 0
 
 
@@ -174,6 +177,7 @@ def _generate_random(args: argparse.Namespace) -> int:
     print(f"start-up: {llm.startup.format()}")
     print(f"{st.num_steps} steps ({st.num_mixed_steps} mixed prefill+decode), {st.num_generated} tokens in "
           f"{st.total_s:.3f}s; median decode step {st.median_decode_step_s * 1e3:.2f} ms")
+    llm.close()
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -53,6 +54,8 @@ def check_tensor_parallel(model: Any, size: int, device: torch.device | str | No
         CheckpointError: the checkpoint's config, naming the field that ``size`` does not divide.
     """
     where = f"LLM: tensor_parallel_size={size}"
+    if dist.is_initialized():
+        gc.collect()  # an LLM no longer referenced but not yet collected (a cycle) closes its group
     if dist.is_initialized():
         raise RuntimeError(f"{where}: this process already has a torch.distributed default group (another "
                            f"tensor-parallel LLM still open? close() it first)")

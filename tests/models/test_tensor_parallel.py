@@ -183,6 +183,21 @@ def test_second_group_in_one_process_is_refused(one_rank_group):
         LLM("tiny-llama", tensor_parallel_size=2)
 
 
+def test_cli_generate(capsys):
+    from models.cli import main
+
+    argv = ["generate", "--model", "tiny-llama", "--level", "0", "--device", "cpu", "--random-prompts",
+            "--num-prompts", "2", "--max-tokens", "3"]
+    assert main(argv + ["--tensor-parallel-size", "2"]) == 0
+    sharded = capsys.readouterr().out
+    assert main(argv) == 0
+    assert sharded.split("\n\n")[0] == capsys.readouterr().out.split("\n\n")[0]  # the same tokens
+    assert main(argv + ["--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynamo-once generate: tiny-llama: num_attention_heads: 4 is not divisible by "
+                          "tensor_parallel_size=3") and err.count("\n") == 1, err
+
+
 # ------------------------------------------------------------------ two GPUs
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
