@@ -20,6 +20,7 @@ import datetime
 import logging
 import multiprocessing.connection
 import os
+import threading
 import time
 import traceback
 import weakref
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .state import TensorParallelState, destroy_tensor_parallel, init_tensor_parallel
+from .state import TensorParallelState, destroy_tensor_parallel, init_tensor_parallel, process_group
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +133,18 @@ class TensorParallelExecutor:
             self.close()
             raise
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _shut_down, self._procs, self._conns, [self.state])
+        # A watcher thread notes a worker whose process ends (and on NCCL aborts the group, so that a collective
+        # waiting for it ends instead of hanging until the timeout); closing the pipe's write end stops it.
+        self._dead: list[int] = []
+        stop_reader, stop_writer = ctx.Pipe(duplex=False)
+        group = process_group(self.state.group_name) if self.backend == "nccl" else None
+        threading.Thread(target=_watch, args=(self._procs, stop_reader, self._dead, group), daemon=True,
+                         name="dynamo-once-tp-watch").start()
+        self._finalizer = weakref.finalize(self, _shut_down, self._procs, self._conns, [self.state], stop_writer)
         self._staged: tuple | None = None
 
     def _join(self, store: dist.Store) -> TensorParallelState:
         """Join the group as rank 0, in a thread, watching the workers: one that dies first is an error now."""
-        import threading
-
         out: dict[str, Any] = {}
 
         def join() -> None:
@@ -193,6 +199,7 @@ class TensorParallelExecutor:
         if self._failure is not None:
             raise WorkerError(self._failure.rank, f"the tensor-parallel group was shut down after an earlier "
                                                   f"failure ({self._failure})")
+        self._raise_if_dead()  # between steps
         try:
             yield
         except BaseException as e:
@@ -202,6 +209,13 @@ class TensorParallelExecutor:
             if failure is not None:
                 raise failure from e
             raise
+        self._raise_if_dead()  # NCCL: its collectives were aborted, this part's results are not to be used
+
+    def _raise_if_dead(self) -> None:
+        if self._dead:
+            self._failure = self._poll(_REPORT_WAIT_S) or WorkerError(self._dead[0], "its process ended")
+            self.close()
+            raise self._failure
 
     # ------------------------------------------------------------ steps
     def attach(self, inputs: Any) -> None:
@@ -244,7 +258,25 @@ class TensorParallelExecutor:
         self._finalizer()
 
 
-def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelState | None]) -> None:
+def _watch(procs: list[Any], stop: Any, dead: list[int], group: dist.ProcessGroup | None) -> None:
+    """Until ``stop`` is closed: note the rank of a worker whose process ends in ``dead`` and abort ``group``
+    (NCCL; gloo's collectives fail by themselves when a peer's connection closes)."""
+    sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs, start=1)}
+    ready = multiprocessing.connection.wait([stop, *sentinels])
+    if stop in ready:
+        return
+    dead.extend(sentinels[r] for r in ready)
+    logger.error("tensor parallel: worker rank(s) %s ended", dead)
+    abort = getattr(group, "abort", None)  # ProcessGroup.abort: torch >= 2.6
+    if abort is not None:
+        with contextlib.suppress(Exception):
+            abort()
+
+
+def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelState | None],
+               stop_watch: Any = None) -> None:
+    if stop_watch is not None:
+        stop_watch.close()
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)

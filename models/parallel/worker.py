@@ -10,8 +10,10 @@ the caller (its traceback), then the process exits at once: its collectives' pee
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ def _setup_process(spec: WorkerSpec) -> None:
 
 def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """The process's entry point (spawn): join, build, serve; exits with 1 after reporting an exception."""
+    threading.Thread(target=_exit_with_parent, name="dynamo-once-tp-parent", daemon=True).start()
     try:
         _setup_process(spec)
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,
@@ -55,6 +58,14 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
             sys.stderr.flush()
             os._exit(1)  # at once: no teardown that could wait on the group's other ranks
     destroy_tensor_parallel(state)  # asked to stop: a normal exit (the compile workers' pools shut down)
+
+
+def _exit_with_parent() -> None:
+    """A worker never outlives the caller (killed, or stuck): its process ends when the caller's does."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        parent.join()
+        os._exit(2)
 
 
 def _serve(runner: Any, conn: Any, spec: WorkerSpec) -> None:

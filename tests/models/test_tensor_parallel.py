@@ -144,6 +144,55 @@ def test_close_stops_the_workers(llama_dir):
     assert LLM(llama_dir, level=0, max_num_tokens=16).generate(PROMPTS[:1], 2)  # an unsharded model after it
 
 
+def test_worker_killed_between_steps(llama_dir):
+    llm = LLM(llama_dir, level=0, max_num_tokens=16, tensor_parallel_size=2)
+    (proc,) = llm._tp._procs
+    proc.kill()
+    proc.join()
+    with pytest.raises(WorkerError, match="tensor-parallel worker rank 1 failed: its process exited with code -9"):
+        llm.generate(PROMPTS, 2)
+    assert not dist.is_initialized()
+
+
+def test_garbage_collected_llm_stops_its_workers(llama_dir):
+    """``del`` of a tensor-parallel LLM stops its workers when it is collected (its reference cycles wait for
+    the collector: ``close()`` is immediate)."""
+    import gc
+
+    llm = LLM(llama_dir, level=0, max_num_tokens=16, tensor_parallel_size=2)
+    procs = list(llm._tp._procs)
+    del llm
+    gc.collect()
+    assert not any(p.is_alive() for p in procs) and not dist.is_initialized()
+
+
+def test_workers_end_with_a_killed_caller(tmp_path):
+    """The caller dies (SIGKILL: no atexit, no finalizer): its workers end too, they never outlive it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys\nfrom models import LLM\n"
+            "llm = LLM('tiny-llama', level=0, max_num_tokens=16, tensor_parallel_size=2)\n"
+            "print(*[p.pid for p in llm._tp._procs], flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    pids = [int(p) for p in run.stdout.split()]
+    assert len(pids) == 1, run.stderr
+
+    def running(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, pids))
+
+
 @pytest.mark.parametrize("size", [0, -1, 1.5, "2", True, None])
 def test_bad_size_is_refused(size):
     with pytest.raises(ValueError, match=rf"LLM: tensor_parallel_size must be a positive int; got {size!r}"):
