@@ -29,7 +29,11 @@ on CUDA, the reference elsewhere; opaque custom ops under torch.compile, see
 below), and the launchers ``write_kv_cache_triton`` / ``paged_decode_triton``.
 The attention layer (``models.attention``) calls the launchers directly: it
 runs eagerly inside its own opaque op, once per layer and step, where a second
-op dispatch would add host time to every decode step.
+op dispatch would add host time to every decode step. For the same reason the
+decode launcher comes in two halves: :class:`DecodePlan` (split count, grids,
+slices, split-KV scratch from a persistent :class:`DecodeWorkspace`), built once
+per step, and :func:`paged_decode_launch`, per layer; and every kernel launches
+through ``ops.triton_utils.FastLaunch``.
 """
 
 from __future__ import annotations
