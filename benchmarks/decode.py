@@ -238,6 +238,10 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         pieces = cuda and graph_mode == "piecewise"
         # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
         graphs = CUDAGraphs() if full or pieces else None
+        if pieces:  # attention's outputs read in place by the next piece, as models.engine.graphs.StepGraphs has it
+            for layer in h.layers.values():
+                layer.piecewise_out = torch.empty(max_b, layer.num_heads * layer.head_size, dtype=dtype, device=device)
+                graphs.mark_static(layer.piecewise_out)
         floor_graphs = CUDAGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)

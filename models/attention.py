@@ -15,10 +15,11 @@ Implementations:
   the logits are soft-capped, which SDPA cannot do);
 - CUDA + Triton: the cache write is one Triton launch (both halves, any
   slot order); the decode sequences go through a split-KV ("flash-decoding")
-  Triton kernel, the prefill ones through per-sequence SDPA (a fused kernel;
-  a whole prompt reads this step's k, v directly). The kernels are
-  :mod:`ops.paged_attention`'s, called through their launchers
-  (``write_kv_cache_triton``, ``paged_decode_launch``): this op already runs
+  Triton kernel, all the others (prompts, chunks after cached context) through
+  one launch of a varlen flash-attention kernel over the paged cache
+  (:mod:`ops.paged_prefill`). The kernels are called through their launchers
+  (``write_kv_cache_triton``, ``paged_decode_launch``,
+  ``paged_prefill_triton``): this op already runs
   eagerly, and another op dispatch per layer would cost host time every step.
   The decode path reads only device tensors (``block_table``, ``seq_lens``,
   ``slot_mapping``): no host sync, safe to capture in a CUDA graph.
@@ -46,6 +47,7 @@ from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
 from dispatcher.cuda_graph import thread_state as graph_state
 from ops.paged_attention import paged_decode_launch
+from ops.paged_prefill import paged_prefill_triton
 from ops.triton_utils import cdiv
 
 from .forward_context import AttentionMetadata, get_forward_context
@@ -101,23 +103,13 @@ def _gather_seq(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 
 def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                   first_seq: int, num_heads: int, head_size: int, scale: float,
-                  sliding_window: int | None, logits_soft_cap: float | None,
-                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> None:
-    """Sequences ``first_seq..`` one by one, from the cache (host metadata: no sync).
-
-    ``k_new``, ``v_new`` (this step's keys and values, in the cache's dtype): a whole prompt (no cached
-    tokens before it) attends to them directly instead of gathering the same values back from the cache.
-    """
-    num_kv_heads = kv_cache.shape[-2]
+                  sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Sequences ``first_seq..`` one by one, from the cache (host metadata: no sync)."""
     spans = md.seq_spans
     for i in range(first_seq, len(spans)):
         start, end, seq_len = spans[i]
-        if k_new is not None and seq_len == end - start:
-            k = k_new[start:end].view(seq_len, num_kv_heads, head_size)
-            v = v_new[start:end].view(seq_len, num_kv_heads, head_size)
-        else:
-            k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
-            v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
+        k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
+        v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
         qi = q[start:end].view(end - start, num_heads, head_size)
         out[start:end] = _attend_one(qi, k, v, scale, sliding_window, logits_soft_cap).reshape(end - start, -1)
 
@@ -140,7 +132,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, SDPA per prefill sequence.
+    """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, and one launch of
+    :func:`ops.paged_prefill_triton` for every other sequence (prompts and chunks, from the paged cache).
 
     The step's decode plan (:meth:`AttentionMetadata.decode_plan`) is built by the first layer and reused by
     the others; the decode kernels write rows ``0..num_decodes-1`` of the output in place (no slices of q,
@@ -161,9 +154,9 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
         if nd == md.num_seqs:
             return out
-    same = k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype
-    _prefill_loop(out, q, kv_cache, md, nd, num_heads, head_size, scale, sliding_window, logits_soft_cap,
-                  k if same else None, v if same else None)
+    block_table, seq_lens, query_start_loc, max_query_len = md.prefill_args
+    paged_prefill_triton(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, num_heads, head_size,
+                         scale, sliding_window, logits_soft_cap, out=out)
     return out
 
 

@@ -106,6 +106,14 @@ class AttentionMetadata:
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf)
 
     @functools.cached_property
+    def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The sequences after the decodes, as ``ops.paged_prefill_triton`` takes them: ``(block_table,
+        seq_lens, query_start_loc, max_query_len)``, views made once a step (the first layer's call)."""
+        nd, starts = self.num_decodes, self.query_start_loc_cpu
+        longest = max((starts[i + 1] - starts[i] for i in range(nd, self.num_seqs)), default=0)
+        return self.block_table[nd:], self.seq_lens[nd:], self.query_start_loc[nd:], longest
+
+    @functools.cached_property
     def seq_spans(self) -> list[tuple[int, int, int]]:
         """``(first token, end token, seq_len)`` of each sequence, from the host copies."""
         starts = self.query_start_loc_cpu

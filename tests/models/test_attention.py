@@ -9,7 +9,7 @@ import torch
 import ops
 from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
-from models.attention import _prefill_loop, attention_native, write_kv_cache
+from models.attention import attention_native, write_kv_cache
 
 HEADS, KV_HEADS, HEAD = 4, 2, 16  # Llama 3 8B: 32, 8, 128
 BLOCK = 4  # small blocks: sequences span several, with a partial last one
@@ -204,21 +204,6 @@ def test_cuda_decode_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}], ids=["plain", "window"])
-def test_whole_prompts_attend_to_this_steps_keys_as_to_the_cache(kw):
-    """The CUDA path's shortcut: a prompt with nothing cached before it reads this step's k, v directly."""
-    layer = new_layer(**kw)
-    specs = [(5, 1), (0, 6), (3, 4), (0, 9)]  # a decode, whole prompts and chunks after cached tokens
-    q, k, v, md = make_batch(layer, specs)
-    write_kv_cache(layer.kv_cache, k, v, md.slot_mapping)
-    args = (layer.kv_cache, md, md.num_decodes, HEADS, HEAD, HEAD**-0.5, kw.get("sliding_window"), None)
-    from_cache, direct = torch.zeros_like(q), torch.zeros_like(q)
-    _prefill_loop(from_cache, q, *args)
-    _prefill_loop(direct, q, *args, k, v)
-    torch.testing.assert_close(direct, from_cache, rtol=0, atol=0)
-    assert direct[md.num_decodes:].abs().sum() > 0
 
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
