@@ -120,6 +120,11 @@ for step in $steps; do
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
+    pw)       # issue 18: decode steps on the piecewise path (attention eager between piece graphs) against whole-step graphs
+              for m in ${PW_MODELS:-llama-3.2-1b llama-3-8b}; do
+                timeout ${PW_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --prefill 0 --iters 20 \
+                  --modes "level 3 piecewise,level 3" --out "$R/pw" 2>&1 | tee "$R/pw_$m.log" | grep -E "^\{|Error"
+              done ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
