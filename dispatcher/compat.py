@@ -45,6 +45,7 @@ __all__ = [
     "save_cache_artifacts",
     "load_cache_artifacts",
     "triton_version",
+    "symm_mem_buffer",
 ]
 
 
@@ -316,3 +317,20 @@ def triton_version() -> str:
     except ImportError:
         return "none"
     return str(getattr(triton, "__version__", "unknown"))
+
+
+def symm_mem_buffer(nbytes: int, device: torch.device, group_name: str) -> torch.Tensor:
+    """A ``uint8`` buffer of ``nbytes`` in torch's symmetric memory, established over the group ``group_name``
+    (``torch.distributed._symmetric_memory.empty`` + ``rendezvous``): a collective, every rank of the group
+    calls it. torch before 2.9 also wants ``enable_symm_mem_for_group`` (deprecated, a no-op, after)."""
+    import warnings
+
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(buffer, group_name)
+    return buffer

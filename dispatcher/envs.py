@@ -40,6 +40,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
+    "DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE": "tensor parallel on CUDA: 'ONE_SHOT_KIB,TWO_SHOT_KIB', the largest all-reduce (KiB) "
+                                       "taking symmetric memory's one-shot / two-shot kernel (unset: NCCL always)",
     "DYNAMO_ONCE_API_KEY": "dynamo-once serve: require 'Authorization: Bearer <key>' (as --api-key); unset or empty: none",
 }
 
@@ -143,3 +145,15 @@ def cache_dir() -> str:
 
 def compile_cache_disabled() -> bool:
     return _bool("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", False)
+
+
+def symm_mem_all_reduce() -> tuple[int, int] | None:
+    """``DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE`` as ``(one_shot_max_kib, two_shot_max_kib)``, None when unset or empty."""
+    value = _get("DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE")
+    if value is None or value.strip() == "":
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE={value!r}: expected two sizes in KiB, "
+                         f"'ONE_SHOT_MAX,TWO_SHOT_MAX' (e.g. '256,4096'; 0 turns one kernel off)")
+    return int(parts[0]), int(parts[1])

@@ -188,8 +188,9 @@ class LLM:
                                  f"{current.world_size}")
             return None, current
         check_tensor_parallel(kwargs["model"], size, kwargs["device"], kwargs["async_scheduling"])
-        workers = TensorParallelExecutor(size, LLM, dict(kwargs, async_scheduling=False, tensor_parallel_size=size),
-                                         device_type(kwargs["device"]))
+        kind = device_type(kwargs["device"])  # rank r on GPU r: a worker builds on its current device
+        workers = TensorParallelExecutor(size, LLM, dict(kwargs, async_scheduling=False, tensor_parallel_size=size,
+                                                         device=kind if kind == "cuda" else kwargs["device"]), kind)
         return workers, workers.state
 
     def _tp_guard(self, what: str) -> contextlib.AbstractContextManager[None]:

@@ -21,8 +21,22 @@ collective as one node a graph pass can match (:mod:`.communication`): ``torch.o
 group_name)`` and ``torch.ops.dynamo_once.all_gather(x, dim, group_name)``. The piecewise backend does not
 split at them: NCCL collectives are captured in the pieces' CUDA graphs.
 
-Each rank reads only its slices of the checkpoint's tensors (safetensors slices). Not supported: quantized
-(W8A8) checkpoints, Llava, and async scheduling (each refused with an error saying so).
+On CUDA, ``DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE="ONE_SHOT_KIB,TWO_SHOT_KIB"`` sends all-reduces up to those sizes
+through torch's symmetric-memory one-shot / two-shot kernels instead of NCCL (:mod:`.symmetric`; off by
+default, the limits are to be measured). NVLink multicast stays off in every process of the group.
+
+Each rank reads only its slices of the checkpoint's tensors (safetensors slices); a built-in model's rank
+draws the same random weights as one rank would and keeps its slices. Rank r > 0 keeps its compile-cache
+entries in ``<cache dir>/tp<N>-rank<r>/``.
+
+Lifetime and failures: ``LLM.close()`` stops the workers (also done when the LLM is garbage-collected, and
+at exit); a worker ends with its caller. A worker that raises or dies, during start-up or a step, is a
+:class:`.executor.WorkerError` in the caller naming its rank (with the worker's traceback), never a hang:
+every wait has a deadline (:data:`.executor.TIMEOUT_S`), gloo's collectives fail at once when a peer's
+connection closes, and on NCCL a watcher aborts the group when a worker's process ends. The group is then
+shut down and the LLM refuses further steps.
+
+Not supported: quantized (W8A8) checkpoints, Llava, and async scheduling (each refused with an error saying so).
 """
 
 from .state import (

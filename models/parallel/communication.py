@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .state import process_group
+from .symmetric import symmetric_all_reduce
 
 __all__ = ["all_reduce", "all_gather", "tensor_parallel_all_reduce", "tensor_parallel_all_gather"]
 
@@ -23,8 +24,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 @torch.library.custom_op("dynamo_once::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum of ``x`` over the ranks of ``group_name``, on every rank."""
-    out = x.contiguous().clone()
+    """The sum of ``x`` over the ranks of ``group_name``, on every rank: through symmetric memory where its
+    limits take the message (:mod:`.symmetric`; off by default), else ``torch.distributed`` (NCCL, gloo)."""
+    symmetric = symmetric_all_reduce(group_name)
+    if symmetric is not None:
+        out = symmetric(x)
+        if out is not None:
+            return out
+    out = x.contiguous().clone()  # dist.all_reduce works in place; a functional op leaves x as it was
     dist.all_reduce(out, group=process_group(group_name))
     return out
 

@@ -15,35 +15,31 @@ worker (:func:`step_message`), which stages the same inputs into its own buffers
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import multiprocessing.connection
 import os
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .state import TensorParallelState, destroy_tensor_parallel, init_tensor_parallel, process_group
+from .symmetric import disable as disable_symmetric
+from .symmetric import enable_from_env as enable_symmetric
+from .worker import NVLS_OFF, WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIMEOUT_S", "NVLS_OFF", "TensorParallelExecutor", "WorkerError", "WorkerSpec", "step_message"]
+__all__ = ["TIMEOUT_S", "TensorParallelExecutor", "WorkerError", "step_message"]
 
 #: Seconds any wait of the group may take: start-up, a worker's model build and compile (Llama 3 8B at level 3
 #: compiles in under 60 s cold on an H200), and each collective.
 TIMEOUT_S = 600.0
-
-#: NVLink multicast (NVLS) off in every process of the group: NCCL's NVLS algorithms, torch's symmetric
-#: memory and NVSHMEM would otherwise use multimem operations.
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 #: Test hook: ``(kind, rank, step)`` makes worker ``rank`` fail at its ``step``-th step (0: the first):
 #: kind ``"exit"`` ends its process (``os._exit``), ``"raise"`` raises in it. Read when workers start.
@@ -59,22 +55,6 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"tensor-parallel worker rank {rank} failed: {message}")
         self.rank = rank
-
-
-@dataclasses.dataclass
-class WorkerSpec:
-    """What a worker process needs (pickled to it): its rank, where the group meets, how to build its
-    ``runner`` (the ``LLM`` class, called with ``kwargs`` under the group)."""
-
-    rank: int
-    world_size: int
-    port: int
-    backend: str
-    device_type: str
-    timeout_s: float
-    runner: type
-    kwargs: dict[str, Any]
-    fault: tuple[str, int] | None = None  # (kind, step) of WORKER_FAULT for this rank
 
 
 def step_message(staged: tuple, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int,
@@ -119,8 +99,6 @@ class TensorParallelExecutor:
             spec = WorkerSpec(rank, world_size, store.port, self.backend, device_type, timeout_s, runner, kwargs,
                               fault)
             parent, child = ctx.Pipe()
-            from .worker import worker_main
-
             proc = ctx.Process(target=worker_main, args=(spec, child), name=f"dynamo-once-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()
@@ -133,6 +111,7 @@ class TensorParallelExecutor:
             self.close()
             raise
         self._finalizer.detach()
+        enable_symmetric(self.state.group_name, device_type)  # DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE on CUDA
         # A watcher thread notes a worker whose process ends (and on NCCL aborts the group, so that a collective
         # waiting for it ends instead of hanging until the timeout); closing the pipe's write end stops it.
         self._dead: list[int] = []
@@ -292,6 +271,7 @@ def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelSta
     for conn in conns:
         conn.close()
     if state[0] is not None:
+        disable_symmetric(state[0].group_name)
         with contextlib.suppress(Exception):
             destroy_tensor_parallel(state[0])
     logger.debug("tensor parallel: %d workers stopped", len(procs))
@@ -301,8 +281,3 @@ def _summary(report: str) -> str:
     """A worker's traceback with its last line (the exception) first."""
     lines = report.rstrip().splitlines()
     return f"{lines[-1]}\n{report}" if lines else "(no report)"
-
-
-def format_exception() -> str:
-    """The current exception as a worker reports it: its traceback's last 40 lines."""
-    return "".join(traceback.format_exc().splitlines(keepends=True)[-40:])

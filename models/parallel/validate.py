@@ -67,6 +67,9 @@ def check_tensor_parallel(model: Any, size: int, device: torch.device | str | No
                          f"async_scheduling=False or leave it None")
     if device_type(device) == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"{where}: one GPU a rank, but {torch.cuda.device_count()} GPU(s) are visible")
+    if device_type(device) == "cuda" and torch.device(device).index not in (None, 0):
+        raise ValueError(f"{where}: rank r runs on GPU r (CUDA_VISIBLE_DEVICES picks them); expected device='cuda'; "
+                         f"got device={device!r}")
     config = _hf_config(model)
     cls = model_class_for(config, model)
     if not getattr(cls, "supports_tensor_parallel", False):

@@ -9,11 +9,13 @@ the caller (its traceback), then the process exits at once: its collectives' pee
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing
 import os
 import sys
 import threading
+import traceback
 from typing import Any
 
 import torch
@@ -22,19 +24,45 @@ import torch.distributed as dist
 from dispatcher import envs
 
 from ..forward_context import AttentionMetadata
-from .executor import NVLS_OFF, WorkerSpec, format_exception
 from .state import destroy_tensor_parallel, init_tensor_parallel, use_tensor_parallel
+from .symmetric import enable_from_env as enable_symmetric
 
-__all__ = ["worker_main", "run_step"]
+__all__ = ["NVLS_OFF", "WorkerSpec", "format_exception", "run_step", "worker_main"]
+
+#: NVLink multicast (NVLS) off in every process of the group: NCCL's NVLS algorithms, torch's symmetric
+#: memory and NVSHMEM would otherwise use multimem operations.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """What a worker process needs (pickled to it): its rank, where the group meets, how to build its
+    ``runner`` (the ``LLM`` class, called with ``kwargs`` under the group)."""
+
+    rank: int
+    world_size: int
+    port: int
+    backend: str
+    device_type: str
+    timeout_s: float
+    runner: type
+    kwargs: dict[str, Any]
+    fault: tuple[str, int] | None = None  # (kind, step) of WORKER_FAULT for this rank
+
+
+def format_exception() -> str:
+    """The current exception as a worker reports it: its traceback's last 40 lines."""
+    return "".join(traceback.format_exc().splitlines(keepends=True)[-40:])
 
 
 def _setup_process(spec: WorkerSpec) -> None:
     os.environ.update(NVLS_OFF)
     # Each rank its own compile-cache directory: ranks of one model have one key, and the entry's lock is held
     # over the first call, collectives included (one rank would wait for the lock, the other for it).
-    cache = os.path.join(envs.cache_dir(), f"tp{spec.world_size}-rank{spec.rank}")
-    os.makedirs(cache, exist_ok=True)
-    os.environ["DYNAMO_ONCE_CACHE_DIR"] = cache
+    if not envs.compile_cache_disabled():
+        cache = os.path.join(envs.cache_dir(), f"tp{spec.world_size}-rank{spec.rank}")
+        os.makedirs(cache, exist_ok=True)
+        os.environ["DYNAMO_ONCE_CACHE_DIR"] = cache
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
 
@@ -47,6 +75,7 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         state = init_tensor_parallel(spec.rank, spec.world_size, spec.backend, store, spec.timeout_s)
+        enable_symmetric(state.group_name, spec.device_type)  # with the caller's, a collective
         with use_tensor_parallel(state):
             runner = spec.runner(**spec.kwargs)
         conn.send(("ready", ""))

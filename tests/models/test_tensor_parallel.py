@@ -3,7 +3,6 @@ spawned worker) against TP=1; the collectives as single graph nodes; per-rank ch
 failures reported as errors naming the rank; bad sizes refused. The two-GPU test (NCCL, CUDA graphs) is
 marked cuda and needs two GPUs."""
 
-import datetime
 import time
 
 import pytest
@@ -16,7 +15,9 @@ from models.loader import build_model, init_random_weights, load_model, load_wei
 from models.parallel import TensorParallelState, init_tensor_parallel, destroy_tensor_parallel, use_tensor_parallel
 from models.parallel import executor
 from models.parallel.executor import _REPORT_WAIT_S, WorkerError
+from models.parallel import symmetric
 from models.parallel.linear import RowParallelLinear
+from models.parallel.symmetric import AllReduceLimits, limits_from_env
 
 from models_testing import LLAMA3_SCALING, PROMPTS, save_hf_gemma2, save_hf_llama
 from pass_testing import counted_after
@@ -212,10 +213,13 @@ def test_size_must_divide_the_heads(size, field):
     (dict(model="tiny-llava"), "LlavaForConditionalGeneration is not sharded here"),
     (dict(model="tiny-llama", async_scheduling=True), "async_scheduling=True is not supported"),
     (dict(model="tiny-llama", device="cuda"), "one GPU a rank, but"),
+    (dict(model="tiny-llama", device="cuda:1"), "rank r runs on GPU r .* got device='cuda:1'"),
 ])
 def test_unsupported_is_refused(kwargs, message):
     if kwargs.get("device") == "cuda" and torch.cuda.device_count() >= 2:
         pytest.skip("two GPUs are visible")
+    if kwargs.get("device") == "cuda:1" and torch.cuda.device_count() < 2:
+        pytest.skip("fewer than two GPUs: refused for their count first")
     with pytest.raises(ValueError, match=f"LLM: tensor_parallel_size=2.*{message}"):
         LLM(**kwargs, tensor_parallel_size=2)
 
@@ -247,7 +251,71 @@ def test_cli_generate(capsys):
                           "tensor_parallel_size=3") and err.count("\n") == 1, err
 
 
+# ------------------------------------------------------------------ the all-reduce choice
+def test_limits_choose_by_size():
+    limits = AllReduceLimits(one_shot_max_bytes=64 << 10, two_shot_max_bytes=4 << 20)
+    assert [limits.choose(n) for n in (1, 64 << 10, (64 << 10) + 1, 4 << 20, (4 << 20) + 1)] == [
+        "one_shot", "one_shot", "two_shot", "two_shot", "nccl"]
+    assert AllReduceLimits().choose(1) == "nccl"  # the default: NCCL always
+    assert AllReduceLimits(0, 1024).choose(8) == "two_shot"
+
+
+@pytest.mark.parametrize("value, expected", [("256,4096", AllReduceLimits(256 << 10, 4096 << 10)),
+                                             (" 0 , 512 ", AllReduceLimits(0, 512 << 10)), ("", None), ("0,0", None)])
+def test_limits_from_env(value, expected, monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE", value)
+    assert limits_from_env() == expected
+
+
+@pytest.mark.parametrize("value", ["256", "a,b", "1,2,3", "-1,5", "1.5,2"])
+def test_bad_limits_name_the_variable(value, monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE", value)
+    with pytest.raises(ValueError, match=rf"DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE={value!r}: expected two sizes in KiB"):
+        limits_from_env()
+
+
+def test_symmetric_memory_needs_cuda(one_rank_group, monkeypatch):
+    with pytest.raises(ValueError, match="symmetric memory needs CUDA tensors; the group's device is cpu"):
+        symmetric.enable(one_rank_group, AllReduceLimits(1024, 0), torch.device("cpu"))
+    monkeypatch.setenv("DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE", "256,4096")
+    assert symmetric.enable_from_env(one_rank_group, "cpu") is None  # gloo groups take their own all-reduce
+
+
+def test_all_reduce_asks_the_choice(one_rank_group, monkeypatch):
+    """``dynamo_once::all_reduce`` takes the group's symmetric path when it answers, else the group's own."""
+    x = torch.randn(4, 8)
+    answer = {}
+    monkeypatch.setitem(symmetric._enabled, one_rank_group, lambda t: answer.get("out"))
+    torch.testing.assert_close(torch.ops.dynamo_once.all_reduce(x, one_rank_group), x)  # None: gloo
+    answer["out"] = torch.full_like(x, 7.0)
+    assert torch.equal(torch.ops.dynamo_once.all_reduce(x, one_rank_group), answer["out"])
+
+
+def test_all_reduce_opcheck(one_rank_group):
+    torch.library.opcheck(torch.ops.dynamo_once.all_reduce.default, (torch.randn(3, 8), one_rank_group))
+    torch.library.opcheck(torch.ops.dynamo_once.all_gather.default, (torch.randn(3, 8), -1, one_rank_group))
+
+
 # ------------------------------------------------------------------ two GPUs
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_symmetric_all_reduce_two_gpus(tmp_path):
+    """NCCL, one-shot and two-shot all-reduces of 1-512 tokens x 4096 (bf16), eager and replayed in a CUDA
+    graph, each equal to the sum of the two ranks' inputs (two bf16 addends: one rounding, whichever sums)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from tp_testing import TOKENS, symmetric_all_reduce_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(symmetric_all_reduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        errors = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(errors) == {(a, t) for a in ("nccl", "one_shot", "two_shot") for t in TOKENS}
+        assert max(errors.values()) <= 2 ** -7 * 8, errors  # one bf16 rounding of sums |x| < 8
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
