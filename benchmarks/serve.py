@@ -1,14 +1,15 @@
 """The OpenAI-compatible server against offline ``LLM.generate`` on the same ``models.LLM`` (issue 14).
 
-For each model (built-in random weights, level 3), the server runs in-process (uvicorn in a thread,
-127.0.0.1, an ephemeral port) and the official ``openai`` client drives ``/v1/completions`` with
+For each model (built-in random weights, level 3), the server runs in the LLM's process (uvicorn in a
+thread, 127.0.0.1, an ephemeral port) and the official ``openai`` client (``AsyncOpenAI``, in a process of
+its own, as a load generator runs) drives ``/v1/completions`` with
 token-id prompts of ``--prompt-len`` random tokens and ``ignore_eos`` (the vLLM extension the server
 takes), so every request generates exactly ``--max-tokens`` tokens:
 
 - concurrency 1: time per output token of a streamed request, (last token's arrival - first token's) /
   (tokens after the first chunk), median over ``--repeats`` requests, against the median decode step of
   ``LLM.generate`` on the same request;
-- concurrency C (``--concurrency``, default 16, 64): C clients (threads) released together, output
+- concurrency C (``--concurrency``, default 16, 64): C requests (asyncio tasks) released together, output
   tokens/s = all their tokens / (last response - release), against ``LLM.generate`` of the same C
   requests as one list (tokens / its wall time).
 
@@ -22,9 +23,13 @@ runs tiny-llama on the CPU at concurrency 1 and 4 to check the harness.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -72,13 +77,13 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def served_ms_per_token(client: Any, model: str, prompt: list[int], max_tokens: int) -> float:
+async def _stream_one(client: Any, model: str, prompt: list[int], max_tokens: int) -> float:
     """One streamed request: ms per output token after the first chunk (each token is one word)."""
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
     first = last = None
     after_first = tokens = 0
-    for chunk in stream:
+    async for chunk in stream:
         if not chunk.choices or not chunk.choices[0].text:
             continue
         n = len(chunk.choices[0].text.split())
@@ -93,34 +98,46 @@ def served_ms_per_token(client: Any, model: str, prompt: list[int], max_tokens: 
     return (last - first) / after_first * 1e3
 
 
-def served_tokens_per_s(client: Any, model: str, batch: list[list[int]], max_tokens: int) -> float:
-    """``len(batch)`` clients (threads) released together, one request each; output tokens / wall time."""
-    barrier = threading.Barrier(len(batch) + 1)
-    done: list[tuple[float, int]] = []
-    errors: list[BaseException] = []
+async def _batch(client: Any, model: str, batch: list[list[int]], max_tokens: int) -> float:
+    """All of ``batch`` at once, one request each (not streamed); output tokens / wall time."""
+    async def one(prompt: list[int]) -> int:
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        return r.usage.completion_tokens
 
-    def one(prompt: list[int]) -> None:
-        barrier.wait()
-        try:
-            r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                          extra_body={"ignore_eos": True})
-            done.append((time.perf_counter(), r.usage.completion_tokens))
-        except BaseException as e:  # noqa: BLE001  (re-raised below, on the main thread)
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in batch]
-    for t in threads:
-        t.start()
-    barrier.wait()
     t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    tokens = sum(n for _, n in done)
-    if tokens != max_tokens * len(batch):
-        raise RuntimeError(f"{len(batch)} requests gave {tokens} tokens, not {max_tokens * len(batch)}")
-    return tokens / (max(t for t, _ in done) - t0)
+    counts = await asyncio.gather(*(one(p) for p in batch))
+    wall = time.perf_counter() - t0
+    if sum(counts) != max_tokens * len(batch):
+        raise RuntimeError(f"{len(batch)} requests gave {sum(counts)} tokens, not {max_tokens * len(batch)}")
+    return sum(counts) / wall
+
+
+async def _client_run(job: dict[str, Any]) -> list[float]:
+    import openai
+
+    # The client's connection pool (1000 by default) lets every request of a batch run at once.
+    async with openai.AsyncOpenAI(base_url=job["url"], api_key="none", max_retries=0, timeout=600) as client:
+        if job["stream"]:
+            return [await _stream_one(client, job["model"], b[0], job["max_tokens"]) for b in job["batches"]]
+        return [await _batch(client, job["model"], b, job["max_tokens"]) for b in job["batches"]]
+
+
+def client_main() -> None:
+    """The clients' process: a JSON job on stdin, one figure per batch as a JSON list on stdout."""
+    print(json.dumps(asyncio.run(_client_run(json.load(sys.stdin)))), flush=True)
+
+
+def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens: int, stream: bool) -> list[float]:
+    """The requests from another process (as a load generator runs: the clients' HTTP and JSON work off the
+    server's interpreter), one ``asyncio`` task a request; per batch: streamed ms per token (one prompt a
+    batch) or tokens/s."""
+    job = dict(url=url, model=model, batches=batches, max_tokens=max_tokens, stream=stream)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--client"], input=json.dumps(job),
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"the clients' process failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -148,36 +165,31 @@ def row(model: str, concurrency: int, metric: str, served: float, off: float) ->
 
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Every measurement of one model: one LLM, one server over it; offline and served runs alternate."""
-    import openai
-
     from models import LLM
 
     cmax = max(a.concurrency)
     llm = LLM(name, level=a.level, max_num_tokens=max(512, cmax), max_num_seqs=cmax, dtype=dtype,
               device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer())
     url, server = start_server(llm, name)
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-    vocab = llm.model.config.vocab_size
     rows = []
     try:
-        one = prompts(a.repeats, a.prompt_len, vocab, seed=1)
+        one = prompts(a.repeats, a.prompt_len, llm.vocab_size, seed=1)
         offline(llm, one[:1], a.max_tokens)  # warm-up, both sides
-        served_ms_per_token(client, name, one[0], a.max_tokens)
+        run_clients(url, name, [one[:1]], a.max_tokens, stream=True)
         off = statistics.median(offline(llm, [p], a.max_tokens)[0] for p in one)
-        srv = statistics.median(served_ms_per_token(client, name, p, a.max_tokens) for p in one)
+        srv = statistics.median(run_clients(url, name, [[p] for p in one], a.max_tokens, stream=True))
         rows.append(row(name, 1, "ms/token", srv, off))
         for c in a.concurrency:
             if c == 1:
                 continue
-            batch = prompts(c, a.prompt_len, vocab, seed=c)
-            offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs, the clients' connections
-            served_tokens_per_s(client, name, batch, a.max_tokens)
+            batch = prompts(c, a.prompt_len, llm.vocab_size, seed=c)
+            offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs
             off = statistics.median(offline(llm, batch, a.max_tokens)[1] for _ in range(a.batch_repeats))
-            srv = statistics.median(served_tokens_per_s(client, name, batch, a.max_tokens)
-                                    for _ in range(a.batch_repeats))
+            # The first batch warms the clients' connections; the median of the others.
+            srv = statistics.median(run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens,
+                                                stream=False)[1:])
             rows.append(row(name, c, "tokens/s", srv, off))
     finally:
-        client.close()
         server.should_exit = True
     del llm
     return rows
@@ -188,7 +200,8 @@ def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device
         f"serve{tag}", rows, title="OpenAI-compatible server against offline LLM.generate", device=device,
         out_dir=a.out,
         notes=[f"prompts of {a.prompt_len} random token ids, {a.max_tokens} output tokens each (ignore_eos), "
-               f"greedy; level {a.level}; server in-process on 127.0.0.1, the openai client in threads",
+               f"greedy; level {a.level}; server in the LLM's process on 127.0.0.1, the clients in another "
+               "(openai.AsyncOpenAI, one asyncio task a request)",
                "ms/token (concurrency 1): served = streamed (last token - first token) / tokens after the first; "
                f"offline = LLM.generate's median decode step; median of {a.repeats} requests; target ratio <= 1.05",
                f"tokens/s: all clients released together; offline = LLM.generate of the same requests as one list; "
@@ -212,7 +225,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--level", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
     p.add_argument("--out", default=None)
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.client:
+        client_main()
+        return []
     a.concurrency = sorted({1, *(int(c) for c in a.concurrency.split(","))})
     if a.quick:
         device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]

@@ -38,7 +38,12 @@ class EngineLoop:
         self.scheduler = scheduler
         self._execute = execute
         self._on_idle = on_idle
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        # Threads waiting for a step to end: (their condition, its Condition on _lock). After a step only
+        # those whose condition now holds wake, and, when the thread that ran it leaves, one more to take
+        # the turn: with 64 callers, a step wakes the few that finished, not all 64 (whose wake-ups, each
+        # taking the GIL, delayed the next step).
+        self._waiters: list[tuple[Callable[[], bool], threading.Condition]] = []
         self._busy = False  # a thread is running a step
         self._incoming: list[Seq] = []  # submitted, to be added to the scheduler before the next step
         self._t_start = 0.0
@@ -49,18 +54,40 @@ class EngineLoop:
     def submit(self, seqs: list[Seq]) -> None:
         """Queue ``seqs`` for the next step. Into an idle engine, this starts new ``scheduler.stats``
         (the stats of one call when calls do not overlap)."""
-        with self._cv:
+        with self._lock:
             if self._idle():
                 self.scheduler.stats = GenerateStats()
                 self._t_start = time.perf_counter()
             self._incoming.extend(seqs)
 
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """With ``_lock`` held: sleep until a step ends with ``ready()``, or with this thread handed the turn
+        (no step running)."""
+        entry = (ready, threading.Condition(self._lock))
+        self._waiters.append(entry)
+        try:
+            while self._busy and not ready():
+                entry[1].wait()
+        finally:
+            self._waiters.remove(entry)
+
+    def _wake(self, stepper_done: bool) -> None:
+        """With ``_lock`` held, after a step: wake the waiters whose condition holds; if the thread that ran
+        the step is leaving, also the first other waiter, which runs the next one."""
+        handed = not stepper_done
+        for ready, cond in self._waiters:
+            if ready():
+                cond.notify()
+            elif not handed:
+                cond.notify()
+                handed = True
+
     def run_until(self, done: Callable[[], bool]) -> None:
         """Run steps, in turn with other threads, until ``done()`` (checked between steps)."""
         while True:
-            with self._cv:
-                while self._busy and not done():
-                    self._cv.wait()
+            with self._lock:
+                if self._busy and not done():
+                    self._wait(done)
                 if done():
                     return
                 if self._incoming:
@@ -72,22 +99,22 @@ class EngineLoop:
             try:
                 self.scheduler.step(self._execute)
             except BaseException as e:
-                with self._cv:
+                with self._lock:
                     self.scheduler.fail(e)
                 raise
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
                     self.scheduler.stats.total_s = time.perf_counter() - self._t_start
                     if self._idle():
                         self._on_idle()
-                    self._cv.notify_all()
+                    self._wake(done())
 
     def abort(self, seqs: list[Seq]) -> None:
         """End ``seqs`` (those not ended yet: ``finish_reason`` "abort") between two steps."""
-        with self._cv:
-            while self._busy:
-                self._cv.wait()
+        with self._lock:
+            if self._busy:
+                self._wait(lambda: not self._busy)
             gone = {id(s) for s in seqs}
             for seq in self._incoming:
                 if id(seq) in gone and not seq.done:
@@ -96,4 +123,4 @@ class EngineLoop:
             self.scheduler.abort(seqs)
             if self._idle():
                 self._on_idle()
-            self._cv.notify_all()
+            self._wake(True)

@@ -1,14 +1,15 @@
 """``AsyncLLM``: the event loop's side of :class:`models.LLM`; engine steps never run on the loop.
 
-Each request is iterated by a thread of a pool (as many threads as the engine takes sequences a step)
-through :meth:`LLM.stream_outputs`. The threads share the one engine loop (:mod:`models.engine.engine_loop`):
+Each request runs on a thread of a pool (as many threads as the engine takes sequences a step): a streamed
+one iterates :meth:`LLM.stream_outputs`, any other calls :meth:`LLM.generate`. The threads share the one engine loop (:mod:`models.engine.engine_loop`):
 whichever holds the turn runs a step for every sequence in the engine, so a request that arrives joins the
-running batch at the next step (continuous batching) and none waits for another to end. Each output is
-handed to the request's coroutine through ``loop.call_soon_threadsafe`` onto an ``asyncio.Queue``.
+running batch at the next step (continuous batching) and none waits for another to end. Each streamed output
+is handed to the request's coroutine through ``loop.call_soon_threadsafe`` onto an ``asyncio.Queue``.
 
-A coroutine that stops listening (the client disconnected, the response task was cancelled) sets its
-request's ``cancelled`` event; its thread closes the stream at its next output, which aborts the sequence
-between two steps and frees its cache blocks.
+A streamed request's coroutine that stops listening (the client disconnected, the response task was
+cancelled) sets its request's ``cancelled`` event; its thread closes the stream at its next output, which
+aborts the sequence between two steps and frees its cache blocks. A request that is not streamed runs to its
+end (at most ``max_tokens``): its client gets nothing before then, so nothing tells that it left.
 """
 
 from __future__ import annotations
@@ -88,10 +89,13 @@ class AsyncLLM:
             cancelled.set()
 
     async def generate(self, prompt: Any, params: SamplingParams) -> RequestOutput:
-        """The request's final output."""
-        out = None
-        async for out in self.stream(prompt, params):
-            pass
+        """The request's final output: :meth:`LLM.generate` on a thread of the pool, which sleeps until its
+        sequence ends (no output per token, no wake-up per step).
+
+        Raises:
+            ValueError: a prompt the engine refuses (too long, empty, bad ids).
+        """
+        (out,) = await asyncio.wrap_future(self._pool.submit(self.llm.generate, [prompt], params))
         return out
 
     def shutdown(self) -> None:
