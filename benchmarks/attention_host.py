@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
                                 f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
-                                "the prompt goes through per-sequence SDPA (no prefill kernel wired yet)"])
+                                "the prompt goes through ops.paged_prefill_triton (one launch for every non-decode sequence)"])
     return rows
 
 
