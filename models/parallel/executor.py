@@ -4,7 +4,9 @@ each step's inputs, and turns any worker's failure into a :class:`WorkerError` n
 Every wait has a deadline: the group's start-up and the workers' ready messages wait at most
 :data:`TIMEOUT_S` (each while watching the workers' processes, so a worker that dies is reported at once),
 and every collective of the group times out after it. A worker that dies inside a collective makes the
-caller's side of it fail at once on gloo (the connection closes); on NCCL the collective times out.
+caller's side of it fail at once on gloo (the connection closes); on NCCL a watcher thread aborts the group
+when a worker's process ends (``ProcessGroup.abort``), so the collective ends instead of waiting for the
+timeout, and the step raises.
 
 The step protocol: the engine stages each step's inputs through ``InputBatch.stage``; the executor records
 that call (:meth:`TensorParallelExecutor.attach`) and sends its arguments, with the step's sizes, to every
