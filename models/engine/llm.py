@@ -100,7 +100,7 @@ class LLM:
             tokenizer there; else a tokenizer object (``encode``, ``decode``, ``apply_chat_template``).
         tensor_parallel_size: ranks that each hold a shard of the model (Llama, Gemma 2; :mod:`models.parallel`):
             this process is rank 0 and starts ranks 1..N-1 as worker processes (one GPU each on CUDA), which
-            :meth:`close` stops. Needs ``model`` as a path or built-in name; no async scheduling.
+            :meth:`close` stops. Needs ``model`` as a path or built-in name.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -129,7 +129,6 @@ class LLM:
             model=model, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, num_cache_tokens=num_cache_tokens,
             block_size=block_size, dtype=dtype, device=device, compilation_config=config,
             chunked_prefill=chunked_prefill, async_scheduling=async_scheduling))
-        async_scheduling = False if self._tp is not None else async_scheduling
         self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
         self._execute = self.startup.first_token(self._execute)
         t0 = time.perf_counter()
@@ -187,10 +186,11 @@ class LLM:
                 raise ValueError(f"LLM: tensor_parallel_size={size}, but built in a tensor-parallel group of "
                                  f"{current.world_size}")
             return None, current
-        check_tensor_parallel(kwargs["model"], size, kwargs["device"], kwargs["async_scheduling"])
+        check_tensor_parallel(kwargs["model"], size, kwargs["device"])
         kind = device_type(kwargs["device"])  # rank r on GPU r: a worker builds on its current device
         workers = TensorParallelExecutor(size, LLM, dict(kwargs, async_scheduling=False, tensor_parallel_size=size,
                                                          device=kind if kind == "cuda" else kwargs["device"]), kind)
+        # (a worker's own scheduler never runs: the caller's async scheduling reaches it through send_step)
         return workers, workers.state
 
     def _tp_guard(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -314,7 +314,8 @@ class LLM:
         if self._tp is None:
             return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
         with self._tp.guard("step"):  # the workers run the step with this one
-            self._tp.send_step(full_graph, num_seqs, num_tokens, t, len(batch), md.num_decodes if md else 0)
+            self._tp.send_step(self.input_ids, full_graph, num_seqs, num_tokens, t, len(batch),
+                               md.num_decodes if md else 0, device_ids is not None)
             return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
 
     def _forward_step(self, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int, images: list,

@@ -36,7 +36,9 @@ every wait has a deadline (:data:`.executor.TIMEOUT_S`), gloo's collectives fail
 connection closes, and on NCCL a watcher aborts the group when a worker's process ends. The group is then
 shut down and the LLM refuses further steps.
 
-Not supported: quantized (W8A8) checkpoints, Llava, and async scheduling (each refused with an error saying so).
+Async scheduling (on by default on CUDA) works as with one rank: a decode step's input ids, sampled on rank
+0's device, are broadcast to the others device to device. Not supported: quantized (W8A8) checkpoints and
+Llava (each refused with an error saying so).
 """
 
 from .state import (

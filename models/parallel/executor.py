@@ -60,12 +60,14 @@ class WorkerError(RuntimeError):
 
 
 def step_message(staged: tuple, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int,
-                 num_decodes: int) -> tuple:
+                 num_decodes: int, device_ids: bool = False) -> tuple:
     """One step for the workers: ``InputBatch.stage``'s arguments (the block-table rows as lists) and the
-    step's sizes (see :meth:`LLM._forward_step`)."""
+    step's sizes (see :meth:`LLM._forward_step`). ``device_ids``: the first ``b`` input ids are broadcast from
+    rank 0's device (async scheduling: the last step's sampled tokens, never on the host)."""
     ids, pos, slots, starts, lens, rows, *_ = staged
     rows = None if rows is None else rows.tolist()
-    return ("step", (ids, pos, slots, starts, lens, rows), full_graph, num_seqs, num_tokens, t, b, num_decodes)
+    return ("step", (ids, pos, slots, starts, lens, rows), full_graph, num_seqs, num_tokens, t, b, num_decodes,
+            device_ids)
 
 
 class TensorParallelExecutor:
@@ -209,10 +211,13 @@ class TensorParallelExecutor:
 
         inputs.stage = recorded
 
-    def send_step(self, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int, num_decodes: int) -> None:
-        """Send the step just staged (see :meth:`attach`) to every worker."""
-        message = step_message(self._staged, full_graph, num_seqs, num_tokens, t, b, num_decodes)
-        self._send(message)
+    def send_step(self, input_ids: Any, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int,
+                  num_decodes: int, device_ids: bool) -> None:
+        """Send the step just staged (see :meth:`attach`) to every worker; with ``device_ids`` (async scheduling)
+        also broadcast the step's first ``b`` input ids from ``input_ids``, where they already are."""
+        self._send(step_message(self._staged, full_graph, num_seqs, num_tokens, t, b, num_decodes, device_ids))
+        if device_ids:
+            dist.broadcast(input_ids[:b], src=0)  # device to device on NCCL, in stream order: no host sync
 
     def _send(self, message: Any) -> None:
         for rank, conn in enumerate(self._conns, start=1):

@@ -43,13 +43,12 @@ def _hf_config(model: str) -> dict[str, Any]:
                           f"(built-in: {', '.join(BUILTIN_MODELS)})")
 
 
-def check_tensor_parallel(model: Any, size: int, device: torch.device | str | None,
-                          async_scheduling: bool | None) -> None:
+def check_tensor_parallel(model: Any, size: int, device: torch.device | str | None) -> None:
     """Refuse what tensor parallelism does not run, before any worker starts.
 
     Raises:
         RuntimeError: this process already has a ``torch.distributed`` group.
-        ValueError: the model is not a path or built-in name; ``async_scheduling=True``; more ranks than GPUs;
+        ValueError: the model is not a path or built-in name; more ranks than GPUs (or not from GPU 0);
             the architecture is not Llama or Gemma 2; a checkpoint with a ``quantization_config``.
         CheckpointError: the checkpoint's config, naming the field that ``size`` does not divide.
     """
@@ -62,9 +61,6 @@ def check_tensor_parallel(model: Any, size: int, device: torch.device | str | No
     if not isinstance(model, str):
         raise ValueError(f"{where} needs a checkpoint directory or a built-in name as model (every rank loads its "
                          f"own shard); got {type(model).__name__}")
-    if async_scheduling:
-        raise ValueError(f"{where}: async_scheduling=True is not supported with tensor parallelism yet; pass "
-                         f"async_scheduling=False or leave it None")
     if device_type(device) == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"{where}: one GPU a rank, but {torch.cuda.device_count()} GPU(s) are visible")
     if device_type(device) == "cuda" and torch.device(device).index not in (None, 0):

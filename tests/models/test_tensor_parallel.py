@@ -41,8 +41,8 @@ def gemma2_dir(tmp_path_factory):
     return str(path)
 
 
-def _greedy(path, level, tp):
-    llm = LLM(path, level=level, max_num_tokens=16, max_num_seqs=4, tensor_parallel_size=tp)
+def _greedy(path, level, tp, **kwargs):
+    llm = LLM(path, level=level, max_num_tokens=16, max_num_seqs=4, tensor_parallel_size=tp, **kwargs)
     try:
         return llm.generate(PROMPTS, NEW_TOKENS)  # chunked prefill: 16-token steps, prompts and decodes mixed
     finally:
@@ -57,6 +57,13 @@ def test_tp2_greedy_equals_tp1(model, level, request):
     t0 = time.perf_counter()
     assert _greedy(path, level, 2) == expected
     assert time.perf_counter() - t0 < 120
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_tp2_async_scheduling(level, llama_dir):
+    """Async scheduling: each decode step's input ids are rank 0's sampled tokens, broadcast to rank 1 (on
+    the CPU async scheduling is off unless asked for)."""
+    assert _greedy(llama_dir, level, 2, async_scheduling=True) == _greedy(llama_dir, level, 1)
 
 
 # ------------------------------------------------------------------ one process: shards, graph structure
@@ -211,7 +218,6 @@ def test_size_must_divide_the_heads(size, field):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model="tiny-llama-fp8"), "is quantized \\(quantization_config\\); W8A8 layers are not sharded yet"),
     (dict(model="tiny-llava"), "LlavaForConditionalGeneration is not sharded here"),
-    (dict(model="tiny-llama", async_scheduling=True), "async_scheduling=True is not supported"),
     (dict(model="tiny-llama", device="cuda"), "one GPU a rank, but"),
     (dict(model="tiny-llama", device="cuda:1"), "rank r runs on GPU r .* got device='cuda:1'"),
 ])
