@@ -257,6 +257,40 @@ def test_cli_generate(capsys):
                           "tensor_parallel_size=3") and err.count("\n") == 1, err
 
 
+def test_serve_concurrent_requests(tmp_path):
+    """The HTTP server's pool threads take turns at a tensor-parallel engine's steps: concurrent completions
+    equal the unsharded engine's."""
+    import threading
+
+    from text_testing import save_text_llama
+
+    serve = pytest.importorskip("test_serve")  # its server helper (skipped without fastapi, uvicorn, openai)
+    from models import SamplingParams
+    from models.serve.app import build_app
+
+    save_text_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.text for o in LLM(str(tmp_path), level=0, max_num_tokens=32).generate(serve.PROMPTS, params)]
+    llm = LLM(str(tmp_path), level=0, max_num_tokens=32, tensor_parallel_size=2)
+    url, server = serve.start_server(build_app(llm, "m", api_key=None, max_body_bytes=4096))
+    texts = [None] * len(serve.PROMPTS)
+
+    def ask(i):
+        body = dict(model="m", prompt=serve.PROMPTS[i], temperature=0, max_tokens=8, ignore_eos=True)
+        texts[i] = serve.httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(serve.PROMPTS))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        server.should_exit = True
+        llm.close()
+    assert texts == expected and all(expected)
+
+
 # ------------------------------------------------------------------ the all-reduce choice
 def test_limits_choose_by_size():
     limits = AllReduceLimits(one_shot_max_bytes=64 << 10, two_shot_max_bytes=4 << 20)
