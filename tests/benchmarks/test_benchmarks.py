@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from benchmarks import common, decode, guard_overhead, runner_host, serve
+from benchmarks import common, decode, guard_overhead, runner_host, serve, tp_decode
 
 
 def read_csv(path):
@@ -52,6 +52,20 @@ def test_decode_quick_writes_every_mode_and_the_end_to_end_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_tp_decode_quick_measures_both_sizes_and_writes_its_files(tmp_path):
+    """TP 1 and 2 (gloo on the CPU): a decode step per batch size and the prefill, each size its own LLM."""
+    rows = tp_decode.main(["--quick", "--out", str(tmp_path)])
+    assert [(r["tp"], r["what"].split()[0], r["batch"]) for r in rows] == [
+        (tp, what, b) for tp in (1, 2) for what, b in (("decode", 1), ("decode", 4), ("prefill", 1))]
+    assert all(r["us"] > 0 for r in rows)
+    assert len(read_csv(tmp_path / "tp_decode_quick.csv")) == 6
+
+
+def test_tp_decode_refuses_bad_sizes():
+    with pytest.raises(SystemExit):
+        tp_decode.main(["--tp", "1,x"])
+
+
 def test_serve_quick_compares_served_with_offline_and_writes_its_files(tmp_path):
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
