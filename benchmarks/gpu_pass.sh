@@ -122,6 +122,15 @@ for step in $steps; do
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
+    tptests)  # issue 17 (two GPUs): the tensor-parallel CUDA tests
+              timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
+                tests/models/test_tensor_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
+    allreduce) # issue 17 (two GPUs): all-reduce latency inside CUDA graphs, NCCL against symmetric memory
+              timeout ${ALLREDUCE_TIMEOUT:-90} python3 -m benchmarks.all_reduce --out "$R/all_reduce" 2>&1 \
+                | tee "$R/all_reduce.log" | grep -E "^\{|Error" ;;
+    tpdecode) # issue 17 (two GPUs): LLM.generate decode step and prefill, TP=1 against TP=2
+              timeout ${TPDECODE_TIMEOUT:-200} python3 -m benchmarks.tp_decode --models ${TP_MODELS:-llama-3-8b} \
+                --out "$R/tp_decode" 2>&1 | tee "$R/tp_decode.log" | grep -E "^\{|Error" ;;
     pw)       # issue 18: decode steps on the piecewise path (attention eager between piece graphs) against whole-step graphs
               for m in ${PW_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${PW_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --prefill 0 --iters 20 \
