@@ -1,7 +1,8 @@
 """Tensor parallelism (models.parallel): TP=2 over gloo on the CPU (two processes: this one as rank 0 and a
-spawned worker) against TP=1; the collectives as single graph nodes; per-rank checkpoint slices; worker
-failures reported as errors naming the rank; bad sizes refused. The two-GPU test (NCCL, CUDA graphs) is
-marked cuda and needs two GPUs."""
+spawned worker) against TP=1 (levels 0/2/3, async scheduling, the CLI, the HTTP server); the collectives as
+single graph nodes; per-rank checkpoint slices; worker failures reported as errors naming the rank, and no
+process outliving its group; bad sizes and unsupported models refused; the all-reduce choice by size. The
+two-GPU tests (NCCL with CUDA graphs, symmetric memory) are marked cuda and need two GPUs."""
 
 import time
 
