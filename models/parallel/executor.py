@@ -88,9 +88,8 @@ class TensorParallelExecutor:
                  timeout_s: float = TIMEOUT_S) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
         self.backend = "nccl" if device_type == "cuda" else "gloo"
-        if self.backend == "nccl":
-            for name, value in NVLS_OFF.items():
-                os.environ.setdefault(name, value)
+        if self.backend == "nccl":  # as in the workers (they inherit it too): one NCCL configuration for all ranks
+            os.environ.update(NVLS_OFF)
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         ctx = mp.get_context("spawn")
