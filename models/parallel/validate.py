@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from ..layers import ConfigError
 from ..loader import CheckpointError, model_class_for, read_config
 from .state import divide
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["check_size", "check_tensor_parallel", "device_type"]
 
@@ -43,6 +46,20 @@ def _hf_config(model: str) -> dict[str, Any]:
                           f"(built-in: {', '.join(BUILTIN_MODELS)})")
 
 
+def _warn_about_plugins(where: str) -> None:
+    """Plugins live in the caller's process: spawned workers start without them, and would compile otherwise."""
+    from dispatcher import plugins
+
+    found = [f"pass {p.name}" for p, _, _ in plugins.get_post_grad_passes()]
+    if plugins.get_torch_compile_backend() is not None:
+        found.append("a torch.compile backend")
+    if plugins.get_inductor_additional_configs():
+        found.append("Inductor options")
+    if found:
+        logger.warning("%s: %s set through dispatcher.plugins in this process do(es) not reach the worker processes "
+                       "(spawned: rank 0 alone would compile with them)", where, ", ".join(found))
+
+
 def check_tensor_parallel(model: Any, size: int, device: torch.device | str | None) -> None:
     """Refuse what tensor parallelism does not run, before any worker starts.
 
@@ -66,6 +83,7 @@ def check_tensor_parallel(model: Any, size: int, device: torch.device | str | No
     if device_type(device) == "cuda" and torch.device(device).index not in (None, 0):
         raise ValueError(f"{where}: rank r runs on GPU r (CUDA_VISIBLE_DEVICES picks them); expected device='cuda'; "
                          f"got device={device!r}")
+    _warn_about_plugins(where)
     config = _hf_config(model)
     cls = model_class_for(config, model)
     if not getattr(cls, "supports_tensor_parallel", False):

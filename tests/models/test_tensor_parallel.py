@@ -231,6 +231,14 @@ def test_unsupported_is_refused(kwargs, message):
         LLM(**kwargs, tensor_parallel_size=2)
 
 
+def test_plugins_of_the_caller_are_named(caplog):
+    """A plugin pass registered in the caller does not reach the spawned workers: said, naming it."""
+    with counted_after("noop"), pytest.raises(CheckpointError):  # refused after the warning (3 ranks, 4 heads)
+        LLM("tiny-llama", tensor_parallel_size=3)
+    assert "pass count_after_noop set through dispatcher.plugins in this process do(es) not reach the worker " \
+           "processes" in caplog.text
+
+
 def test_model_object_is_refused():
     model = load_model("tiny-llama")
     with pytest.raises(ValueError, match="needs a checkpoint directory or a built-in name as model .* got "
