@@ -139,6 +139,11 @@ def _rotary_embedding_op(
     head_size: int,
     is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # One position a token. Traced, this also tells Dynamo that positions and q share the token count: the
+    # Triton launch below relates nothing, and the trace would otherwise get a second dynamic size (seen on
+    # CUDA with every custom op on: models.LLM refused the trace).
+    torch._check(positions.shape[0] == q.shape[0],
+                 lambda: f"rotary_embedding: positions has {positions.shape[0]} entries, q {q.shape[0]} tokens")
     if not use_triton(q):
         return rotary_embedding_ref(positions, q, k, cos_sin_cache, head_size, is_neox)
     return _launch_rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox)

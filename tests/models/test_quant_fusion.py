@@ -125,11 +125,6 @@ def test_native_ops_are_left_to_inductor(checkpoint, after):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "measured on the H200 (torch 2.11): LLM refuses these checkpoints at level 3 with every custom op on "
-    "('LlamaModel.forward was traced with 2 dynamic sizes'), in fp32 and bf16, with and without the passes (on "
-    "the CPU, with the modules calling their ops, one dynamic size). benchmarks.decode's harness, which does not "
-    "check, ran the 8B built-ins in that configuration. Cause not found yet"))
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_cuda_fused_kernels_match_the_unfused_ops(checkpoint, name):
     """On the GPU, with CUDA graphs: the fused Triton kernels (the norm's arithmetic, then the quantization's)

@@ -142,3 +142,42 @@ def test_module(device, custom_ops):
     ref = ops.rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, 128, True)
     assert_close(out[0], ref[0])
     assert_close(out[1], ref[1])
+
+
+def test_positions_must_match_the_tokens():
+    cache = ops.compute_cos_sin_cache(16, 64)
+    with pytest.raises(RuntimeError, match="positions has 4 entries, q 5 tokens"):
+        ops.rotary_embedding(torch.arange(4), torch.randn(5, 32), torch.randn(5, 16), cache, 16)
+
+
+def test_the_op_ties_positions_to_the_token_count_in_a_trace(monkeypatch):
+    """On CUDA the op's body is a Triton launch, which relates no shapes: the op itself must tell Dynamo that
+    positions and q share the token count, or a level-3 trace whose inputs are separate views (the runner's)
+    gets two dynamic sizes, and models.LLM refuses it. Simulated here: the body stubbed as a launch would be."""
+    import importlib
+
+    from dispatcher import support_torch_compile
+
+    rotary = importlib.import_module("ops.rotary_embedding")
+    monkeypatch.setattr(rotary, "use_triton", lambda q: True)
+    monkeypatch.setattr(rotary, "_launch_rotary_embedding",
+                        lambda positions, q, k, cache, head_size, is_neox: (torch.empty_like(q), torch.empty_like(k)))
+    cache = ops.compute_cos_sin_cache(16, 64)
+
+    @support_torch_compile
+    class Rotate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Embedding(32, 48)
+
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            q, k = self.proj(input_ids).split([32, 16], -1)
+            q, k = ops.rotary_embedding(positions, q, k, cache, 16)
+            return q.sum(-1) + k.sum(-1)
+
+    with set_compilation_config(CompilationConfig(level=3, use_cudagraph=False)):
+        m = Rotate()
+    buf = torch.arange(20)
+    with torch.no_grad():
+        m(buf[:5], buf[10:15])  # two views of one buffer, as the runner's input_ids and positions
+    assert m.num_dynamic_sizes == 1
