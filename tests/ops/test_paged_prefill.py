@@ -8,7 +8,6 @@ after cached context (chunked prefill), sequences over several 16-token blocks w
 blocks interleaved across sequences so that a wrong block table cannot pass.
 """
 
-import numpy as np
 import pytest
 import torch
 
@@ -173,26 +172,6 @@ def test_under_torch_compile(device):
 
 
 # ------------------------------------------------------------------- interpreter
-@pytest.fixture
-def bf16_dot_in_the_interpreter(monkeypatch):
-    """Triton 3.6's interpreter multiplies bf16 blocks in tl.dot as their uint16 storage: hand its dot the bf16
-    values widened exactly to fp32 (as test_small_m_gemm_interpreted.py does). The kernel is unchanged."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def widened(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
-
 @pytest.mark.interpret
 @pytest.mark.usefixtures("bf16_dot_in_the_interpreter")
 @pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])

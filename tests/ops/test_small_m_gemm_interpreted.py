@@ -8,14 +8,14 @@ public ops, CUDA graphs, the switch) are tests/ops/test_small_m_gemm.py's. Run w
 ``TRITON_INTERPRET=1 pytest -m interpret`` (``make test`` does); elsewhere these are skipped.
 """
 
-import numpy as np
 import pytest
 import torch
 
 import ops
 from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig
 
-pytestmark = pytest.mark.interpret
+# bf16 dots: see conftest.py's fixture
+pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("bf16_dot_in_the_interpreter")]
 
 FP8, INT8, BF16 = torch.float8_e4m3fn, torch.int8, torch.bfloat16
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -29,27 +29,6 @@ U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
 # fp32 -> bf16 by truncation (Triton 3.6), less than one ulp (2**-7); fp16 and fp32 round to nearest (numpy).
 U_OUT = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-11, torch.float32: U32}
-
-
-@pytest.fixture(autouse=True)
-def _bf16_dot_in_the_interpreter(monkeypatch):
-    """Triton 3.6's interpreter multiplies bf16 blocks in tl.dot as their uint16 storage (a 16x16 product off by
-    ~1e10; see test_kernels_interpreted.py): hand its dot the bf16 values instead, widened exactly to fp32 (a bf16
-    is the upper half of an fp32). Only the interpreter's arithmetic changes, not what the kernel asks of it."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_dot
-
-    def widened(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _operands(dtype, m, k, n, a_scaling="tensor", w_scaling="tensor", out_dtype=BF16, bias=False, seed=0):
