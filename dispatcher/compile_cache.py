@@ -175,7 +175,19 @@ def key_factors(config: CompilationConfig, level: CompilationLevel, options: dic
         "inductor_options": _stable(options, "options"),
         "model_source": source_digest(owner, function),
         "bytecode": bytecode_digest(code),
+        "parameters": parameter_digest(owner),
     }
+
+
+def parameter_digest(owner: Any) -> str:
+    """sha256 of the names, shapes and dtypes of the model's parameters and buffers: the same code on other
+    shapes (another size of the architecture, a tensor-parallel shard) is another entry ("" for no module)."""
+    if not isinstance(owner, torch.nn.Module):
+        return ""
+    h = hashlib.sha256()
+    for name, t in (*owner.named_parameters(), *owner.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()
 
 
 def compute_key(factors: dict[str, Any]) -> str:

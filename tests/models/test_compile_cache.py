@@ -144,20 +144,20 @@ def scale():
 
 @support_torch_compile
 class Small(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 8):
         super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
+        self.proj = torch.nn.Linear(8, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.proj(x)) * scale()
 '''
 
 
-def _key(module_name: str, **config) -> str:
-    """The compile-cache key of ``module_name``'s ``Small`` under ``config`` (after its first call)."""
+def _key(module_name: str, width: int = 8, **config) -> str:
+    """The compile-cache key of ``module_name``'s ``Small(width)`` under ``config`` (after its first call)."""
     module = importlib.import_module(module_name)
     with set_compilation_config(CompilationConfig(**{"level": 3, "use_cudagraph": False, **config})):
-        model = module.Small()
+        model = module.Small(width)
     with torch.no_grad():
         model(torch.randn(4, 8))
     (compiled,) = [m for m in model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)]
@@ -185,6 +185,7 @@ def test_key_changes_with_config_passes_and_model_code(model_module):
     assert _key(name, pass_config="+noop") != base
     assert _key(name, check_inputs=False) == base  # not a factor: it does not change the compiled code
     assert _key(name, level=4) != base
+    assert _key(name, width=16) != base  # the same code on other shapes (another size, a tensor-parallel shard)
     path.write_text(MODEL_SOURCE.replace("return 2.0", "return 3.0"))  # a helper's source: forward's bytecode is the same
     sys.modules.pop(name)
     importlib.invalidate_caches()
