@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -130,7 +131,6 @@ class LLM:
             block_size=block_size, dtype=dtype, device=device, compilation_config=config,
             chunked_prefill=chunked_prefill, async_scheduling=async_scheduling))
         self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
-        self._execute = self.startup.first_token(self._execute)
         t0 = time.perf_counter()
         with self._tp_guard("load"), use_tensor_parallel(tp_state):
             self.model = self._build_model(model, config, dtype, device)
@@ -159,7 +159,10 @@ class LLM:
         self.graphs = StepGraphs(inputs, max_num_tokens, max_num_seqs)
         self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device,
                                    self.device.type == "cuda" if async_scheduling is None else async_scheduling)
-        self._engine = EngineLoop(self.scheduler, self._execute, self.input_batch.forget_table)
+        # The engine calls the step through a weak reference: a bound method would make a cycle (LLM -> engine
+        # -> LLM), and `del llm` would free the model and its KV cache only at the next garbage collection.
+        self._engine = EngineLoop(self.scheduler, self.startup.first_token(_weak_method(self._execute)),
+                                  self.input_batch.forget_table)
         self._setup_text(model, tokenizer)
         if self._tp is not None:
             self._tp.attach(self.input_batch)
@@ -599,3 +602,11 @@ def _all_done(seqs: list[Seq]) -> Callable[[], bool]:
 
     return done
 
+
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` without a strong reference to its object (which must outlive the calls)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return ref()(*args, **kwargs)
+    return call

@@ -263,3 +263,24 @@ def test_cuda_bf16_llama_decode_batches():
     ref = LLM("tiny-llama", level=0, max_num_tokens=512, max_num_seqs=256, dtype="bfloat16", device="cpu")
     same = sum(a == b for a, b in zip(out, ref.generate(prompts, 8)))
     assert same >= 0.9 * len(prompts)  # bf16: an occasional near-tie may flip
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_del_frees_the_llm_without_a_garbage_collection(level):
+    """No reference cycle through the engine: `del llm` frees the model and its KV cache at once (as users
+    free GPU memory between models), not at the next collection."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM("tiny-llama", level=level, max_num_tokens=32)
+        llm.generate([[1, 2, 3]], max_new_tokens=2)
+        alive = weakref.ref(llm)
+        del llm
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()
