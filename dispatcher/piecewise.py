@@ -185,14 +185,15 @@ class PiecewisePiece:
     """Runs one compiled piece: the symbolic-shape compile, per-size compiles, and (in a PIECEWISE step of
     ``dispatcher.cuda_graph.CUDAGraphs``) its CUDA graph for its runtime size."""
 
-    def __init__(self, name: str, compiles: PieceCompiles, fake_args: list[Any], size_symbol: Any,
-                 config: CompilationConfig, graphs_on: bool, static_ptrs: set[int]):
+    def __init__(self, name: str, graph: torch.fx.GraphModule, compiles: PieceCompiles, fake_args: list[Any],
+                 size_symbol: Any, config: CompilationConfig, graphs_on: bool, static_ptrs: set[int]):
         self.name = name
-        self.compiles = compiles
-        self.graph = compiles.graph
+        self.graph = graph
+        self.compiles = compiles  # shared with the pieces of the same structure
         self.config = config
         self.static_ptrs = static_ptrs
-        self.input_names = [n.name for n in self.graph.graph.nodes if n.op == "placeholder"]
+        # This piece's own inputs (its layer's weights), which the CUDA-graph address checks name.
+        self.input_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
         self.symbolic = compiles.symbolic
         self.size_at = _find_size(fake_args, size_symbol)
         self.compile_sizes = set(config.compile_sizes) if self.size_at is not None else set()
@@ -358,7 +359,7 @@ class PiecewiseBackend:
                 compiles = PieceCompiles(f"{self.owner}:{name}", graph, args, self.options)
                 if key is not None:
                     shared[key] = compiles
-            piece = PiecewisePiece(f"{self.owner}:{name}", compiles, args, self.size_symbol, self.config,
+            piece = PiecewisePiece(f"{self.owner}:{name}", graph, compiles, args, self.size_symbol, self.config,
                                    use_graphs, static_ptrs)
             self.pieces[name] = piece
             if piece.trivial:

@@ -73,7 +73,11 @@ def test_pieces_of_one_structure_share_a_compile_but_not_their_inputs():
         expected = mix(torch.relu(layer(expected)))
     with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=2):
         torch.testing.assert_close(m(x), expected, rtol=1e-4, atol=1e-4)
-    assert m._do_backend.piecewise.num_piece_compiles == 2
+    pw = m._do_backend.piecewise
+    assert pw.num_piece_compiles == 2
+    first, second = [pw.pieces[it.name] for it in pw.items if not it.is_splitting_op][:2]
+    assert first.compiles is second.compiles  # one compile ...
+    assert first.input_names != second.input_names  # ... but each names its own inputs (the address checks')
 
 
 @torch.no_grad()
