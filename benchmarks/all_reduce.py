@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--tokens: expected comma-separated integers; got {a.tokens!r}")
     if torch.cuda.device_count() < 2:
         p.error(f"the all-reduce benchmark needs two GPUs; {torch.cuda.device_count()} visible")
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    from models.parallel.worker import NVLS_OFF
+
+    os.environ.update(NVLS_OFF)  # NVLink multicast off, inherited by the spawned ranks
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 from typing import Any
@@ -25,12 +24,6 @@ import torch
 from benchmarks import common
 
 PROMPT, NEW = 16, 64
-
-
-def _no_multicast() -> None:
-    """NVLink multicast off in this process and the workers it starts (they inherit the environment)."""
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[k] = "0" if k == "NCCL_NVLS_ENABLE" else "1"
 
 
 def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dtype: torch.dtype
@@ -85,7 +78,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         batches = [int(b) for b in a.batches.split(",")]
     except ValueError:
         p.error(f"--tp and --batches: expected comma-separated integers; got {a.tp!r} and {a.batches!r}")
-    _no_multicast()
     if a.quick:
         device, dtype, names, batches, prefill = "cpu", torch.float32, ["tiny-llama"], [1, 4], 64
     else:

@@ -102,12 +102,10 @@ def _gather_seq(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 
 
 def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                  first_seq: int, num_heads: int, head_size: int, scale: float,
+                  num_heads: int, head_size: int, scale: float,
                   sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """Sequences ``first_seq..`` one by one, from the cache (host metadata: no sync)."""
-    spans = md.seq_spans
-    for i in range(first_seq, len(spans)):
-        start, end, seq_len = spans[i]
+    """Every sequence, one by one, from the cache (host metadata: no sync)."""
+    for i, (start, end, seq_len) in enumerate(md.seq_spans):
         k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
         v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
         qi = q[start:end].view(end - start, num_heads, head_size)
@@ -123,7 +121,7 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
     write_kv_cache(kv_cache, k, v, md.slot_mapping)
     if out is None:
         out = torch.empty_like(q)
-    _prefill_loop(out, q, kv_cache, md, 0, num_heads, head_size, scale, sliding_window, logits_soft_cap)
+    _prefill_loop(out, q, kv_cache, md, num_heads, head_size, scale, sliding_window, logits_soft_cap)
     return out
 
 

@@ -20,8 +20,9 @@ def symmetric_all_reduce_worker(rank: int, world_size: int, port: int, out_dir: 
     ranks' inputs; writes ``out_dir/rank<r>.pt`` with the max errors, or raises."""
     from models.parallel import init_tensor_parallel
     from models.parallel.symmetric import AllReduceLimits, enable
+    from models.parallel.worker import NVLS_OFF
 
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    os.environ.update(NVLS_OFF)
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     state = init_tensor_parallel(rank, world_size, "nccl", store, 120)
