@@ -32,6 +32,7 @@ stops (the kernels run on CPU only in Triton's interpreter, far too slowly for t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -70,11 +71,23 @@ LLAMA_3_8B = Model(32, (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096
 # --quick: the same structure shrunk 16x (K and N multiples of 16), two layers.
 QUICK = Model(2, (("qkv", 256, 384), ("o", 256, 256), ("gate_up", 256, 1792), ("down", 896, 256)),
               ("lm_head", 256, 8016))
-def ours_config(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig | None:
+def ours_config(m: int, n: int, k: int, dtype: torch.dtype, prefetch: int | None = None) -> SmallMConfig | None:
     """The table's config, past SMALL_M_MAX too, up to the dtype's largest M and its largest-M row beyond (None
-    where the table leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path)."""
+    where the table leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path).
+
+    ``prefetch`` (an "ours pfN" row): that ``SmallMConfig.PREFETCH``, and the kernel everywhere (fp8 shapes the
+    table leaves to cuBLAS take int8's row, as ``ops.small_m_scaled_mm`` does by default)."""
     largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
-    return ops.small_m_config(min(m, largest), n, k, dtype, max_m=largest)
+    config = ops.small_m_config(min(m, largest), n, k, dtype, max_m=largest)
+    if prefetch is None:
+        return config
+    config = config or ops.small_m_config(min(m, largest), n, k, INT8, max_m=largest)
+    return dataclasses.replace(config, PREFETCH=prefetch)
+
+
+def impl_prefetch(impl: str) -> int | None:
+    """``"ours pf4"`` -> 4; ``"ours"``, ``"cuBLAS"`` -> None."""
+    return int(impl.removeprefix("ours pf")) if impl.startswith("ours pf") else None
 
 
 @contextmanager
@@ -134,8 +147,9 @@ def stack_step(model: Model, impl: str, dtype: torch.dtype, layers: list, lm_hea
     g = torch.Generator(device=device).manual_seed(m)
     acts = {k: _activation(dtype, m, k, device, g) for k in {k for _, k, _ in model.shapes}}
     x = torch.randn(m, model.lm_head[1], generator=g, device=device, dtype=BF16)
-    calls = [(acts[k], ours_config(m, n, k, dtype)) for _, k, n in model.shapes]
-    head_config = ours_config(m, model.lm_head[2], model.lm_head[1], BF16)
+    pf = impl_prefetch(impl)
+    calls = [(acts[k], ours_config(m, n, k, dtype, pf)) for _, k, n in model.shapes]
+    head_config = ours_config(m, model.lm_head[2], model.lm_head[1], BF16, pf)
 
     def step() -> list[torch.Tensor]:
         first = []
@@ -160,31 +174,31 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool((out.float() - ref.float()).abs().max() <= 2.0**-6 * ref.float().abs().max())
 
 
-def _bench_m(model: Model, dtype: torch.dtype, layers: list, lm_head: torch.Tensor, m: int, device: str,
-             iters: int) -> tuple[dict[str, float], bool]:
-    """µs of the whole stack at M = ``m`` per impl, and whether ours computed cuBLAS's results."""
+def _bench_m(model: Model, impls: Sequence[str], dtype: torch.dtype, layers: list, lm_head: torch.Tensor, m: int,
+             device: str, iters: int) -> tuple[dict[str, float], dict[str, bool]]:
+    """µs of the whole stack at M = ``m`` per impl, and whether each of ours computed cuBLAS's results."""
     outs, times = {}, {}
-    for impl in IMPLS:
+    for impl in impls:
         step = stack_step(model, impl, dtype, layers, lm_head, m, device)
         with cublas_switch(impl):
             outs[impl] = step()
             times[impl] = common.bench_gpu(step, warmup=2, iters=iters, cuda_graph=True, graph_iters=1)
-    return times, same_result(dtype, outs["ours"], outs["cuBLAS"])
+    return times, {impl: same_result(dtype, outs[impl], outs["cuBLAS"]) for impl in impls if impl != "cuBLAS"}
 
 
-def bench_stack(model: Model, ms: list[int], device: str, copy_gbps: float, iters: int) -> list[dict[str, Any]]:
+def bench_stack(model: Model, ms: list[int], device: str, copy_gbps: float, iters: int,
+                impls: Sequence[str] = IMPLS) -> list[dict[str, Any]]:
     rows = []
     for name, dtype in DTYPES.items():
         layers, lm_head = build_stack(model, dtype, device)
         nbytes = model.weight_bytes(dtype)
         for m in ms:
-            times, ok = _bench_m(model, dtype, layers, lm_head, m, device, iters)
-            for impl in IMPLS:
+            times, ok = _bench_m(model, impls, dtype, layers, lm_head, m, device, iters)
+            for impl in impls:
                 us = times[impl]
                 rows.append({"dtype": name, "impl": impl, "M": m, "us": round(us, 1), "weight_bytes": nbytes,
                              "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1),
-                             "speedup_vs_cublas": round(times["cuBLAS"] / us, 3),
-                             "correct": ok if impl == "ours" else ""})
+                             "speedup_vs_cublas": round(times["cuBLAS"] / us, 3), "correct": ok.get(impl, "")})
                 print(rows[-1], flush=True)
         del layers, lm_head  # one dtype's stack at a time (bf16: 15 GB)
         torch.cuda.empty_cache()
@@ -323,10 +337,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
+    p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
+                                                    "'ours pfN'), e.g. 0,2,8")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers, on CUDA: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     ms, sweep_ms = _ints(p, "--ms", a.ms), _ints(p, "--sweep-ms", a.sweep_ms)
+    pfs = [v.strip() for v in a.prefetch.split(",") if v.strip()]
+    if not all(v.isdigit() for v in pfs):
+        p.error(f"--prefetch: expected comma-separated integers >= 0; got {a.prefetch!r}")
+    impls = list(IMPLS) + [f"ours pf{v}" for v in pfs]
     sweep_dtypes = [d.strip() for d in a.sweep_dtypes.split(",") if d.strip()]
     if not sweep_dtypes or any(d not in DTYPES for d in sweep_dtypes):
         p.error(f"--sweep-dtypes: expected comma-separated names of {', '.join(DTYPES)}; got {a.sweep_dtypes!r}")
@@ -346,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.sweep:
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes)
         return
-    rows = bench_stack(model, ms, device, copy_gbps, a.iters)
+    rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "
              + ", ".join(f"{name} {k}->{n}" for name, k, n in model.shapes)
              + f" + lm_head {model.lm_head[1]}->{model.lm_head[2]}, distinct weights per layer; one CUDA graph of the "
@@ -358,7 +378,10 @@ def main(argv: list[str] | None = None) -> None:
              f"ours: the config table's row (SMALL_M_MAX = {ops.SMALL_M_MAX}: the public ops take ours up to there; "
              f"rows above show the crossover); GEMMs only, no activation quantization",
              "correct: ours against cuBLAS on layer 0 and the lm_head (int8 bit for bit, else within 2**-6 of the "
-             "largest output)"]
+             "largest output)",
+             "ours pfN: the table's configs with PREFETCH = N (BLOCK_K steps of each program's weights prefetched into "
+             "L2 before it waits for the kernel before), on every shape (fp8's cuBLAS shapes take int8's row); "
+             "every small-M GEMM launches with programmatic dependent launch on Hopper"]
     common.write_results(f"gemm{suffix}", rows, title="Llama-3-8B linear stack + lm_head: cuBLAS vs the small-M GEMM",
                          notes=notes, device=device, out_dir=a.out)
     common.plot_panels(f"gemm{suffix}", rows, x="M", y="pct_of_copy_bw", series="impl", panel="dtype", logx=True,

@@ -91,8 +91,8 @@ for step in $steps; do
                 --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3-8b,llama-3-8b-fp8} --out "$R/startup" 2>&1 \
                 | tee "$R/startup.log" | grep -E "^\{|Error" ;;
     gemm)     # the 8B linear stack + lm_head at M 1/8/32/128: cuBLAS against the small-M Triton GEMM
-              timeout 240 python3 -m benchmarks.gemm --out "$R/gemm" 2>&1 | tee "$R/gemm.log" \
-                | grep -E "'ours'|Error" ;;
+              timeout ${GEMM_TIMEOUT:-240} python3 -m benchmarks.gemm ${GEMM_ARGS:-} --out "$R/gemm" 2>&1 | tee "$R/gemm.log" \
+                | grep -E "'ours|Error" ;;
     gemmsweep) # the small-M GEMM's configs on each layer shape (int8, fp8, bf16): the best per shape, for its table
               timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.gemm --sweep --sweep-ms ${SWEEP_MS:-1,4,16} \
                 --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \

@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_launch, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
 
 __all__ = [
     "SmallMConfig",
@@ -57,6 +57,8 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Split-K epilogue: output elements a program.
 _REDUCE_BLOCK = 1024
+# An L2 cache line: the weight prefetch (SmallMConfig.PREFETCH) issues one address a line.
+_LINE_BYTES = 128
 
 
 # M unspecialized: one compile a config serves every M (Triton would compile apart for M == 1, M % 16 == 0 and the
@@ -67,7 +69,7 @@ def _small_m_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
     # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
@@ -75,9 +77,6 @@ def _small_m_gemm_kernel(
     # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
     # SPLIT_K > 1: out_ptr is the [SPLIT_K, M, N] workspace of partial sums, the epilogue the next kernel's.
     # EVEN: N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
-    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -86,6 +85,14 @@ def _small_m_gemm_kernel(
     if INT64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
+    if PDL:  # launched early (ops.triton_utils.pdl_launch)
+        if PF_LINES > 0:  # the weights do not depend on the kernel before: start their read into L2 while it runs
+            pf_k = tl.minimum(pid_k * K_SPLIT + tl.arange(0, PF_LINES) * LINE, K - 1)  # clamped: valid addresses
+            pf = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :]  # one address a 128 B line
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()  # then wait for the kernel before, and let the next launch
+        tl.extra.cuda.gdc_launch_dependents()
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -181,6 +188,9 @@ class SmallMConfig:
         SPLIT_K: programs along K, their partials summed by a second kernel.
         DOT: ``tl.dot`` (tensor cores) rather than the broadcast-multiply + ``tl.sum`` GEMV form.
         num_warps, num_stages: Triton's launch options.
+        PREFETCH: loop steps (``BLOCK_K`` columns) of each program's weights prefetched into L2 before the
+            program waits for the kernel before it: with programmatic dependent launch (``pdl_launch``) the
+            weight read of this GEMM then starts while the previous kernel finishes. 0: none.
     """
 
     BLOCK_M: int
@@ -190,6 +200,7 @@ class SmallMConfig:
     DOT: bool = True
     num_warps: int = 4
     num_stages: int = 3
+    PREFETCH: int = 0
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -198,8 +209,8 @@ class SmallMConfig:
                 raise ValueError(f"SmallMConfig: {name} must be a power of 2; got {v}")
         if self.DOT and min(self.BLOCK_M, self.BLOCK_N, self.BLOCK_K) < 16:
             raise ValueError(f"SmallMConfig: tl.dot (DOT=True) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16; got {self}")
-        if self.SPLIT_K < 1 or self.num_stages < 1:
-            raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1; got {self}")
+        if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0:
+            raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH >= 0; got {self}")
 
 
 #: M at most this takes the Triton kernel in the public ops (``small_m_config``'s default); above, cuBLAS.
@@ -304,11 +315,17 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     c = config
     k_split = cdiv(cdiv(k, c.SPLIT_K), c.BLOCK_K) * c.BLOCK_K  # K a split covers: whole loop steps
     scaled = a_scale is not None
+    # PDL at every size: the next kernel launches once every program of this one has started (signalled), so
+    # its programs only take the slots this one's last wave frees.
+    pdl = pdl_available(a)
     flags = dict(
         SCALED=scaled, A_PER_TOKEN=scaled and a_scale.dim() == 2, W_PER_CHANNEL=scaled and w_scale.shape[0] != 1,
         HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
-        **pdl_args(pdl_launch(a, m * n)),
+        **pdl_args(pdl),
     )
+    line = max(1, _LINE_BYTES // a.element_size())  # elements a 128-byte line
+    pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
+        if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     ws = out if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                 dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
@@ -319,7 +336,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         a, w, a_scale, w_scale, bias, ws, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False, **flags,
+        PF_LINES=pf_lines, LINE=line, num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False,
+        **flags,
     )
     if c.SPLIT_K > 1:
         _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](

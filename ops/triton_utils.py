@@ -35,6 +35,7 @@ __all__ = [
     "needs_int64",
     "SMALL_ELEMENTS",
     "pdl_launch",
+    "pdl_available",
     "pdl_args",
     "FastLaunch",
     "specialization_key",
@@ -157,8 +158,13 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
     graph capture included) on a real CUDA tensor: under torch.compile, Inductor launches the kernel
     itself. ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
-    if n is None or n > SMALL_ELEMENTS or type(x) is not torch.Tensor or x.device.type != "cuda" \
-            or torch.compiler.is_compiling():
+    return n is not None and n <= SMALL_ELEMENTS and pdl_available(x)
+
+
+def pdl_available(x: torch.Tensor) -> bool:
+    """Whether a kernel on ``x`` may launch with PDL at all (``pdl_launch`` without its size limit): a real CUDA
+    tensor of a Hopper or newer GPU, eager mode (CUDA-graph capture included), ``DYNAMO_ONCE_PDL`` not 0."""
+    if type(x) is not torch.Tensor or x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
     return envs.pdl() and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
