@@ -13,7 +13,9 @@ values). Sequence ``b``'s block ``j`` holds its tokens ``j * block_size ...
   small batch, so the kernel splits each sequence's pages over
   ``num_splits`` programs (chosen from the batch size only, so a CUDA graph
   captured per batch size stays valid) and a second kernel merges the
-  partial softmaxes. One program serves all query heads of a KV head (GQA:
+  partial softmaxes. The split count, tile and launch options come from a
+  rule table, ``ops.paged_decode_config.DECODE_TABLE``
+  (``benchmarks.attention --sweep`` measures candidates for it). One program serves all query heads of a KV head (GQA:
   K and V are read once per group), with ``tl.dot`` on a 16-row tile. Both
   kernels read only device tensors (``block_table``, ``seq_lens``,
   ``slot_mapping``): no host sync, safe to capture in a CUDA graph.
@@ -42,7 +44,8 @@ import functools
 
 import torch
 
-from .triton_utils import FastLaunch, cdiv, next_power_of_2, tl, triton, use_triton
+from .paged_decode_config import DecodeConfig, decode_config
+from .triton_utils import FastLaunch, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "write_kv_cache",
@@ -96,7 +99,9 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
     )
 
 
-@triton.jit
+# The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
+# ``benchmarks.attention`` times many), with SPLIT (count > 1) the constexpr that drops the partial results.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_q_t, stride_q_h,
@@ -104,13 +109,13 @@ def _decode_split_kernel(
     stride_bt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
-    scale, soft_cap, window,
+    scale, soft_cap, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
-    # NUM_SPLITS == 1: mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
+    # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -120,9 +125,12 @@ def _decode_split_kernel(
         start = tl.maximum(seq_len - window, 0)  # the query sits at seq_len - 1
     first_page = start // PAGE
     n_pages = (seq_len + PAGE - 1) // PAGE
-    per_split = (n_pages - first_page + NUM_SPLITS - 1) // NUM_SPLITS
-    p0 = first_page + s * per_split
-    p1 = tl.minimum(p0 + per_split, n_pages)
+    p0 = first_page
+    end = seq_len
+    if SPLIT:
+        per_split = (n_pages - first_page + num_splits - 1) // num_splits
+        p0 = first_page + s * per_split
+        end = tl.minimum((p0 + per_split) * PAGE, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -136,12 +144,17 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for pos0 in range(p0 * PAGE, p1 * PAGE, BLOCK_N):
+    # Chunks from the split's first page to its end (its last page's end, or the sequence's): each holds a valid
+    # key (BLOCK_N >= PAGE, and the first page starts within a page of ``start``).
+    for pos0 in range(p0 * PAGE, end, BLOCK_N):
         k_pos = pos0 + offs_n
-        n_mask = (k_pos < seq_len) & (k_pos >= start) & (k_pos < p1 * PAGE)
+        n_mask = (k_pos < end) & (k_pos >= start)
         block = tl.load(block_table_ptr + b * stride_bt + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
         off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        if EVEN_D:  # a mask constant along each row: 16-byte vector loads of K and V
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -151,7 +164,6 @@ def _decode_split_kernel(
         if USE_SOFTCAP:
             qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)  # tanh
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        # Every chunk holds at least one valid key (pages p0..p1-1 all start inside [start, seq_len)).
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
@@ -166,7 +178,7 @@ def _decode_split_kernel(
     out = acc / l_safe[:, None]
     mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
     tl.store(mo, out.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    if NUM_SPLITS > 1:
+    if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
 
@@ -206,15 +218,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence: about two waves of programs over the SMs, from the batch size only.
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, head_size: int = 128) -> int:
+    """Splits per sequence, from the batch size only: :func:`ops.paged_decode_config.decode_config`'s rule.
 
-    Depends on nothing but shapes, so one CUDA graph per batch size stays valid.
-    E.g. H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 2, 128 -> 1 (no merge kernel).
+    Depends on nothing but shapes, so one CUDA graph per batch size stays valid. With the table's default rows
+    (two waves of programs over the SMs), H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 2, 128 -> 1
+    (no merge kernel).
     """
-    sms = _num_sms(device)
-    want = cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(32, next_power_of_2(want)))
+    return decode_config(num_seqs, head_size).splits(num_seqs, num_kv_heads, _num_sms(device))
 
 
 def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -223,7 +234,7 @@ def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int,
     batches of 1 to ``max_num_seqs`` sequences (at :func:`decode_num_splits`; a batch of one split needs none)."""
     most = 0
     for n in range(1, max_num_seqs + 1):
-        splits = decode_num_splits(n, num_kv_heads, device)
+        splits = decode_num_splits(n, num_kv_heads, device, head_size)
         if splits > 1:
             most = max(most, n * splits)
     return most * num_heads * (head_size + 1)
@@ -263,28 +274,31 @@ class DecodePlan:
     Args:
         block_table: ``[B, max_blocks]`` int32, rows of the B decode sequences; seq_lens: ``[B]`` int32.
         num_heads, num_kv_heads, head_size: Hq, Hkv, D; page: tokens per cache block.
-        device: of the batch; num_splits: a power of two, or None (:func:`decode_num_splits`).
+        device: of the batch; num_splits: a power of two, or None (the config's).
         workspace: a flat fp32 buffer to take the partial results from; too small or None: allocated here.
+        config: the launch configuration; None: :func:`ops.paged_decode_config.decode_config`'s (the table's).
     """
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_size: int, page: int, device: torch.device, num_splits: int | None = None,
-                 workspace: torch.Tensor | None = None) -> None:
+                 workspace: torch.Tensor | None = None, config: DecodeConfig | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
                              f"them in one block) or None; got {num_splits}")
         b = self.num_seqs = block_table.shape[0]
         self.num_heads, self.head_size = num_heads, head_size
         self.block_table, self.seq_lens = block_table, seq_lens
-        splits = self.num_splits = num_splits or decode_num_splits(b, num_kv_heads, device)
+        cfg = self.config = config or decode_config(b, head_size)
+        splits = self.num_splits = num_splits or cfg.splits(b, num_kv_heads, _num_sms(device))
         group = num_heads // num_kv_heads
         block_d = next_power_of_2(head_size)
         self.split_grid = (b, num_kv_heads, splits)
         self.merge_grid = (b, num_heads)
         self.split_constexprs = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot: >= 16 rows
-                                     HEAD_D=head_size, BLOCK_D=block_d, PAGE=page,
-                                     BLOCK_N=max(page, 64 if block_d <= 128 else 32), NUM_SPLITS=splits)
-        self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4)
+                                     HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=max(page, cfg.BLOCK_N),
+                                     SPLIT=splits > 1, EVEN_D=block_d == head_size, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
+        self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=cfg.merge_warps)
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results
@@ -314,9 +328,9 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
     _decode_split_launch(
         plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse,
         q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides,
-        scale, logits_soft_cap or 1.0, sliding_window or 0,
+        scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits,
         **plan.split_constexprs, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32,
     )
     if plan.num_splits > 1:
         _decode_merge_launch(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d,
@@ -325,18 +339,21 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, num_splits: int | None = None,
+                        config: DecodeConfig | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence, from the paged cache.
 
     Args:
         q: ``[B, Hq * D]``.
         kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (already holding this step's keys).
         block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32.
+        num_splits, config: see :class:`DecodePlan` (None: the config table's).
     Returns:
         ``[B, Hq * D]`` in q's dtype.
     """
     _, _, page, num_kv_heads, _ = kv_cache.shape
-    plan = DecodePlan(block_table, seq_lens, num_heads, num_kv_heads, head_size, page, q.device, num_splits)
+    plan = DecodePlan(block_table, seq_lens, num_heads, num_kv_heads, head_size, page, q.device, num_splits,
+                      config=config)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape[0], num_heads * head_size, dtype=q.dtype, device=q.device)

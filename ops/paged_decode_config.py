@@ -1,0 +1,91 @@
+"""The paged decode attention kernel's launch configurations: :class:`DecodeConfig` and the rule table that
+picks one per decode batch (:data:`DECODE_TABLE`, :func:`decode_config`).
+
+A decode step captured in a CUDA graph per batch size must launch the same grid at every replay, whatever the
+sequences' lengths then are, so a rule looks at nothing but the batch size (and the head size, which is the
+model's): the split count, tile and launch options come from the number of sequences alone.
+
+``benchmarks.attention --sweep`` times candidate configs on Llama-3-8B's decode shapes (32 query heads, 8 KV
+heads, head size 128, bf16 KV, 16-token pages) at batch 1, 8, 32 and 128 and contexts 512-4096, and prints the
+best config per batch as table rows: editing :data:`DECODE_TABLE` with them is all a retune takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .triton_utils import cdiv, next_power_of_2
+
+__all__ = ["DecodeConfig", "DecodeRule", "DECODE_TABLE", "decode_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One launch configuration of the split-KV decode kernel (``ops.paged_attention``).
+
+    Attributes:
+        num_splits: programs per (sequence, KV head), each over a contiguous share of the sequence's pages; a
+            power of two (the merge kernel reduces over them in one block). None: from ``waves``.
+        waves: with ``num_splits`` None, splits so that the split kernel's programs (``batch x KV heads x
+            splits``) cover about ``waves`` times the SMs, rounded up to a power of two, at most ``max_splits``.
+        max_splits: the ``waves`` rule's ceiling.
+        BLOCK_N: tokens a loop step (at least one page: the plan raises it to the page size).
+        num_warps, num_stages: the split kernel's launch options (Triton's defaults are 4 and 3).
+        merge_warps: the merge kernel's warps (one program per sequence and query head).
+    """
+
+    num_splits: int | None = None
+    waves: int = 2
+    max_splits: int = 32
+    BLOCK_N: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    merge_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"DecodeConfig: {name} must be a power of two; got {v}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"DecodeConfig: num_splits must be a power of two or None; got {self.num_splits}")
+        if self.waves < 1 or self.num_stages < 1:
+            raise ValueError(f"DecodeConfig: waves and num_stages must be >= 1; got {self}")
+
+    def splits(self, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+        """Splits per sequence for a batch of ``num_seqs`` on a device of ``num_sms`` SMs."""
+        if self.num_splits is not None:
+            return self.num_splits
+        want = cdiv(self.waves * num_sms, max(num_seqs * num_kv_heads, 1))
+        return max(1, min(self.max_splits, next_power_of_2(want)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRule:
+    """One row of :data:`DECODE_TABLE`: decode batches of at most ``max_seqs`` sequences with heads of at most
+    ``max_head_size`` take ``config``."""
+
+    max_seqs: int
+    max_head_size: int
+    config: DecodeConfig
+
+
+_ANY = 1 << 30
+_C, _R = DecodeConfig, DecodeRule
+#: The first rule that fits wins. Today's rows are the kernel's settings from before the table existed (two waves
+#: of programs, 64-token steps for head sizes up to 128, 32 above, 4 warps, 3 stages), untuned: replace them with
+#: ``benchmarks.attention --sweep``'s suggested rows (H200) once measured, e.g. ``_R(32, 128, _C(num_splits=2,
+#: BLOCK_N=32, num_warps=4, num_stages=4))`` for batches 9-32 above a batch-8 row.
+DECODE_TABLE: tuple[DecodeRule, ...] = (
+    _R(_ANY, 128, _C(waves=2, BLOCK_N=64, num_warps=4, num_stages=3)),
+    _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
+)
+del _C, _R
+
+
+def decode_config(num_seqs: int, head_size: int) -> DecodeConfig:
+    """The table's config for a decode batch of ``num_seqs`` sequences and heads of ``head_size``."""
+    for rule in DECODE_TABLE:
+        if num_seqs <= rule.max_seqs and head_size <= rule.max_head_size:
+            return rule.config
+    return DecodeConfig()  # past every row (the table's last row covers everything): the dataclass's defaults

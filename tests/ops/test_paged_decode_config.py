@@ -1,0 +1,98 @@
+"""ops.paged_decode_config: the decode kernel's config table, and every config path of the kernel.
+
+The table's lookup and the split rule run anywhere; the kernel under each config (every table row's, and one
+of each kind the sweep of ``benchmarks.attention`` tries) runs on CPU tensors in Triton's interpreter
+(``TRITON_INTERPRET=1``, the ``interpret`` marker), against the fp32 reference. The interpreter ignores
+num_warps and num_stages: those are the CUDA tests' and the sweep's business.
+"""
+
+import pytest
+import torch
+from test_paged_attention import HEAD, HEADS, KV_HEADS, SCALE, TOLERANCES, decode_batch
+
+import ops
+from ops.paged_attention import DecodePlan, decode_num_splits, decode_workspace_numel
+from ops.paged_decode_config import DECODE_TABLE, DecodeConfig, decode_config
+
+CPU = torch.device("cpu")  # 8 SMs for the split rule off CUDA (ops.paged_attention._num_sms)
+
+
+def test_table_covers_every_batch_and_head_size():
+    assert DECODE_TABLE[-1].max_seqs >= 1 << 20 and DECODE_TABLE[-1].max_head_size >= 1 << 20
+    for b in (1, 7, 8, 32, 128, 256, 4096):
+        for d in (64, 128, 256):
+            cfg = decode_config(b, d)
+            rule = next(r for r in DECODE_TABLE if b <= r.max_seqs and d <= r.max_head_size)
+            assert cfg is rule.config
+
+
+def test_default_rows_keep_the_two_wave_rule():
+    """The untuned rows reproduce the kernel's settings from before the table: ~2 waves, at most 32 splits."""
+    for b, sms, want in [(1, 132, 32), (32, 132, 2), (128, 132, 1), (8, 132, 8), (1, 8, 16), (3, 8, 8)]:
+        assert decode_config(b, 128).splits(b, 8 if sms == 132 else 1, sms) == want
+    assert decode_config(1, 128).BLOCK_N == 64 and decode_config(1, 256).BLOCK_N == 32
+    assert (decode_config(1, 128).num_warps, decode_config(1, 128).num_stages) == (4, 3)
+
+
+def test_config_validation_and_fixed_splits():
+    assert DecodeConfig(num_splits=4).splits(128, 8, 132) == 4
+    for bad in (dict(num_splits=3), dict(BLOCK_N=48), dict(num_warps=3), dict(num_stages=0), dict(waves=0),
+                dict(max_splits=6), dict(merge_warps=0)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
+
+
+def test_plan_takes_the_config():
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    lens = torch.ones(3, dtype=torch.int32)
+    cfg = DecodeConfig(num_splits=4, BLOCK_N=16, num_warps=8, num_stages=2, merge_warps=2)
+    plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, 32, CPU, config=cfg)
+    assert plan.num_splits == 4 and plan.split_grid == (3, KV_HEADS, 4)
+    c = plan.split_constexprs
+    assert (c["BLOCK_N"], c["num_warps"], c["num_stages"], c["SPLIT"]) == (32, 8, 2, True)  # BLOCK_N >= page
+    assert plan.merge_constexprs["num_warps"] == 2 and plan.merge_constexprs["NUM_SPLITS"] == 4
+    plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, 4, CPU, num_splits=1, config=cfg)  # the argument wins
+    assert plan.num_splits == 1 and not plan.split_constexprs["SPLIT"] and plan.mid_o is None
+
+
+def test_workspace_covers_the_table_splits():
+    n = decode_workspace_numel(16, HEADS, KV_HEADS, HEAD, CPU)
+    most = max(b * decode_num_splits(b, KV_HEADS, CPU, HEAD) for b in range(1, 17)
+               if decode_num_splits(b, KV_HEADS, CPU, HEAD) > 1)
+    assert n == most * HEADS * (HEAD + 1)
+
+
+# One of each kind: the table's rows, and BLOCK_N from one page to several, fixed split counts, another wave count.
+KERNEL_CONFIGS = [r.config for r in DECODE_TABLE] + [
+    DecodeConfig(num_splits=1, BLOCK_N=16), DecodeConfig(num_splits=2, BLOCK_N=32, num_warps=8, num_stages=4),
+    DecodeConfig(num_splits=8, BLOCK_N=128, num_warps=2, num_stages=1), DecodeConfig(waves=4, BLOCK_N=16),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 7}], ids=["plain", "window"])
+def test_every_config_matches_the_reference(config, kw):
+    q, cache, table, seq_lens = decode_batch([0, 5, 38, 70, 3])
+    out = ops.paged_decode_triton(q, cache, table, seq_lens, HEADS, HEAD, SCALE, config=config, **kw)
+    ref = ops.paged_decode_ref(q, cache, table, seq_lens, HEADS, HEAD, SCALE, **kw)
+    tol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_library_page_size(block_n):
+    """16-token pages (the engine's default), a chunk of one page or two, a head size that is no power of two."""
+    g = torch.Generator().manual_seed(block_n)
+    page, hkv, group, d, lens = 16, 2, 4, 24, [1, 16, 17, 47, 80]
+    blocks = (max(lens) + page - 1) // page
+    cache = torch.randn(2, len(lens) * blocks, page, hkv, d, generator=g)
+    table = torch.randperm(len(lens) * blocks, generator=g).view(len(lens), blocks).to(torch.int32)
+    q = torch.randn(len(lens), hkv * group * d, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for splits in (1, 4):
+        cfg = DecodeConfig(num_splits=splits, BLOCK_N=block_n)
+        out = ops.paged_decode_triton(q, cache, table, seq_lens, hkv * group, d, d**-0.5, config=cfg)
+        ref = ops.paged_decode_ref(q, cache, table, seq_lens, hkv * group, d, d**-0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
