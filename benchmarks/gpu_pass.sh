@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startup|gemm|gemmsweep|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|pw|mixed ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|pw|mixed ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -93,6 +93,10 @@ for step in $steps; do
     gemm)     # the 8B linear stack + lm_head at M 1/8/32/128: cuBLAS against the small-M Triton GEMM
               timeout ${GEMM_TIMEOUT:-240} python3 -m benchmarks.gemm ${GEMM_ARGS:-} --out "$R/gemm" 2>&1 | tee "$R/gemm.log" \
                 | grep -E "'ours|Error" ;;
+    attn)     # issue 16: paged decode attention alone at batch 1-128 x context 512-4096 (% of copy bandwidth), then the
+              # sweep of its configs (best per shape, suggested DECODE_TABLE rows: the "best" lines)
+              timeout ${ATTN_TIMEOUT:-330} python3 -m benchmarks.attention --sweep --deadline ${ATTN_DEADLINE:-220} \
+                --out "$R/attention" 2>&1 | tee "$R/attention.log" | grep -E "^\{|^best|precompiled|deadline|Error" ;;
     gemmsweep) # the small-M GEMM's configs on each layer shape (int8, fp8, bf16): the best per shape, for its table
               timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.gemm --sweep --sweep-ms ${SWEEP_MS:-1,4,16} \
                 --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \

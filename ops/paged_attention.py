@@ -100,8 +100,9 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 # The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
-# ``benchmarks.attention`` times many), with SPLIT (count > 1) the constexpr that drops the partial results.
-@triton.jit(do_not_specialize=["num_splits"])
+# ``benchmarks.attention`` times many), with SPLIT (count > 1) the constexpr that drops the partial results; so is
+# the partial LSE's head stride (the split count, whose divisibility by 16 would otherwise compile apart).
+@triton.jit(do_not_specialize=["num_splits", "stride_ml_h"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_q_t, stride_q_h,

@@ -1,0 +1,305 @@
+"""Paged decode attention alone, as % of copy bandwidth (issue 16: target >= 85% at batch 32 and 128).
+
+Llama-3-8B's attention shape (32 query heads, 8 KV heads, head size 128, bf16 KV cache, the engine's 16-token
+pages) at decode: the KV cache already written, one query token per sequence, every sequence ``context`` tokens
+long, its pages scattered over the cache (a random permutation of the blocks). The op as the model calls it
+(``ops.paged_attention.paged_decode_launch`` on a prebuilt ``DecodePlan``: the split kernel, and the merge
+kernel when the plan splits), at batch 1, 8, 32, 128 x context 512, 1024, 2048, 4096.
+
+Timing: one CUDA graph of ``copies`` calls, each over its own block table (disjoint blocks of one cache), so that
+a call reads its keys and values from HBM, not L2 (``copies``: the fewest, a power of two, whose KV bytes exceed
+256 MiB, at most 64); median over ``--replays`` replays, per call. ``bytes``: every key and value byte the call
+reads, plus q and the output; ``pct_of_copy_bw``: bytes / time / the device-to-device copy bandwidth measured in
+the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the output against
+``ops.paged_decode_ref`` (fp32) within 2e-2 (bf16 rounding).
+
+``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
+BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape), timed the same
+way, after a pass that compiles them all. Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
+seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
+``attention_sweep`` (every config), ``attention_sweep_best`` (the fastest per shape, with the table's), and
+prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
+geometric-mean loss over the contexts against each context's fastest.
+
+Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--sweep
+[--deadline 220]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from ops.paged_attention import DecodePlan, paged_decode_launch, paged_decode_ref
+from ops.paged_decode_config import DecodeConfig, decode_config
+
+HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B; the engine's block size
+DTYPE = torch.bfloat16
+SCALE = HEAD**-0.5
+TOL = 2e-2
+MAX_COPIES = 64
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    """Every key and value byte of one call."""
+    return 2 * batch * context * KV_HEADS * HEAD * DTYPE.itemsize
+
+
+def io_bytes(batch: int, context: int) -> int:
+    """The KV bytes plus q and the output."""
+    return kv_bytes(batch, context) + 2 * batch * HEADS * HEAD * DTYPE.itemsize
+
+
+@dataclass
+class Case:
+    """One shape's tensors: a cache of ``copies`` disjoint sets of pages, their block tables, q, the output."""
+
+    batch: int
+    context: int
+    copies: int
+    cache: torch.Tensor
+    tables: list[torch.Tensor]
+    seq_lens: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    workspace: torch.Tensor
+
+
+def make_case(batch: int, context: int, device: str) -> Case:
+    copies = common.copies_to_exceed_cache(kv_bytes(batch, context), limit=MAX_COPIES)
+    per_seq = context // PAGE
+    total = copies * batch * per_seq
+    g = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    cache = torch.randn(2, total, PAGE, KV_HEADS, HEAD, generator=g, device=device, dtype=DTYPE)
+    perm = torch.randperm(total, generator=g, device=device).to(torch.int32).view(copies, batch, per_seq)
+    q = torch.randn(batch, HEADS * HEAD, generator=g, device=device, dtype=DTYPE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    ws = torch.empty(batch * HEADS * 64 * (HEAD + 1), dtype=torch.float32, device=device)  # up to 64 splits
+    return Case(batch, context, copies, cache, list(perm.unbind(0)), seq_lens, q, out, ws)
+
+
+def plans(case: Case, config: DecodeConfig | None) -> list[DecodePlan]:
+    """One plan per copy's block table (the partial results share the case's workspace: stream-ordered)."""
+    return [DecodePlan(t, case.seq_lens, HEADS, KV_HEADS, HEAD, PAGE, case.q.device, workspace=case.workspace,
+                       config=config) for t in case.tables]
+
+
+def reference(case: Case) -> torch.Tensor:
+    return paged_decode_ref(case.q, case.cache, case.tables[0], case.seq_lens, HEADS, HEAD, SCALE)
+
+
+def time_config(case: Case, config: DecodeConfig | None, replays: int, ref: torch.Tensor) -> tuple[float, bool, int]:
+    """µs per call under ``config`` (None: the table's), whether copy 0's output matches ``ref``, and the splits."""
+    ps = plans(case, config)
+    paged_decode_launch(ps[0], case.q, case.cache, case.out, SCALE)
+    ok = bool((case.out.float() - ref).abs().max() <= TOL)
+    fn = common.rotating(lambda p: paged_decode_launch(p, case.q, case.cache, case.out, SCALE), [(p,) for p in ps])
+    n = case.copies
+    us = common.bench_gpu(fn, warmup=n, iters=replays * n, cuda_graph=True, graph_iters=n)
+    return us, ok, ps[0].num_splits
+
+
+def pct(batch: int, context: int, us: float, copy_gbps: float) -> float:
+    return round(100 * io_bytes(batch, context) / (us * 1e-6) / (copy_gbps * 1e9), 1)
+
+
+def bench_table(batches: list[int], contexts: list[int], device: str, copy_gbps: float,
+                replays: int) -> list[dict[str, Any]]:
+    """The table's config at every shape."""
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            case = make_case(b, ctx, device)
+            us, ok, splits = time_config(case, None, replays, reference(case))
+            rows.append({"batch": b, "context": ctx, "splits": splits, "us": round(us, 2),
+                         "kv_MB": round(kv_bytes(b, ctx) / 1e6, 1), "GB_per_s": round(io_bytes(b, ctx) / us / 1e3),
+                         "pct_of_copy_bw": pct(b, ctx, us, copy_gbps), "copies": case.copies, "correct": ok})
+            print(rows[-1], flush=True)
+            del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+# (BLOCK_N, num_warps, num_stages): 28 kernel variants, each compiled twice (one split, several: the count is not
+# specialized); the merge kernel once per split count. ~60 compiles, ~1 s each on the H200 machine.
+_TILES = [(bn, w, s) for bn in (16, 32, 64, 128) for w, s in ((2, 3), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4))]
+
+
+def sweep_splits(batch: int, num_sms: int) -> list[int]:
+    """Split counts around the two-wave rule's (a quarter of it to four times it, 1 to 32)."""
+    s0 = DecodeConfig(waves=2).splits(batch, KV_HEADS, num_sms)
+    return [s for s in (s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4) if 1 <= s <= 32]
+
+
+def sweep_candidates(batch: int, num_sms: int) -> list[DecodeConfig]:
+    """Every candidate at ``batch``: each tile variant at each split count of :func:`sweep_splits`."""
+    return [DecodeConfig(num_splits=s, BLOCK_N=bn, num_warps=w, num_stages=st)
+            for s in sweep_splits(batch, num_sms) for bn, w, st in _TILES]
+
+
+def _resolved(cfg: DecodeConfig, batch: int, num_sms: int) -> tuple:
+    """What a config launches at ``batch``: (splits, BLOCK_N, warps, stages, merge warps)."""
+    return (cfg.splits(batch, KV_HEADS, num_sms), max(PAGE, cfg.BLOCK_N), cfg.num_warps, cfg.num_stages,
+            cfg.merge_warps)
+
+
+def precompile(batches: list[int], device: str, num_sms: int, deadline: float) -> None:
+    """Compile every candidate (split and merge kernels) on a small case before any timing."""
+    t0 = time.perf_counter()
+    case = make_case(8, 512, device)
+    seen = set()
+    for b in batches:
+        for cfg in sweep_candidates(b, num_sms):
+            key = (cfg.num_splits > 1, cfg.num_splits if cfg.num_splits > 1 else 0, cfg.BLOCK_N, cfg.num_warps,
+                   cfg.num_stages)
+            if key in seen or time.perf_counter() > deadline:
+                continue
+            seen.add(key)
+            try:
+                paged_decode_launch(plans(case, cfg)[0], case.q, case.cache, case.out, SCALE)
+            except Exception as e:  # a config Triton cannot build: the sweep reports it again
+                print(f"precompile {cfg}: {type(e).__name__}: {e}", flush=True)
+    torch.cuda.synchronize()
+    print(f"precompiled {len(seen)} launch variants in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms: int, replays: int,
+                deadline: float) -> list[dict[str, Any]]:
+    case = make_case(batch, context, device)
+    ref = reference(case)
+    table = _resolved(decode_config(batch, HEAD), batch, num_sms)
+    rows = []
+    for cfg in sweep_candidates(batch, num_sms):
+        if time.perf_counter() > deadline:
+            print(f"sweep: deadline reached at batch {batch} context {context}", flush=True)
+            break
+        try:
+            us, ok, splits = time_config(case, cfg, replays, ref)
+        except Exception as e:  # shared memory or registers out of bounds
+            print(f"sweep batch={batch} context={context} {cfg}: {type(e).__name__}: {e}", flush=True)
+            continue
+        rows.append({"batch": batch, "context": context, **asdict(cfg), "us": round(us, 2),
+                     "pct_of_copy_bw": pct(batch, context, us, copy_gbps), "correct": ok,
+                     "table": _resolved(cfg, batch, num_sms) == table})
+    del case, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP_COLUMNS = ["batch", "context", *DecodeConfig.__dataclass_fields__, "us", "pct_of_copy_bw", "correct", "table"]
+_CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps")
+
+
+def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (batch, context): the fastest correct config, with the table config's time beside it."""
+    out = []
+    for cell in dict.fromkeys((r["batch"], r["context"]) for r in rows):
+        mine = [r for r in rows if (r["batch"], r["context"]) == cell and r["correct"]]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r["us"])
+        table = next((r["us"] for r in mine if r["table"]), "")
+        out.append({"batch": cell[0], "context": cell[1], **{k: best[k] for k in _CONFIG_FIELDS}, "us": best["us"],
+                    "pct_of_copy_bw": best["pct_of_copy_bw"], "table_us": table,
+                    "gain_vs_table": round(table / best["us"], 3) if table else ""})
+    return out
+
+
+def suggested_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Per batch: the config with the least geometric-mean loss over the contexts (against each context's
+    fastest), as a ``DECODE_TABLE`` row, with its mean and worst loss."""
+    lines = []
+    for b in dict.fromkeys(r["batch"] for r in rows):
+        mine = [r for r in rows if r["batch"] == b and r["correct"]]
+        contexts = sorted({r["context"] for r in mine})
+        fastest = {c: min(r["us"] for r in mine if r["context"] == c) for c in contexts}
+        by_cfg: dict[tuple, dict[int, float]] = {}
+        for r in mine:
+            by_cfg.setdefault(tuple(r[k] for k in _CONFIG_FIELDS), {})[r["context"]] = r["us"]
+        full = {k: v for k, v in by_cfg.items() if len(v) == len(contexts)}
+        if not full:
+            continue
+        loss = {k: [v[c] / fastest[c] for c in contexts] for k, v in full.items()}
+        k = min(loss, key=lambda k: math.fsum(math.log(x) for x in loss[k]))
+        mean = math.exp(math.fsum(math.log(x) for x in loss[k]) / len(contexts))
+        cfg = ", ".join(f"{f}={v}" for f, v in zip(_CONFIG_FIELDS, k))
+        lines.append(f"    _R({b}, 128, _C({cfg})),  # batch {b}, contexts {contexts[0]}-{contexts[-1]}: "
+                     f"{mean:.3f}x the fastest on average, {max(loss[k]):.3f}x at worst")
+    return lines
+
+
+def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float, replays: int, seconds: float,
+          out_dir: str | None) -> None:
+    start = time.perf_counter()
+    deadline = start + seconds
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    order = [b for b in (32, 128, 8, 1) if b in batches] + [b for b in batches if b not in (32, 128, 8, 1)]
+    precompile(order, device, num_sms, deadline)
+    rows: list[dict[str, Any]] = []
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, bf16, "
+             f"{PAGE}-token pages); one CUDA graph of one call per block-table copy, median of {replays} replays",
+             "correct: within 2e-2 of the fp32 reference; table: what DECODE_TABLE launches at this batch"]
+    for b in order:
+        for ctx in contexts:
+            rows += sweep_shape(b, ctx, device, copy_gbps, num_sms, replays, deadline)
+            common.write_results("attention_sweep", rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
+                                 title="Paged decode attention: every candidate config")
+    best = best_rows(rows)
+    common.write_results("attention_sweep_best", best, title="Fastest paged decode config per shape",
+                         notes=[*notes[:1], f"sweep took {time.perf_counter() - start:.0f} s"], device=device,
+                         out_dir=out_dir)
+    print("suggested DECODE_TABLE rows (ops/paged_decode_config.py; max_seqs: the batch measured):")
+    for line in suggested_rows(rows):
+        print("best " + line.strip(), flush=True)
+
+
+def _ints(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
+    vals = [v.strip() for v in value.split(",") if v.strip()]
+    if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
+        p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
+    return [int(v) for v in vals]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--contexts", default="512,1024,2048,4096", help="tokens per sequence (multiples of 16)")
+    p.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
+    p.add_argument("--sweep", action="store_true", help="also time every candidate config per shape")
+    p.add_argument("--deadline", type=float, default=220.0, help="seconds the sweep may take (then it stops)")
+    p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
+    a = p.parse_args(argv)
+    batches, contexts = _ints(p, "--batches", a.batches), _ints(p, "--contexts", a.contexts)
+    if any(c % PAGE for c in contexts):
+        p.error(f"--contexts: multiples of {PAGE} (whole pages); got {a.contexts!r}")
+    if not torch.cuda.is_available():
+        p.error("the attention benchmark needs a CUDA GPU (tests/ops/test_paged_decode_config.py checks the kernel's "
+                "configs in Triton's interpreter)")
+    device = "cuda"
+    print(common.env_header(device), flush=True)
+    copy_gbps = common.measure_copy_bandwidth(device=device)
+    rows = bench_table(batches, contexts, device, copy_gbps, a.replays)
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, bf16 KV, "
+             f"{PAGE}-token pages scattered); the config DECODE_TABLE picks",
+             f"one CUDA graph of `copies` calls, each over its own pages (KV read from HBM), median of {a.replays} "
+             "replays, per call; bytes: every K and V byte + q + output",
+             "correct: within 2e-2 of the fp32 reference (ops.paged_decode_ref)"]
+    common.write_results("attention", rows, title="Paged decode attention alone, % of copy bandwidth", notes=notes,
+                         device=device, out_dir=a.out)
+    common.plot_lines("attention", rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,
+                      title=f"Paged decode attention, Llama-3-8B shape ({common.device_name(device)})",
+                      xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
+    if a.sweep:
+        sweep(batches, contexts, device, copy_gbps, a.replays, a.deadline, a.out)
+
+
+if __name__ == "__main__":
+    main()

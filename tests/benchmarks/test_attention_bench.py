@@ -1,0 +1,67 @@
+"""benchmarks.attention without a GPU: the sweep's candidates are valid and bounded, its summaries pick what they
+say, and (in Triton's interpreter) a case's plans run every candidate kind to the reference's result."""
+
+import pytest
+import torch
+
+from benchmarks import attention as A
+from ops.paged_decode_config import DecodeConfig
+
+H200_SMS = 132
+
+
+def test_candidates_are_valid_and_bounded():
+    total = 0
+    for b in (1, 8, 32, 128):
+        cands = A.sweep_candidates(b, H200_SMS)
+        splits = sorted({c.num_splits for c in cands})
+        assert splits and all(1 <= s <= 32 for s in splits)
+        assert DecodeConfig(waves=2).splits(b, A.KV_HEADS, H200_SMS) in splits  # the table's own count
+        assert len(set(cands)) == len(cands)
+        total += len(cands)
+    assert total <= 450  # a shape's candidates x 4 contexts must fit the sweep's deadline
+    assert A.sweep_splits(128, H200_SMS) == [1, 2, 4] and A.sweep_splits(32, H200_SMS) == [1, 2, 4, 8]
+
+
+def _row(b, ctx, us, splits=2, bn=64, table=False, correct=True):
+    cfg = DecodeConfig(num_splits=splits, BLOCK_N=bn)
+    return {"batch": b, "context": ctx, **cfg.__dict__, "us": us, "pct_of_copy_bw": 0.0, "correct": correct,
+            "table": table}
+
+
+def test_best_and_suggested_rows():
+    rows = [_row(32, 512, 10.0, table=True), _row(32, 512, 8.0, bn=32), _row(32, 512, 5.0, bn=16, correct=False),
+            _row(32, 4096, 50.0, table=True), _row(32, 4096, 60.0, bn=32)]
+    best = A.best_rows(rows)
+    assert [(r["context"], r["BLOCK_N"], r["us"], r["table_us"]) for r in best] == [(512, 32, 8.0, 10.0),
+                                                                                   (4096, 64, 50.0, 50.0)]
+    assert best[0]["gain_vs_table"] == 1.25
+    (line,) = A.suggested_rows(rows)
+    # BLOCK_N 64: losses 1.25 and 1.0 (geomean 1.118) against BLOCK_N 32: 1.0 and 1.2 (1.095): 32 wins
+    assert "_R(32, 128, _C(num_splits=2, BLOCK_N=32" in line and "1.200x at worst" in line
+
+
+def test_byte_counts():
+    assert A.kv_bytes(128, 512) == 128 * 512 * 8 * 128 * 2 * 2  # 268 MB a layer; 8.6 GB over 32 layers
+    assert A.io_bytes(1, 512) == A.kv_bytes(1, 512) + 2 * 32 * 128 * 2
+
+
+@pytest.mark.interpret
+def test_case_runs_every_candidate_kind_in_the_interpreter(monkeypatch):
+    """A shrunk case (2 KV heads of 16, 2 copies) through the benchmark's plans, one config of each split count
+    and BLOCK_N, against the reference as the benchmark checks it."""
+    monkeypatch.setattr(A, "HEADS", 4)
+    monkeypatch.setattr(A, "KV_HEADS", 2)
+    monkeypatch.setattr(A, "HEAD", 16)
+    monkeypatch.setattr(A, "DTYPE", torch.float32)
+    monkeypatch.setattr(A, "MAX_COPIES", 2)
+    case = A.make_case(3, 48, "cpu")
+    assert case.copies == 2 and len(case.tables) == 2
+    ref = A.reference(case)
+    for cfg in {DecodeConfig(num_splits=c.num_splits, BLOCK_N=c.BLOCK_N) for c in A.sweep_candidates(8, 8)}:
+        for plan in A.plans(case, cfg):
+            A.paged_decode_launch(plan, case.q, case.cache, case.out, A.SCALE)
+        tables_ref = A.paged_decode_ref(case.q, case.cache, case.tables[1], case.seq_lens, 4, 16, A.SCALE)
+        torch.testing.assert_close(case.out, tables_ref, rtol=1e-5, atol=1e-5)
+    A.paged_decode_launch(A.plans(case, None)[0], case.q, case.cache, case.out, A.SCALE)
+    torch.testing.assert_close(case.out, ref, rtol=1e-5, atol=1e-5)
