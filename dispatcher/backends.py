@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import compat, plugins
+from . import compat, envs, plugins
 from .config import CompilationConfig, CompilationLevel
 from .passes import build_pass_manager, compile_context
 from .counters import compilation_counter
@@ -37,7 +37,8 @@ def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict
         options["max_autotune"] = True
     if level >= CompilationLevel.INDUCTOR:
         option = compat.POST_GRAD_PASS_OPTION
-        options[option] = build_pass_manager(config.pass_config, options.get(option))
+        options[option] = build_pass_manager(config.pass_config, options.get(option),
+                                             envs.sequence_parallel_min_tokens())
     return options
 
 
@@ -82,6 +83,7 @@ class RecordingBackend:
             self.piecewise = PiecewiseBackend(config, level, self.options, owner_name)
         self.graphs: list[torch.fx.GraphModule] = []
         self.shape_envs: list[Any] = []
+        self.static_indices: list[int] = []  # of the first graph's inputs: parameters and buffers
         self.compile_s = 0.0  # seconds in __call__: the compiles of the traced graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -89,6 +91,9 @@ class RecordingBackend:
             compilation_counter.add("num_recompiles")
             logger.info("%s: Dynamo traced graph #%d (a recompile)", self.owner_name, len(self.graphs) + 1)
         compilation_counter.add("num_graphs_seen")
+        if not self.graphs:
+            self.static_indices = [i for i, t in enumerate(example_inputs)
+                                   if isinstance(t, torch.Tensor) and compat.is_static_input(t)]
         self.graphs.append(gm)
         self.shape_envs.append(compat.current_shape_env())
         t0 = time.perf_counter()
@@ -101,4 +106,19 @@ class RecordingBackend:
         self.compile_s += dt
         logger.debug("%s: backend %s compiled a graph of %d nodes in %.2fs", self.owner_name,
                      getattr(self.backend, "__name__", self.backend), len(gm.graph.nodes), dt)
+        return compiled
+
+    def compile_aot(self, gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any],
+                    static: list[int]) -> Callable[..., Any]:
+        """Levels 3-4: compile a graph rebuilt from an AOT artifact (``dispatcher.aot``), no Dynamo trace:
+        ``example_inputs`` are the first call's, ``fake_args`` the trace's fake inputs, ``static`` the indices
+        of the parameters and buffers among them."""
+        t0 = time.perf_counter()
+        self.graphs.append(gm)
+        self.static_indices = list(static)
+        with compat.tracing_with(compat.fake_mode_of(fake_args)):
+            compiled = self.piecewise(gm, example_inputs, fake_args, static)
+        dt = time.perf_counter() - t0
+        self.compile_s += dt
+        logger.debug("%s: compiled the AOT graph of %d nodes in %.2fs", self.owner_name, len(gm.graph.nodes), dt)
         return compiled

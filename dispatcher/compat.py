@@ -46,6 +46,14 @@ __all__ = [
     "load_cache_artifacts",
     "triton_version",
     "symm_mem_buffer",
+    "aot_available",
+    "new_fake_mode",
+    "symbols_of",
+    "make_symint",
+    "SymbolNameMismatch",
+    "tracing_with",
+    "op_name",
+    "dynamo_disable",
 ]
 
 
@@ -334,3 +342,135 @@ def symm_mem_buffer(nbytes: int, device: torch.device, group_name: str) -> torch
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(buffer, group_name)
     return buffer
+
+
+# ------------------------------------------------------------------ the AOT forward (dispatcher.aot)
+def aot_available() -> bool:
+    """Whether this torch has what rebuilding a traced graph's symbolic inputs needs, without Dynamo:
+    ``ShapeEnv.create_symbol`` / ``create_symintnode``, ``FakeTensorMode`` and ``torch._dynamo.source.ConstantSource``."""
+    try:
+        from torch._dynamo.source import ConstantSource  # noqa: F401
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv  # noqa: F401
+    except ImportError:  # pragma: no cover - every supported torch has them
+        return False
+    return all(hasattr(ShapeEnv, a) for a in ("create_symbol", "create_symintnode")) and hasattr(DimDynamic, "DYNAMIC")
+
+
+def new_fake_mode() -> Any:
+    """A ``FakeTensorMode`` with a fresh ``ShapeEnv``: where a rebuilt graph's symbolic inputs live."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def _symbol_hint(shape_env: Any, symbol: Any) -> int:
+    values = getattr(shape_env, "backed_var_to_val", None)  # torch 2.13 renamed var_to_val
+    if values is None:
+        values = shape_env.var_to_val
+    return int(values[symbol])
+
+
+def symbols_of(value: Any) -> tuple[str, list[tuple[str, str, int]]]:
+    """A SymInt (or int) as ``(expression, [(symbol, its first source's name, its hint), ...])``."""
+    if not isinstance(value, torch.SymInt):
+        return str(int(value)), []
+    node = value.node
+    expr = node.expr  # with the ShapeEnv's replacements applied
+    symbols = []
+    for s in sorted(expr.free_symbols, key=str):
+        sources = node.shape_env.var_to_sources.get(s) or []
+        if not sources:
+            raise ValueError(f"symbol {s} has no source")
+        symbols.append((str(s), source_name(sources[0]), _symbol_hint(node.shape_env, s)))
+    return str(expr), symbols
+
+
+class SymbolNameMismatch(ValueError):
+    """A symbol that this torch names otherwise than the torch that traced the graph."""
+
+
+def make_symint(fake_mode: Any, symbol: str, source: str, hint: int) -> torch.SymInt:
+    """A SymInt of a new dynamic symbol of ``fake_mode``'s ShapeEnv, for a source of that name: the symbol
+    Dynamo made (its name derives from the source's); ValueError where this torch names it otherwise."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    shape_env = fake_mode.shape_env
+    src = ConstantSource(source)
+    expr = shape_env.create_symbol(hint, src, dynamic_dim=DimDynamic.DYNAMIC)
+    if str(expr) != symbol:
+        raise SymbolNameMismatch(f"this torch names the symbol of {source!r} {expr}, the artifact {symbol}")
+    return shape_env.create_symintnode(expr, hint=hint, source=src)
+
+
+@contextlib.contextmanager
+def tracing_with(fake_mode: Any) -> Iterator[None]:
+    """A ``torch._guards.TracingContext`` of ``fake_mode`` for the block, as a Dynamo backend runs in."""
+    from torch._guards import TracingContext, tracing
+
+    with tracing(TracingContext(fake_mode)):
+        yield
+
+
+def op_name(target: Any) -> str | None:
+    """``"ns::name.overload"`` of an ``OpOverload`` (``"ns::name"`` of a packet), None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target._schema.name}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch._dynamo.disable(fn)``: what Dynamo wraps a compiled graph in, so that no trace enters it."""
+    return torch._dynamo.disable(fn)
+
+
+def process_group_size(group_name: str) -> int | None:
+    """The number of ranks of the ``torch.distributed`` group named ``group_name`` in this process
+    (``distributed_c10d._resolve_process_group``); None when there is no such group."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return int(distributed_c10d._resolve_process_group(group_name).size())
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+def fake_tensor_mode() -> contextlib.AbstractContextManager[Any]:
+    """A fresh ``FakeTensorMode``: tensors made in the block have shapes and dtypes but no data, and ops run
+    their fake implementations (patterns of collective ops are traced without communicating)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+_symm_mem_groups: set[str] = set()
+
+
+def symm_mem_fused_ops(group_name: str) -> Any | None:
+    """``torch.ops.symm_mem`` with ``fused_matmul_reduce_scatter`` and ``fused_all_gather_matmul``, the group
+    ``group_name`` enabled for symmetric memory (``enable_symm_mem_for_group``, which torch before 2.9 wants;
+    deprecated, a no-op, after); None where torch has no such ops."""
+    import warnings
+
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    ops = torch.ops.symm_mem
+    if not (hasattr(ops, "fused_matmul_reduce_scatter") and hasattr(ops, "fused_all_gather_matmul")):
+        return None
+    if group_name not in _symm_mem_groups:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group_name)
+        _symm_mem_groups.add(group_name)
+    return ops

@@ -26,6 +26,9 @@ __all__ = [
     "passes",
     "cache_dir",
     "compile_cache_disabled",
+    "aot_enabled",
+    "sequence_parallel_min_tokens",
+    "async_tp",
 ]
 
 #: name -> one-line description; the CLI and README list these.
@@ -40,8 +43,13 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
+    "DYNAMO_ONCE_AOT": "1 (default): a warm start rebuilds the traced forward from the compile cache, no Dynamo trace; 0: it traces",
     "DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE": "tensor parallel on CUDA: 'ONE_SHOT_KIB,TWO_SHOT_KIB', the largest all-reduce (KiB) "
                                        "taking symmetric memory's one-shot / two-shot kernel (unset: NCCL always)",
+    "DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS": "tensor parallel, pass sequence_parallel: the smallest compile size (tokens) "
+                                                "it rewrites (default 1024; smaller sizes keep the all-reduce)",
+    "DYNAMO_ONCE_ASYNC_TP": "1 (default): the sequence-parallel GEMMs on CUDA overlap their reduce-scatter / all-gather "
+                            "(torch symm_mem's fused ops); 0: the plain GEMM, then the NCCL collective",
     "DYNAMO_ONCE_API_KEY": "dynamo-once serve: require 'Authorization: Bearer <key>' (as --api-key); unset or empty: none",
 }
 
@@ -147,6 +155,11 @@ def compile_cache_disabled() -> bool:
     return _bool("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", False)
 
 
+def aot_enabled() -> bool:
+    """``DYNAMO_ONCE_AOT`` (default on): the compile cache also keeps, and a warm start loads, the AOT forward."""
+    return _bool("DYNAMO_ONCE_AOT", True)
+
+
 def symm_mem_all_reduce() -> tuple[int, int] | None:
     """``DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE`` as ``(one_shot_max_kib, two_shot_max_kib)``, None when unset or empty."""
     value = _get("DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE")
@@ -157,3 +170,25 @@ def symm_mem_all_reduce() -> tuple[int, int] | None:
         raise ValueError(f"DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE={value!r}: expected two sizes in KiB, "
                          f"'ONE_SHOT_MAX,TWO_SHOT_MAX' (e.g. '256,4096'; 0 turns one kernel off)")
     return int(parts[0]), int(parts[1])
+
+
+#: ``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS``'s default: above the CUDA-graph capture sizes (decode keeps the
+#: all-reduce), at the prefill sizes where the rewrite is meant to pay (issue 17 measures 2048).
+SEQUENCE_PARALLEL_MIN_TOKENS = 1024  # dispatcher.passes.sequence_parallel.DEFAULT_MIN_TOKENS
+
+
+def sequence_parallel_min_tokens() -> int:
+    """``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS``: the smallest compile size the sequence-parallel pass rewrites."""
+    value = _get("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS")
+    if value is None or value == "":
+        return SEQUENCE_PARALLEL_MIN_TOKENS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS={value!r}: expected a positive integer (tokens), "
+                         f"e.g. '{SEQUENCE_PARALLEL_MIN_TOKENS}'")
+    return int(value)
+
+
+def async_tp() -> bool:
+    """``DYNAMO_ONCE_ASYNC_TP``: whether the sequence-parallel GEMM + collective ops take torch's fused symmetric-memory
+    kernels on CUDA (read at every call: the ops are opaque)."""
+    return _bool("DYNAMO_ONCE_ASYNC_TP", True)

@@ -14,6 +14,7 @@ from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
+from .sequence_parallel import SequenceParallelPass
 
 __all__ = [
     "ActQuantPass",
@@ -26,6 +27,7 @@ __all__ = [
     "PatternPass",
     "PostGradPassManager",
     "RMSNormQuantPass",
+    "SequenceParallelPass",
     "build_pass_manager",
     "builtin_passes",
     "compile_context",

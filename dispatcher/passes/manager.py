@@ -32,6 +32,7 @@ from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
+from .sequence_parallel import SequenceParallelPass
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 @functools.cache
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
-    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass())
+    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), SequenceParallelPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 
@@ -151,13 +152,19 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
         return f"PostGradPassManager(passes={[p.name for p in self.passes]}, size={self.size})"
 
 
-def build_pass_manager(config: PassConfig, existing: Any = None) -> PostGradPassManager:
+def build_pass_manager(config: PassConfig, existing: Any = None,
+                       sequence_parallel_min_tokens: int | None = None) -> PostGradPassManager:
     """The manager of a level 3-4 model: the library's passes ``config`` leaves on and the plugin passes,
-    in order; ``existing`` is what the Inductor options already held (run after ours)."""
+    in order; ``existing`` is what the Inductor options already held (run after ours).
+    ``sequence_parallel_min_tokens``: the smallest compile size pass ``sequence_parallel`` rewrites (None: its
+    default)."""
     added = plugins.get_post_grad_passes()
     builtin_names = PassConfig.names()
     ordered = order_passes(builtin_passes(), added)
     on = [p for p in ordered if p.name not in builtin_names or config.enabled(p.name)]
+    if sequence_parallel_min_tokens is not None:
+        on = [p.with_min_tokens(sequence_parallel_min_tokens) if isinstance(p, SequenceParallelPass) else p
+              for p in on]
     manager = PostGradPassManager(on, config, chained=_chained(existing))
     manager.prepare()
     logger.debug("post-grad passes: %s", ", ".join(p.name for p in on) or "none")

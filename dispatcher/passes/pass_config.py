@@ -18,8 +18,9 @@ __all__ = ["PassConfig"]
 #: but at batch 1, 0.7-1.8% faster for bf16 at batch 1-32 (about the runs' noise) and slower at 128, and the
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
+#: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False}
+                               "act_quant": False, "sequence_parallel": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,11 @@ class PassConfig:
     library's Triton ops opaque in the compile (see ``dispatcher.passes.quant_fusion``)."""
     act_quant: bool | None = None
     """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above."""
+    sequence_parallel: bool | None = None
+    """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
+    all-gather, the GEMMs fused with their collectives, in per-size compiles of at least
+    ``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS`` tokens (see ``dispatcher.passes.sequence_parallel``; matches
+    the fused-add op: with native code, also turn on ``fused_add_rms_norm``)."""
 
     def __post_init__(self) -> None:
         for name in self.names():

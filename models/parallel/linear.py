@@ -22,6 +22,7 @@ from torch import nn
 from ..layers import ConfigError, MergedLinear
 from ..quant_linear import make_linear, make_merged_linear
 from ..quantization import QuantizationConfig
+from . import async_tp  # noqa: F401  (registers the fused GEMM + collective ops the sequence-parallel pass makes)
 from .communication import tensor_parallel_all_reduce
 from .state import get_tp_state, tp_size
 
