@@ -15,7 +15,7 @@ the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the ou
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
 BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape), timed the same
-way, after a pass that compiles them all. Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
+way, after a pass that compiles them all (in parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
 seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
 ``attention_sweep`` (every config), ``attention_sweep_best`` (the fastest per shape, with the table's), and
 prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -151,23 +154,39 @@ def _resolved(cfg: DecodeConfig, batch: int, num_sms: int) -> tuple:
             cfg.merge_warps)
 
 
-def precompile(batches: list[int], device: str, num_sms: int, deadline: float) -> None:
-    """Compile every candidate (split and merge kernels) on a small case before any timing."""
+@contextmanager
+def parallel_compiles(workers: int):
+    """Triton's ``AsyncCompileMode`` on a thread pool (compiles started by ``compile_only`` launches run there,
+    and are all done on exit); with ``workers`` <= 1 or without it (another Triton), nothing: the compiles then
+    run one by one."""
+    try:
+        if workers <= 1:
+            raise ImportError("serial compiles asked for")
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield
+        return
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        yield
+
+
+def precompile(batches: list[int], device: str, num_sms: int, workers: int) -> None:
+    """Compile every candidate's kernels (split and merge) on a small case, in parallel, before any timing: the
+    sweep's launches then find them compiled (specializations are the same at every shape: strides of 16)."""
     t0 = time.perf_counter()
     case = make_case(8, 512, device)
     seen = set()
-    for b in batches:
-        for cfg in sweep_candidates(b, num_sms):
-            key = (cfg.num_splits > 1, cfg.num_splits if cfg.num_splits > 1 else 0, cfg.BLOCK_N, cfg.num_warps,
-                   cfg.num_stages)
-            if key in seen or time.perf_counter() > deadline:
-                continue
-            seen.add(key)
-            try:
-                paged_decode_launch(plans(case, cfg)[0], case.q, case.cache, case.out, SCALE)
-            except Exception as e:  # a config Triton cannot build: the sweep reports it again
-                print(f"precompile {cfg}: {type(e).__name__}: {e}", flush=True)
-    torch.cuda.synchronize()
+    with parallel_compiles(workers):
+        for b in batches:
+            for cfg in sweep_candidates(b, num_sms):
+                key = (min(cfg.num_splits, 2), cfg.num_splits, cfg.BLOCK_N, cfg.num_warps, cfg.num_stages)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    paged_decode_launch(plans(case, cfg)[0], case.q, case.cache, case.out, SCALE, compile_only=True)
+                except Exception as e:  # a config Triton cannot build: the sweep reports it again
+                    print(f"precompile {cfg}: {type(e).__name__}: {e}", flush=True)
     print(f"precompiled {len(seen)} launch variants in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -237,18 +256,21 @@ def suggested_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float, replays: int, seconds: float,
-          out_dir: str | None) -> None:
+          out_dir: str | None, workers: int) -> None:
     start = time.perf_counter()
     deadline = start + seconds
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     order = [b for b in (32, 128, 8, 1) if b in batches] + [b for b in batches if b not in (32, 128, 8, 1)]
-    precompile(order, device, num_sms, deadline)
+    precompile(order, device, num_sms, workers)
     rows: list[dict[str, Any]] = []
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, bf16, "
              f"{PAGE}-token pages); one CUDA graph of one call per block-table copy, median of {replays} replays",
              "correct: within 2e-2 of the fp32 reference; table: what DECODE_TABLE launches at this batch"]
     for b in order:
         for ctx in contexts:
+            if time.perf_counter() > deadline:
+                print(f"sweep: deadline reached, batch {b} context {ctx} not measured", flush=True)
+                continue
             rows += sweep_shape(b, ctx, device, copy_gbps, num_sms, replays, deadline)
             common.write_results("attention_sweep", rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
                                  title="Paged decode attention: every candidate config")
@@ -275,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config per shape")
     p.add_argument("--deadline", type=float, default=220.0, help="seconds the sweep may take (then it stops)")
+    p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
+                   help="threads compiling the sweep's configs (1: one by one, without Triton's AsyncCompileMode)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches, contexts = _ints(p, "--batches", a.batches), _ints(p, "--contexts", a.contexts)
@@ -298,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                       title=f"Paged decode attention, Llama-3-8B shape ({common.device_name(device)})",
                       xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
     if a.sweep:
-        sweep(batches, contexts, device, copy_gbps, a.replays, a.deadline, a.out)
+        sweep(batches, contexts, device, copy_gbps, a.replays, a.deadline, a.out, a.compile_workers)
 
 
 if __name__ == "__main__":

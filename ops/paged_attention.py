@@ -310,14 +310,25 @@ class DecodePlan:
             self.mid_lse = workspace[n_o:n_o + n_lse].view(b, num_heads, splits)
 
 
+def _warmup(kernel: object) -> object:
+    """``kernel.warmup`` called as a launcher is: compile for these arguments, launch nothing."""
+    return lambda grid, *args, **kwargs: kernel.warmup(*args, grid=grid, **kwargs)
+
+
 def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
-                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        compile_only: bool = False) -> None:
     """Decode attention of ``plan``'s sequences into ``out`` (rows ``0..B-1`` of ``[>= B, Hq * D]``, any row
     stride): two launches (one when ``plan.num_splits`` is 1), nothing allocated.
 
     ``q`` (rows ``0..B-1``) and ``out`` may hold more rows (a mixed batch's prefill tokens): the grid covers
     the first B only, so no slicing is needed. q's and out's last dimension must be contiguous.
+    ``compile_only`` (CUDA only): compile the kernels for these arguments (Triton's ``warmup``), launch
+    nothing; under Triton's ``AsyncCompileMode`` the compiles run on its executor (``benchmarks.attention``
+    compiles its sweep's configs so, in parallel).
     """
+    split, merge = (_warmup(_decode_split_kernel), _warmup(_decode_merge_kernel)) if compile_only \
+        else (_decode_split_launch, _decode_merge_launch)
     d = plan.head_size
     sc = kv_cache.stride()
     bt = plan.block_table
@@ -326,7 +337,7 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
     else:
         mid_o, mid_lse = plan.mid_o, plan.mid_lse
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
-    _decode_split_launch(
+    split(
         plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse,
         q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides,
         scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits,
@@ -334,8 +345,7 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
         IEEE=q.dtype == torch.float32,
     )
     if plan.num_splits > 1:
-        _decode_merge_launch(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d,
-                             **plan.merge_constexprs)
+        merge(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d, **plan.merge_constexprs)
 
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -6,6 +6,8 @@ of each kind the sweep of ``benchmarks.attention`` tries) runs on CPU tensors in
 num_warps and num_stages: those are the CUDA tests' and the sweep's business.
 """
 
+import importlib
+
 import pytest
 import torch
 from test_paged_attention import HEAD, HEADS, KV_HEADS, SCALE, TOLERANCES, decode_batch
@@ -96,3 +98,32 @@ def test_library_page_size(block_n):
         out = ops.paged_decode_triton(q, cache, table, seq_lens, hkv * group, d, d**-0.5, config=cfg)
         ref = ops.paged_decode_ref(q, cache, table, seq_lens, hkv * group, d, d**-0.5)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_only_passes_the_launch_arguments_to_warmup(monkeypatch):
+    """``compile_only`` gives Triton's ``warmup`` exactly what the launchers get (so the compiled kernels are the
+    ones the launches then look up), and launches nothing."""
+    pa = importlib.import_module("ops.paged_attention")
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, *args, **kwargs):  # a FastLaunch
+            calls.append(("launch", self.name, grid, args, kwargs))
+
+        def warmup(self, *args, grid, **kwargs):  # a JITFunction's warmup
+            calls.append(("warmup", self.name, grid, args, kwargs))
+
+    for name in ("split", "merge"):
+        monkeypatch.setattr(pa, f"_decode_{name}_launch", Recorder(name))
+        monkeypatch.setattr(pa, f"_decode_{name}_kernel", Recorder(name))
+    q, cache, table, seq_lens = decode_batch([5, 38])
+    plan = DecodePlan(table, seq_lens, HEADS, KV_HEADS, HEAD, cache.shape[2], CPU, config=DecodeConfig(num_splits=4))
+    out = torch.empty_like(q)
+    pa.paged_decode_launch(plan, q, cache, out, SCALE, 7, None)
+    pa.paged_decode_launch(plan, q, cache, out, SCALE, 7, None, compile_only=True)
+    assert [c[:2] for c in calls] == [("launch", "split"), ("launch", "merge"), ("warmup", "split"), ("warmup", "merge")]
+    for launched, warmed in zip(calls[:2], calls[2:]):
+        assert launched[2:] == warmed[2:]
