@@ -123,6 +123,11 @@ for step in $steps; do
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
               done ;;
+    kprof0|kprof1) # issue 16: kernel time by kind in level-3 decode graphs and the GEMM stack; Inductor's PDL off / on
+              pdl=${step#kprof}
+              python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl knob:', hasattr(c.triton, 'enable_pdl'))"
+              TORCHINDUCTOR_ENABLE_PDL=$pdl timeout ${KPROF_TIMEOUT:-280} python3 -m benchmarks.kernel_profile ${KPROF_ARGS:-} \
+                --out "$R/kprof_pdl$pdl" > "$R/kprof_pdl$pdl.log" 2>&1; grep -E "\| total \||Error" "$R/kprof_pdl$pdl.log" | tail -12 ;;
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;

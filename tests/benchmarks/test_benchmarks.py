@@ -200,3 +200,26 @@ def test_mixed_step_benchmarks_refuse_without_a_gpu(script, capsys):
     with pytest.raises(SystemExit) as e:
         mod.main([])
     assert e.value.code == 2 and "needs a" in capsys.readouterr().err
+
+
+def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
+    from benchmarks import kernel_profile as kp
+
+    # two replays: a GEMM overlapping (PDL) the Inductor kernel before it, then a gap of 2 us
+    events = [("triton_poi_fused_0", 0.0, 4.0), ("nvjet_tst_128x8", 3.0, 10.0), ("_decode_split_kernel", 12.0, 15.0)]
+    events += [(n, s + 20.0, e + 20.0) for n, s, e in events]
+    kinds, top = kp.summarize("g", events, replays=2)
+    total = kinds[0]
+    assert total == {"graph": "g", "kind": "total", "kernels": 3.0, "us": 14.0, "span_us": 17.5, "idle_us": 4.5}
+    assert {r["kind"]: r["us"] for r in kinds[1:]} == {"gemm": 7.0, "inductor": 4.0, "attention": 3.0}
+    assert top[0]["kernel"] == "nvjet_tst_128x8" and top[0]["count"] == 1.0 and top[0]["mean_us"] == 7.0
+
+
+def test_kernel_profile_refuses_without_a_gpu(capsys):
+    from benchmarks import kernel_profile
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit) as e:
+        kernel_profile.main(["--models", "tiny-llama"])
+    assert e.value.code == 2 and "CUDA" in capsys.readouterr().err

@@ -1,0 +1,148 @@
+"""Where a CUDA graph's time goes, kernel by kernel: the decode step of a model at level 3 (its whole-step graph),
+or benchmarks.gemm's linear stack, replayed under torch.profiler (CUPTI records each kernel of a replayed graph).
+
+Per graph it reports, per replay: the kernels (count, device µs), the span from the first kernel's start to the
+last one's end, and the idle time inside the span (no kernel running: launch gaps, dependency waits); then the
+kernels grouped by kind (GEMM, attention, the library's other Triton ops, Inductor's generated kernels, other)
+and the top kernels by time. This is the profile the decode-kernel work (issue 16) steers by: at batch 1 a step
+is a weight read, and every µs that is not a GEMM streaming weights is overhead.
+
+Usage: ``python -m benchmarks.kernel_profile [--models llama-3-8b-fp8,llama-3-8b] [--batches 1,128]
+[--stack bf16,fp8] [--context 512] [--out DIR]``; CUDA only. Files (``kernel_profile.{md,csv}``, a row per
+graph and kind, and ``kernel_profile_top.{md,csv}``) only with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks import common
+
+# Kernel kinds, the first pattern that matches a kernel's name wins.
+KINDS = (
+    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas|_small_m_", re.I)),
+    ("attention", re.compile(r"_decode_split|_decode_merge|_prefill_kernel|_write_kv_cache|attention|paged", re.I)),
+    ("inductor", re.compile(r"^triton_")),
+    ("ops", re.compile(r"^_.*_kernel$")),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def kernel_events(fn: Callable[[], Any], replays: int) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every CUDA kernel ``fn`` runs in ``replays`` back-to-back calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    out = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+           if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return sorted(out, key=lambda e: e[1])
+
+
+def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows per kind (and a ``total`` row with span and idle) and per kernel name, per replay."""
+    busy, end = 0.0, None
+    for _, s, e in events:  # the union of kernel intervals (kernels of a stream overlap under PDL)
+        if end is None or s >= end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = (events[-1][2] - events[0][1]) if events else 0.0
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, s, e in events:
+        for table, key in ((by_kind, kind_of(name)), (by_name, name)):
+            table[key][0] += 1
+            table[key][1] += e - s
+    n = replays
+    kinds = [{"graph": graph, "kind": "total", "kernels": round(len(events) / n, 1),
+              "us": round(sum(e - s for _, s, e in events) / n, 1), "span_us": round(span / n, 1),
+              "idle_us": round((span - busy) / n, 1)}]
+    kinds += [{"graph": graph, "kind": k, "kernels": round(c / n, 1), "us": round(t / n, 1), "span_us": "",
+               "idle_us": ""} for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])]
+    top = [{"graph": graph, "kernel": name[:90], "kind": kind_of(name), "count": round(c / n, 1),
+            "us": round(t / n, 1), "mean_us": round(t / c, 2)}
+           for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]]
+    return kinds, top
+
+
+def decode_graph(name: str, batch: int, context: int) -> Callable[[], Any]:
+    """``name``'s level-3 decode step at ``batch`` as one whole-step CUDA graph replay (benchmarks.decode's)."""
+    from benchmarks.decode import Harness, mode_config
+    from dispatcher import CUDAGraphMode, CUDAGraphs
+
+    device = torch.device("cuda")
+    h = Harness(name, mode_config("level 3", True, [batch]), batch, context, 0, device, torch.bfloat16)
+    h.first_call(max(batch, 2))
+    h.set_decode(batch)
+    graphs = CUDAGraphs()
+    graphs.capture([batch], CUDAGraphMode.FULL, lambda n: h.step())
+    return lambda: graphs.run(CUDAGraphMode.FULL, batch, lambda n: h.step())
+
+
+def stack_graph(dtype_name: str, impl: str, m: int) -> Callable[[], Any]:
+    """benchmarks.gemm's Llama-3-8B linear stack at M = ``m`` for ``impl`` in one CUDA graph."""
+    from benchmarks import gemm
+
+    dtype = gemm.DTYPES[dtype_name]
+    layers, lm_head = gemm.build_stack(gemm.LLAMA_3_8B, dtype, "cuda")
+    step = gemm.stack_step(gemm.LLAMA_3_8B, impl, dtype, layers, lm_head, m, "cuda")
+    with gemm.cublas_switch(impl):
+        graph = common.capture_graph(step, 1)
+    return graph.replay
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3-8b-fp8,llama-3-8b", help="models whose decode step to profile")
+    p.add_argument("--batches", default="1,128", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=512, help="cached tokens a sequence")
+    p.add_argument("--stack", default="", help="also benchmarks.gemm's stack at M = 1 for these dtypes (bf16,fp8)")
+    p.add_argument("--replays", type=int, default=5, help="graph replays profiled")
+    p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
+    print(common.env_header("cuda"), flush=True)
+    graphs: list[tuple[str, Callable[[], Callable[[], Any]]]] = []
+    for dt in [d for d in a.stack.split(",") if d]:
+        graphs += [(f"stack {dt} {impl} M=1", lambda dt=dt, impl=impl: stack_graph(dt, impl, 1))
+                   for impl in ("cuBLAS", "ours")]
+    for name in [m for m in a.models.split(",") if m]:
+        graphs += [(f"{name} decode b{b}", lambda name=name, b=int(b): decode_graph(name, b, a.context))
+                   for b in a.batches.split(",") if b]
+    kinds, tops = [], []
+    for label, build in graphs:
+        torch._dynamo.reset()
+        k, t = summarize(label, kernel_events(build(), a.replays), a.replays)
+        kinds += k
+        tops += t
+        torch.cuda.empty_cache()
+        notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
+                 f"decode: level 3 whole-step graph, context {a.context}; stack: benchmarks.gemm's 8B linear stack",
+                 "span: first kernel start to last kernel end; idle: time in the span with no kernel running"]
+        common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,
+                             title="Kernel time by kind, per graph replay")
+        common.write_results("kernel_profile_top", tops, notes=notes, device="cuda", out_dir=a.out,
+                             title="Top kernels per graph replay")
+
+
+if __name__ == "__main__":
+    main()
