@@ -14,8 +14,9 @@ the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the ou
 ``ops.paged_decode_ref`` (fp32) within 2e-2 (bf16 rounding).
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
-BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape), timed the same
-way, after a pass that compiles them all (in parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
+BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape; then the fastest
+six again with the other grid order, ``heads_first``), timed the same way, after a pass that compiles them all (in
+parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
 seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
 ``attention_sweep`` (every config), ``attention_sweep_best`` (the fastest per shape, with the table's), and
 prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
@@ -28,6 +29,7 @@ Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -47,6 +49,7 @@ DTYPE = torch.bfloat16
 SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
+TOP_FLIPPED = 6  # the sweep's fastest configs per shape timed again with the other grid order
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -151,7 +154,7 @@ def sweep_candidates(batch: int, num_sms: int) -> list[DecodeConfig]:
 def _resolved(cfg: DecodeConfig, batch: int, num_sms: int) -> tuple:
     """What a config launches at ``batch``: (splits, BLOCK_N, warps, stages, merge warps)."""
     return (cfg.splits(batch, KV_HEADS, num_sms), max(PAGE, cfg.BLOCK_N), cfg.num_warps, cfg.num_stages,
-            cfg.merge_warps)
+            cfg.merge_warps, cfg.heads_first)
 
 
 @contextmanager
@@ -195,26 +198,33 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
     case = make_case(batch, context, device)
     ref = reference(case)
     table = _resolved(decode_config(batch, HEAD), batch, num_sms)
-    rows = []
-    for cfg in sweep_candidates(batch, num_sms):
-        if time.perf_counter() > deadline:
-            print(f"sweep: deadline reached at batch {batch} context {context}", flush=True)
-            break
-        try:
-            us, ok, splits = time_config(case, cfg, replays, ref)
-        except Exception as e:  # shared memory or registers out of bounds
-            print(f"sweep batch={batch} context={context} {cfg}: {type(e).__name__}: {e}", flush=True)
-            continue
-        rows.append({"batch": batch, "context": context, **asdict(cfg), "us": round(us, 2),
-                     "pct_of_copy_bw": pct(batch, context, us, copy_gbps), "correct": ok,
-                     "table": _resolved(cfg, batch, num_sms) == table})
+    rows: list[dict[str, Any]] = []
+
+    def measure(configs: list[DecodeConfig]) -> None:
+        for cfg in configs:
+            if time.perf_counter() > deadline:
+                print(f"sweep: deadline reached at batch {batch} context {context}", flush=True)
+                return
+            try:
+                us, ok, _ = time_config(case, cfg, replays, ref)
+            except Exception as e:  # shared memory or registers out of bounds
+                print(f"sweep batch={batch} context={context} {cfg}: {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append({"batch": batch, "context": context, **asdict(cfg), "us": round(us, 2),
+                         "pct_of_copy_bw": pct(batch, context, us, copy_gbps), "correct": ok,
+                         "table": _resolved(cfg, batch, num_sms) == table})
+
+    measure(sweep_candidates(batch, num_sms))
+    # The grid order (a runtime flag, no compile): the fastest few again, heads first.
+    top = sorted((r for r in rows if r["correct"]), key=lambda r: r["us"])[:TOP_FLIPPED]
+    measure([dataclasses.replace(DecodeConfig(**{k: r[k] for k in _CONFIG_FIELDS}), heads_first=True) for r in top])
     del case, ref
     torch.cuda.empty_cache()
     return rows
 
 
 SWEEP_COLUMNS = ["batch", "context", *DecodeConfig.__dataclass_fields__, "us", "pct_of_copy_bw", "correct", "table"]
-_CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps")
+_CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps", "heads_first")
 
 
 def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -102,7 +102,7 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
 # The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
 # ``benchmarks.attention`` times many), with SPLIT (count > 1) the constexpr that drops the partial results; so is
 # the partial LSE's head stride (the split count, whose divisibility by 16 would otherwise compile apart).
-@triton.jit(do_not_specialize=["num_splits", "stride_ml_h"])
+@triton.jit(do_not_specialize=["num_splits", "stride_ml_h", "heads_first"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_q_t, stride_q_h,
@@ -110,15 +110,17 @@ def _decode_split_kernel(
     stride_bt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
-    scale, soft_cap, window, num_splits,
+    scale, soft_cap, window, num_splits, heads_first,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # heads_first (a runtime 0 / 1, no recompile): the grid is (KV heads, sequences, splits), so that programs
+    # launched together read the same tokens' rows of every KV head (adjacent in the cache) and block-table entries.
+    b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
+    kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = 0
@@ -293,7 +295,8 @@ class DecodePlan:
         splits = self.num_splits = num_splits or cfg.splits(b, num_kv_heads, _num_sms(device))
         group = num_heads // num_kv_heads
         block_d = next_power_of_2(head_size)
-        self.split_grid = (b, num_kv_heads, splits)
+        self.heads_first = int(cfg.heads_first)
+        self.split_grid = (num_kv_heads, b, splits) if cfg.heads_first else (b, num_kv_heads, splits)
         self.merge_grid = (b, num_heads)
         self.split_constexprs = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot: >= 16 rows
                                      HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=max(page, cfg.BLOCK_N),
@@ -340,7 +343,7 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
     split(
         plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse,
         q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides,
-        scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits,
+        scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits, plan.heads_first,
         **plan.split_constexprs, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
         IEEE=q.dtype == torch.float32,
     )

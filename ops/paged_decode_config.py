@@ -32,6 +32,9 @@ class DecodeConfig:
         BLOCK_N: tokens a loop step (at least one page: the plan raises it to the page size).
         num_warps, num_stages: the split kernel's launch options (Triton's defaults are 4 and 3).
         merge_warps: the merge kernel's warps (one program per sequence and query head).
+        heads_first: the split kernel's grid is (KV heads, sequences, splits) instead of (sequences, KV heads,
+            splits): programs launched together then read the same tokens' rows of every KV head (adjacent in the
+            cache) rather than the same head of different sequences. A runtime flag: no compile of its own.
     """
 
     num_splits: int | None = None
@@ -41,6 +44,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     merge_warps: int = 4
+    heads_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):

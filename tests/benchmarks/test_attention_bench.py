@@ -65,3 +65,37 @@ def test_case_runs_every_candidate_kind_in_the_interpreter(monkeypatch):
         torch.testing.assert_close(case.out, tables_ref, rtol=1e-5, atol=1e-5)
     A.paged_decode_launch(A.plans(case, None)[0], case.q, case.cache, case.out, A.SCALE)
     torch.testing.assert_close(case.out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sweep_flow_writes_its_files(monkeypatch, tmp_path, capsys):
+    """The whole ``--sweep`` flow on CPU with the GPU parts faked (no compile, a made-up time per config): every
+    candidate of every shape is measured, the fastest again heads first, and the files and table rows come out."""
+    import types
+
+    monkeypatch.setattr(A, "HEADS", 4)
+    monkeypatch.setattr(A, "KV_HEADS", 2)
+    monkeypatch.setattr(A, "HEAD", 16)
+    monkeypatch.setattr(A, "DTYPE", torch.float32)
+    monkeypatch.setattr(A, "MAX_COPIES", 2)
+    monkeypatch.setattr(A.torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=8))
+    monkeypatch.setattr(A, "paged_decode_launch", lambda *a, **k: None)
+
+    def fake_time(case, cfg, replays, ref):  # BLOCK_N 32, heads first, fewest splits: fastest
+        return 10.0 + abs(cfg.BLOCK_N - 32) / 16 + cfg.num_splits / 8 - cfg.heads_first + cfg.num_warps / 100, True, 1
+
+    monkeypatch.setattr(A, "time_config", fake_time)
+    A.sweep([1, 4], [32, 64], "cpu", 1000.0, 2, 60.0, str(tmp_path), 1)
+    rows = read_rows(tmp_path / "attention_sweep.csv")
+    per_shape = {(b, c): len(A.sweep_candidates(b, 8)) + A.TOP_FLIPPED for b in (1, 4) for c in (32, 64)}
+    assert len(rows) == sum(per_shape.values())
+    best = read_rows(tmp_path / "attention_sweep_best.csv")
+    assert len(best) == 4 and all(r["BLOCK_N"] == "32" and r["heads_first"] == "True" for r in best)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("best _R(")]
+    assert len(lines) == 2 and "BLOCK_N=32" in lines[0] and "heads_first=True" in lines[0]
+
+
+def read_rows(path):
+    import csv
+
+    with open(path) as f:
+        return list(csv.DictReader(ln for ln in f if not ln.startswith("#")))

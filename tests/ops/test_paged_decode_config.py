@@ -6,6 +6,7 @@ of each kind the sweep of ``benchmarks.attention`` tries) runs on CPU tensors in
 num_warps and num_stages: those are the CUDA tests' and the sweep's business.
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -53,6 +54,8 @@ def test_plan_takes_the_config():
     c = plan.split_constexprs
     assert (c["BLOCK_N"], c["num_warps"], c["num_stages"], c["SPLIT"]) == (32, 8, 2, True)  # BLOCK_N >= page
     assert plan.merge_constexprs["num_warps"] == 2 and plan.merge_constexprs["NUM_SPLITS"] == 4
+    plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, 32, CPU, config=dataclasses.replace(cfg, heads_first=True))
+    assert plan.split_grid == (KV_HEADS, 3, 4) and plan.heads_first == 1
     plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, 4, CPU, num_splits=1, config=cfg)  # the argument wins
     assert plan.num_splits == 1 and not plan.split_constexprs["SPLIT"] and plan.mid_o is None
 
@@ -68,6 +71,7 @@ def test_workspace_covers_the_table_splits():
 KERNEL_CONFIGS = [r.config for r in DECODE_TABLE] + [
     DecodeConfig(num_splits=1, BLOCK_N=16), DecodeConfig(num_splits=2, BLOCK_N=32, num_warps=8, num_stages=4),
     DecodeConfig(num_splits=8, BLOCK_N=128, num_warps=2, num_stages=1), DecodeConfig(waves=4, BLOCK_N=16),
+    DecodeConfig(num_splits=1, heads_first=True), DecodeConfig(num_splits=4, BLOCK_N=16, heads_first=True),
 ]
 
 
