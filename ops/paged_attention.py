@@ -117,8 +117,7 @@ def _decode_split_kernel(
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
-    # heads_first (a runtime 0 / 1, no recompile): the grid is (KV heads, sequences, splits), so that programs
-    # launched together read the same tokens' rows of every KV head (adjacent in the cache) and block-table entries.
+    # heads_first (runtime 0 / 1): the grid is (KV heads, sequences, splits) (DecodeConfig.heads_first says why).
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
@@ -147,8 +146,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Chunks from the split's first page to its end (its last page's end, or the sequence's): each holds a valid
-    # key (BLOCK_N >= PAGE, and the first page starts within a page of ``start``).
+    # Chunks to the split's end (its last page's or the sequence's): each holds a valid key (BLOCK_N >= PAGE).
     for pos0 in range(p0 * PAGE, end, BLOCK_N):
         k_pos = pos0 + offs_n
         n_mask = (k_pos < end) & (k_pos >= start)
