@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|pw|mixed ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -133,13 +133,16 @@ for step in $steps; do
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
     tptests)  # issue 17 (two GPUs): the tensor-parallel CUDA tests
               timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
-                tests/models/test_tensor_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
+                tests/models/test_tensor_parallel.py tests/models/test_sequence_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
     allreduce) # issue 17 (two GPUs): all-reduce latency inside CUDA graphs, NCCL against symmetric memory
               timeout ${ALLREDUCE_TIMEOUT:-90} python3 -m benchmarks.all_reduce --out "$R/all_reduce" 2>&1 \
                 | tee "$R/all_reduce.log" | grep -E "^\{|Error" ;;
     tpdecode) # issue 17 (two GPUs): LLM.generate decode step and prefill, TP=1 against TP=2
               timeout ${TPDECODE_TIMEOUT:-200} python3 -m benchmarks.tp_decode --models ${TP_MODELS:-llama-3-8b} \
                 --out "$R/tp_decode" 2>&1 | tee "$R/tp_decode.log" | grep -E "^\{|Error" ;;
+    tpsp)     # issue 17 (two GPUs): prefill 2048 at TP=2, the sequence-parallel rewrite (fused async-TP ops, and without them) against plain
+              timeout ${TPSP_TIMEOUT:-540} python3 -m benchmarks.tp_decode --sp --tp 2 --models ${TP_MODELS:-llama-3-8b} \
+                --out "$R/tp_sp" 2>&1 | tee "$R/tp_sp.log" | grep -E "^\{|Error" ;;
     pw)       # issue 18: decode steps on the piecewise path (attention eager between piece graphs) against whole-step graphs
               for m in ${PW_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${PW_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --prefill 0 --iters 20 \

@@ -7,14 +7,23 @@ scheduling, input copies, graph replays on every rank, sampling); then one ``--p
 one step timed around ``LLM.generate(prompt, 1)`` (median of 5). Every size gets a fresh LLM: the TP=1 row
 is the baseline of the same harness.
 
-Usage: ``python -m benchmarks.tp_decode [--models llama-3-8b] [--tp 1,2] [--out DIR]`` (two GPUs for TP=2);
-``--quick`` runs tiny-llama on the CPU at TP 1 and 2 (gloo) to check the harness.
+``--sp`` (issue 17's sequence-parallel rewrite): for each TP > 1, the prefill alone (no decode unless
+``--batches`` names some) in three configurations, each compiled for exactly the prefill's token count
+(``compile_sizes``) with the fused-add pass: ``plain`` (the all-reduces), ``sp`` (pass ``sequence_parallel``:
+reduce-scatter, norm on the rank's tokens, all-gather, the GEMMs fused with their collectives through torch's
+symmetric-memory ops) and ``sp, no async`` (the same rewrite, plain GEMMs and NCCL collectives:
+``DYNAMO_ONCE_ASYNC_TP=0``). The pass rewrites compiles of at least the prefill's size
+(``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS``); NVLink multicast stays off (the LLM's workers set it).
+
+Usage: ``python -m benchmarks.tp_decode [--models llama-3-8b] [--tp 1,2] [--sp] [--out DIR]`` (two GPUs for
+TP=2); ``--quick`` runs tiny-llama on the CPU at TP 1 and 2 (gloo) to check the harness.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from typing import Any
@@ -26,23 +35,41 @@ from benchmarks import common
 PROMPT, NEW = 16, 64
 
 
-def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dtype: torch.dtype
-          ) -> list[dict[str, Any]]:
+#: ``--sp`` configurations: label -> (pass switches, environment)
+SP_VARIANTS = {
+    "plain": ("+fused_add_rms_norm", {}),
+    "sp": ("+fused_add_rms_norm,+sequence_parallel", {"DYNAMO_ONCE_ASYNC_TP": "1"}),
+    "sp, no async": ("+fused_add_rms_norm,+sequence_parallel", {"DYNAMO_ONCE_ASYNC_TP": "0"}),
+}
+
+
+def sp_config(passes: str, prefill: int) -> Any:
+    """Level 3 compiled for the prefill's exact size too, with ``passes``; the rewrite from that size on."""
+    from dispatcher import CompilationConfig
+
+    os.environ["DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS"] = str(prefill)  # the workers inherit it
+    return CompilationConfig.from_env(level=3, pass_config=passes, compile_sizes=[prefill])
+
+
+def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dtype: torch.dtype,
+          config: Any = None, variant: str = "") -> list[dict[str, Any]]:
     from models import LLM
 
-    max_b = max(batches)
+    max_b = max(batches, default=1)
     t0 = time.perf_counter()
     llm = LLM(name, level=3, tensor_parallel_size=tp, max_num_tokens=max(512, max_b, prefill), max_num_seqs=max_b,
-              dtype=dtype, device=device, num_cache_tokens=max(max_b * (PROMPT + NEW + 16), prefill + 16))
+              dtype=dtype, device=device, num_cache_tokens=max(max_b * (PROMPT + NEW + 16), prefill + 16),
+              compilation_config=config)
     start_s = time.perf_counter() - t0
     rows = []
+    tag = dict(variant=variant) if variant else {}
     vocab = min(1000, llm.vocab_size - 1)
     try:
         for b in batches:
             prompts = [[(7 * i + j) % vocab + 1 for j in range(PROMPT)] for i in range(b)]
             llm.generate(prompts, NEW)  # warm-up
             llm.generate(prompts, NEW)
-            rows.append(dict(model=name, tp=tp, what="decode step", batch=b,
+            rows.append(dict(model=name, tp=tp, **tag, what="decode step", batch=b,
                              us=round(llm.stats.median_decode_step_s * 1e6, 1), start_s=round(start_s, 1)))
             print(rows[-1], flush=True)
         prompt = [(3 * j) % vocab + 1 for j in range(prefill)]
@@ -52,7 +79,7 @@ def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dty
             t = time.perf_counter()
             llm.generate([prompt], 1)
             times.append(time.perf_counter() - t)
-        rows.append(dict(model=name, tp=tp, what=f"prefill {prefill} (generate, 1 token)", batch=1,
+        rows.append(dict(model=name, tp=tp, **tag, what=f"prefill {prefill} (generate, 1 token)", batch=1,
                          us=round(statistics.median(times) * 1e6, 1), start_s=round(start_s, 1)))
         print(rows[-1], flush=True)
     finally:
@@ -68,27 +95,38 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b")
     p.add_argument("--tp", default="1,2", help="tensor-parallel sizes")
-    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,32,128; none with --sp)")
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU (gloo), TP 1 and 2")
+    p.add_argument("--sp", action="store_true", help="TP > 1: the prefill with the sequence-parallel rewrite against "
+                   "without (module docstring); decode only for --batches given")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     try:
         tps = [int(t) for t in a.tp.split(",")]
-        batches = [int(b) for b in a.batches.split(",")]
+        spec = a.batches if a.batches is not None else ("" if a.sp else "1,8,32,128")
+        batches = [int(b) for b in spec.split(",") if b.strip()]
     except ValueError:
         p.error(f"--tp and --batches: expected comma-separated integers; got {a.tp!r} and {a.batches!r}")
     if a.quick:
-        device, dtype, names, batches, prefill = "cpu", torch.float32, ["tiny-llama"], [1, 4], 64
+        device, dtype, names, prefill = "cpu", torch.float32, ["tiny-llama"], 64
+        batches = [] if a.sp and a.batches is None else [1, 4]
     else:
         if torch.cuda.device_count() < max(tps):
             p.error(f"--tp {max(tps)} needs that many GPUs; {torch.cuda.device_count()} visible")
         device, dtype, names, prefill = "cuda", torch.bfloat16, a.models.split(","), a.prefill
     rows: list[dict[str, Any]] = []
+    runs = [(tp, "", None) for tp in tps] if not a.sp else [
+        (tp, label, (passes, env)) for tp in tps if tp > 1 for label, (passes, env) in SP_VARIANTS.items()]
     for name in names:
-        for tp in tps:
-            rows += bench(name, tp, batches, prefill, device, dtype)
-            common.write_results("tp_decode" + ("_quick" if a.quick else ""), rows, device=torch.device(device),
+        for tp, label, variant in runs:
+            config = None
+            if variant is not None:
+                os.environ.update(variant[1])
+                config = sp_config(variant[0], prefill)
+            rows += bench(name, tp, batches, prefill, device, dtype, config, label)
+            stem = "tp_decode" + ("_sp" if a.sp else "") + ("_quick" if a.quick else "")
+            common.write_results(stem, rows, device=torch.device(device),
                                  out_dir=a.out, title="Tensor parallel: LLM.generate decode step and prefill",
                                  notes=[f"level 3, CUDA graphs; {PROMPT}-token prompts, {NEW} new tokens, greedy; "
                                         "us: the median decode step of LLM.generate (end to end), or the prefill "

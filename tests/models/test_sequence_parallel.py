@@ -167,3 +167,31 @@ def test_blocks_must_divide_the_rows():
     assert _blocks(torch.empty(6, 8), 0, 2) == 3
     with pytest.raises(ValueError, match=r"dim 0 of a \(3, 8\) tensor is not divisible by the group's 2 ranks"):
         _blocks(torch.empty(3, 8), 0, 2)
+
+
+# ------------------------------------------------------------------ two GPUs
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("async_tp", ["1", "0"])
+def test_tp2_nccl_with_the_pass_equals_tp1(async_tp, monkeypatch, tmp_path):
+    """Two GPUs, level 3 with CUDA graphs (decode sizes keep the all-reduce), a 288-token prefill step (above
+    the capture sizes: run as compiled, not replayed) rewritten: through torch's fused symmetric-memory GEMM +
+    collective ops (async_tp 1) or the plain GEMM and NCCL collective (0). fp32: no near-ties between the
+    GEMMs' roundings (the fused ops cut the GEMM per rank)."""
+    monkeypatch.setenv("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", "288")
+    monkeypatch.setenv("DYNAMO_ONCE_ASYNC_TP", async_tp)
+    monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
+    save_hf_llama(tmp_path)
+    prompts = [[(5 * i + 3 * j) % 120 + 1 for j in range(72)] for i in range(4)]  # one 288-token step
+    out = {}
+    for tp, passes in [(1, WITHOUT), (2, WITH)]:
+        cfg = CompilationConfig(level=3, pass_config=passes, compile_sizes=[288])
+        with pass_counter.record() as counts:
+            llm = LLM(str(tmp_path), compilation_config=cfg, tensor_parallel_size=tp, max_num_tokens=288,
+                      max_num_seqs=8, device="cuda", dtype="float32")
+            try:
+                out[tp] = llm.generate(prompts, 8)
+            finally:
+                llm.close()
+    assert counts.matches["sequence_parallel"] >= 4
+    assert out[2] == out[1]
