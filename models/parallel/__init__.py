@@ -19,7 +19,11 @@ The layers (:mod:`.linear`, :mod:`.vocab`), Megatron-style:
 Communication is two custom ops, opaque to Dynamo and Inductor so that the traced graph holds each
 collective as one node a graph pass can match (:mod:`.communication`): ``torch.ops.dynamo_once.all_reduce(x,
 group_name)`` and ``torch.ops.dynamo_once.all_gather(x, dim, group_name)``. The piecewise backend does not
-split at them: NCCL collectives are captured in the pieces' CUDA graphs.
+split at them: NCCL collectives are captured in the pieces' CUDA graphs. The sequence-parallel graph pass
+(``dispatcher.passes.sequence_parallel``) rewrites prefill-sized compiles with three more:
+``dynamo_once::reduce_scatter``, ``rank_shard`` (:mod:`.communication`) and the GEMMs fused with their
+collective, ``matmul_reduce_scatter`` / ``all_gather_matmul`` (:mod:`.async_tp`: torch's symmetric-memory
+async-TP ops on CUDA).
 
 On CUDA, ``DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE="ONE_SHOT_KIB,TWO_SHOT_KIB"`` sends all-reduces up to those sizes
 through torch's symmetric-memory one-shot / two-shot kernels instead of NCCL (:mod:`.symmetric`; off by

@@ -35,7 +35,10 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
         out = symmetric(x)
         if out is not None:
             return out
-    out = x.contiguous().clone()  # dist.all_reduce works in place; a functional op leaves x as it was
+    # dist.all_reduce works in place and a functional op leaves x as it was: one copy (x.contiguous().clone()
+    # made two of a strided x). No copy at all would need an out-of-place all-reduce, which ProcessGroupNCCL
+    # does not offer (torch's functional all_reduce clones too), or a mutating op that Inductor re-inplaces.
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=process_group(group_name))
     return out
 
