@@ -128,6 +128,13 @@ for step in $steps; do
               python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl knob:', hasattr(c.triton, 'enable_pdl'))"
               TORCHINDUCTOR_ENABLE_PDL=$pdl timeout ${KPROF_TIMEOUT:-280} python3 -m benchmarks.kernel_profile ${KPROF_ARGS:-} \
                 --out "$R/kprof_pdl$pdl" > "$R/kprof_pdl$pdl.log" 2>&1; grep -E "\| total \||Error" "$R/kprof_pdl$pdl.log" | tail -12 ;;
+    kvariants) # issue 12/16: the fp8 8B decode graph's kernels per GEMM variant (table / fp8 on ours / + PREFETCH, Inductor PDL)
+              for v in "base|" "ours|--fp8-ours" "ours_pf1_pdl|--fp8-ours --prefetch 1" "base_pf1_pdl|--prefetch 1"; do
+                tag=${v%%|*}; pdl=0; [ "${tag%pdl}" != "$tag" ] && pdl=1
+                TORCHINDUCTOR_ENABLE_PDL=$pdl timeout ${KVAR_TIMEOUT:-120} python3 -m benchmarks.kernel_profile --models ${KVAR_MODELS:-llama-3-8b-fp8} \
+                  --batches ${KVAR_BATCHES:-1,8} --tag $tag ${v#*|} --out "$R/kvar_$tag" > "$R/kvar_$tag.log" 2>&1
+                grep -E "\| total \||Error" "$R/kvar_$tag.log" | tail -4
+              done ;;
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;

@@ -15,10 +15,14 @@ graph and kind, and ``kernel_profile_top.{md,csv}``) only with ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -83,18 +87,40 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
     return kinds, top
 
 
-def decode_graph(name: str, batch: int, context: int) -> Callable[[], Any]:
-    """``name``'s level-3 decode step at ``batch`` as one whole-step CUDA graph replay (benchmarks.decode's)."""
+def decode_graphs(name: str, batches: list[int], context: int) -> dict[int, Callable[[], Any]]:
+    """``name``'s level-3 decode step at each batch as one whole-step CUDA graph replay (benchmarks.decode's)."""
     from benchmarks.decode import Harness, mode_config
     from dispatcher import CUDAGraphMode, CUDAGraphs
 
     device = torch.device("cuda")
-    h = Harness(name, mode_config("level 3", True, [batch]), batch, context, 0, device, torch.bfloat16)
-    h.first_call(max(batch, 2))
-    h.set_decode(batch)
+    h = Harness(name, mode_config("level 3", True, batches), max(batches), context, 0, device, torch.bfloat16)
+    h.first_call(max(max(batches), 2))
     graphs = CUDAGraphs()
-    graphs.capture([batch], CUDAGraphMode.FULL, lambda n: h.step())
-    return lambda: graphs.run(CUDAGraphMode.FULL, batch, lambda n: h.step())
+    runs = {}
+    for b in batches:
+        h.set_decode(b)
+        graphs.capture([b], CUDAGraphMode.FULL, lambda n: h.step())
+        runs[b] = lambda b=b: graphs.run(CUDAGraphMode.FULL, b, lambda n: h.step())
+    return runs
+
+
+@contextlib.contextmanager
+def gemm_table(fp8_ours: bool, prefetch: int | None) -> Iterator[None]:
+    """``ops.small_m_gemm.SMALL_M_TABLE`` for a variant: ``fp8_ours``, fp8 GEMMs up to ``SMALL_M_MAX`` take the
+    kernel with int8's rows (same bytes a weight) where the table leaves them to cuBLAS; ``prefetch``, every row's
+    ``PREFETCH``. The ops read the table at each call, so the captured graphs take the variant's kernels."""
+    from ops import small_m_gemm as smg
+
+    table = list(smg.SMALL_M_TABLE)
+    if fp8_ours:
+        table = [dataclasses.replace(r, dtypes=(torch.float8_e4m3fn,)) for r in table
+                 if r.dtypes == (torch.int8,) and r.max_m <= smg.SMALL_M_MAX] + table
+    if prefetch is not None:
+        table = [r if r.config is None else dataclasses.replace(r, config=dataclasses.replace(r.config,
+                                                                                              PREFETCH=prefetch))
+                 for r in table]
+    with mock.patch.object(smg, "SMALL_M_TABLE", tuple(table)):
+        yield
 
 
 def stack_graph(dtype_name: str, impl: str, m: int) -> Callable[[], Any]:
@@ -116,28 +142,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=512, help="cached tokens a sequence")
     p.add_argument("--stack", default="", help="also benchmarks.gemm's stack at M = 1 for these dtypes (bf16,fp8)")
     p.add_argument("--replays", type=int, default=5, help="graph replays profiled")
+    p.add_argument("--fp8-ours", action="store_true", help="fp8 GEMMs up to SMALL_M_MAX on the small-M kernel "
+                                                           "everywhere (int8's rows where the table says cuBLAS)")
+    p.add_argument("--prefetch", type=int, default=None, help="every small-M config's PREFETCH")
+    p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)
-    graphs: list[tuple[str, Callable[[], Callable[[], Any]]]] = []
+    tag = f" {a.tag}" if a.tag else ""
+    graphs: list[tuple[str, Callable[[], dict[str, Callable[[], Any]]]]] = []
     for dt in [d for d in a.stack.split(",") if d]:
-        graphs += [(f"stack {dt} {impl} M=1", lambda dt=dt, impl=impl: stack_graph(dt, impl, 1))
+        graphs += [(dt, lambda dt=dt, impl=impl: {f"stack {dt} {impl} M=1{tag}": stack_graph(dt, impl, 1)})
                    for impl in ("cuBLAS", "ours")]
+    batches = [int(b) for b in a.batches.split(",") if b]
     for name in [m for m in a.models.split(",") if m]:
-        graphs += [(f"{name} decode b{b}", lambda name=name, b=int(b): decode_graph(name, b, a.context))
-                   for b in a.batches.split(",") if b]
+        graphs.append((name, lambda name=name: {f"{name} decode b{b}{tag}": run for b, run
+                                                in decode_graphs(name, batches, a.context).items()}))
     kinds, tops = [], []
-    for label, build in graphs:
-        torch._dynamo.reset()
-        k, t = summarize(label, kernel_events(build(), a.replays), a.replays)
-        kinds += k
-        tops += t
-        torch.cuda.empty_cache()
+    with gemm_table(a.fp8_ours, a.prefetch):
+        for _, build in graphs:
+            torch._dynamo.reset()
+            for label, run in build().items():
+                k, t = summarize(label, kernel_events(run, a.replays), a.replays)
+                kinds += k
+                tops += t
+            torch.cuda.empty_cache()
         notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
                  f"decode: level 3 whole-step graph, context {a.context}; stack: benchmarks.gemm's 8B linear stack",
-                 "span: first kernel start to last kernel end; idle: time in the span with no kernel running"]
+                 "span: first kernel start to last kernel end; idle: time in the span with no kernel running",
+                 f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
+                 f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, TORCHINDUCTOR_ENABLE_PDL="
+                 f"{os.environ.get('TORCHINDUCTOR_ENABLE_PDL', 'unset')}"]
         common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,
                              title="Kernel time by kind, per graph replay")
         common.write_results("kernel_profile_top", tops, notes=notes, device="cuda", out_dir=a.out,

@@ -65,17 +65,17 @@ _LINE_BYTES = 128
 # rest: three compiles, at capture time, for decode's batch sizes 1-16); M only enters masks and the program split.
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT, stride_am, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, out_ptr, lock_ptr, M, N, K, K_SPLIT, stride_am,
+    stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr,
 ):
-    # Self-contained (no helper @triton.jit call): Inductor re-emits a user kernel's source and fails
-    # to compile one that calls another jitted function (seen with torch 2.11 + Triton 3.6).
+    # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
     # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
     # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
-    # SPLIT_K > 1: out_ptr is the [SPLIT_K, M, N] workspace of partial sums, the epilogue the next kernel's.
+    # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
+    # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
     # EVEN: N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,21 +123,41 @@ def _small_m_gemm_kernel(
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
         ws_offs = (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]  # int64 with offs_m when INT64
-        tl.store(out_ptr + ws_offs, acc, mask=out_mask)
+        tl.store(ws_ptr + ws_offs, acc, mask=out_mask)
+        if SERIAL:
+            # CUTLASS's semaphore: every thread's partials stored (barrier), then one release-acquire arrival
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the tile's last split: the others' partials are visible (L2 loads)
+                acc = tl.load(ws_ptr + out_offs, mask=out_mask, other=0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):  # in split order, as the epilogue kernel sums
+                    acc += tl.load(ws_ptr + s * M * N + out_offs, mask=out_mask, other=0, cache_modifier=".cg")
+                y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
+                              SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+                tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(lock_ptr + pid, 0)  # reset for the next launch (which waits for this one to end)
     else:
-        y = acc.to(tl.float32)  # int32 -> fp32: one rounding to nearest, as the reference's
-        if SCALED:  # acc * a_scale * w_scale, in that order
-            if A_PER_TOKEN:
-                y = y * tl.load(a_scale_ptr + offs_m, mask=m_ok, other=1.0)[:, None]
-            else:
-                y = y * tl.load(a_scale_ptr)
-            if W_PER_CHANNEL:
-                y = y * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=1.0)[None, :]
-            else:
-                y = y * tl.load(w_scale_ptr)
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED,
+                      A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)  # int32 -> fp32: one rounding, as the reference's
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _epilogue(y, offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED: tl.constexpr,
+              A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``y * a_scale * w_scale (+ bias)`` in fp32, in that order, for a [BLOCK_M, BLOCK_N] tile."""
+    if SCALED:
+        if A_PER_TOKEN:
+            y = y * tl.load(a_scale_ptr + offs_m, mask=m_ok, other=1.0)[:, None]
+        else:
+            y = y * tl.load(a_scale_ptr)
+        if W_PER_CHANNEL:
+            y = y * tl.load(w_scale_ptr + offs_n, mask=n_ok, other=1.0)[None, :]
+        else:
+            y = y * tl.load(w_scale_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return y
 
 
 @triton.jit(do_not_specialize=["MN"])
@@ -299,6 +319,30 @@ def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"{fn}: bias must be [N] = [{w.shape[0]}]; got {list(bias.shape)}")
 
 
+#: Tiles a split-K launch may have for the in-kernel reduction: int32 arrival counters, 256 KiB a device.
+_MAX_LOCKS = 1 << 16
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed arrival counters a split-K launch of ``tiles`` tiles reduces with in the kernel (SERIAL), or None:
+    more tiles than counters, or first needed inside a CUDA-graph capture (the counters must outlive any graph,
+    so they are allocated outside one), and the second kernel then sums the splits.
+
+    One buffer a device, shared by every launch: a tile's last split resets its counter before the launch ends,
+    and the next launch on the stream starts after that (under PDL too: it waits first). Split-K GEMMs run on two
+    streams of one device at the same time would share counters; the library runs a device's steps on one.
+    """
+    if tiles > _MAX_LOCKS:
+        return None
+    locks = _LOCKS.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = _LOCKS[device] = torch.zeros(_MAX_LOCKS, dtype=torch.int32, device=device)
+    return locks
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
     if not HAS_TRITON:
@@ -327,19 +371,20 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
-    ws = out if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
-                                                dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
+    ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
+                                                 dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
+    locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 else None
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
     # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
     _small_m_gemm_kernel[grid](
-        a, w, a_scale, w_scale, bias, ws, m, n, k, k_split, a.stride(0), w.stride(0),
+        a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False,
-        **flags,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        enable_fp_fusion=False, **flags,
     )
-    if c.SPLIT_K > 1:
+    if c.SPLIT_K > 1 and locks is None:
         _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
             ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
             enable_fp_fusion=False, **flags,

@@ -240,3 +240,16 @@ def test_kernel_profile_refuses_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         kernel_profile.main(["--models", "tiny-llama"])
     assert e.value.code == 2 and "CUDA" in capsys.readouterr().err
+
+
+def test_kernel_profile_variants_patch_the_gemm_table_and_restore_it():
+    import ops
+    from benchmarks import kernel_profile as kp
+
+    fp8 = torch.float8_e4m3fn
+    before = ops.small_m_config(1, 6144, 4096, fp8)
+    with kp.gemm_table(fp8_ours=True, prefetch=2):
+        inside = ops.small_m_config(1, 6144, 4096, fp8)
+        assert inside is not None and inside.PREFETCH == 2
+        assert inside == ops.small_m_config(1, 6144, 4096, torch.int8)  # int8's row, the same bytes a weight
+    assert ops.small_m_config(1, 6144, 4096, fp8) == before
