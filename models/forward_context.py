@@ -101,9 +101,10 @@ class AttentionMetadata:
         whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
         ws = self.workspace
         buf = ws.get(num_heads, num_kv_heads, head_size, device) if ws is not None else None
+        counters = ws.counters(num_kv_heads, device) if ws is not None else None
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
-                          num_heads, num_kv_heads, head_size, page, device, workspace=buf)
+                          num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -12,8 +12,15 @@ values). Sequence ``b``'s block ``j`` holds its tokens ``j * block_size ...
   gives too little parallelism per sequence for a tile-per-sequence kernel at
   small batch, so the kernel splits each sequence's pages over
   ``num_splits`` programs (chosen from the batch size only, so a CUDA graph
-  captured per batch size stays valid) and a second kernel merges the
-  partial softmaxes. The split count, tile and launch options come from a
+  captured per batch size stays valid) and the partial softmaxes are merged:
+  by the last split of each (sequence, KV head) to finish, inside the same
+  launch (``DecodeConfig.fused_merge``: an arrival counter per sequence and KV
+  head in the persistent :class:`DecodeWorkspace`, reset by that program), or
+  by a second kernel. The decode kernel may also write the decode tokens' new
+  keys and values to the cache itself (``DecodeConfig.fused_write``): the
+  program whose split holds the new position writes them and takes that
+  position from registers, so no program reads a slot the launch writes. A
+  decode-only step's attention is then one launch a layer, instead of three. The split count, tile and launch options come from a
   rule table, ``ops.paged_decode_config.DECODE_TABLE``
   (``benchmarks.attention --sweep`` measures candidates for it). One program serves all query heads of a KV head (GQA:
   K and V are read once per group), with ``tl.dot`` on a 16-row tile. Both
@@ -105,44 +112,109 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
 @triton.jit(do_not_specialize=["num_splits", "stride_ml_h", "heads_first"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    out_ptr, counter_ptr, k_new_ptr, v_new_ptr, slot_ptr,
     stride_q_t, stride_q_h,
     stride_c_half, stride_c_b, stride_c_s, stride_c_h,
     stride_bt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
+    stride_o_t, stride_kn, stride_vn,
     scale, soft_cap, window, num_splits, heads_first,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
     # heads_first (runtime 0 / 1): the grid is (KV heads, sequences, splits) (DecodeConfig.heads_first says why).
+    # FUSED_WRITE: this step's key and value of the sequence (k_new / v_new row b, to flat slot slot_ptr[b], its
+    # position seq_len - 1) are written here by the one program whose range holds that position, which takes
+    # them from registers, never from the cache: no program of the launch reads a slot one of them writes.
+    # FUSED_MERGE: the last of the sequence's splits to arrive (counter_ptr, see _arrive_and_merge) merges.
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = 0
-    if USE_WINDOW:
-        start = tl.maximum(seq_len - window, 0)  # the query sits at seq_len - 1
-    first_page = start // PAGE
-    n_pages = (seq_len + PAGE - 1) // PAGE
-    p0 = first_page
-    end = seq_len
-    if SPLIT:
-        per_split = (n_pages - first_page + num_splits - 1) // num_splits
-        p0 = first_page + s * per_split
-        end = tl.minimum((p0 + per_split) * PAGE, seq_len)
+    start, p0, end = _split_range(seq_len, s, num_splits, window, PAGE, SPLIT, USE_WINDOW)
+    last = seq_len - 1  # the new token's position
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_D
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    k_new = tl.zeros([BLOCK_D], cache_ptr.dtype.element_ty)
+    v_new = tl.zeros([BLOCK_D], cache_ptr.dtype.element_ty)
+    if FUSED_WRITE:
+        k_new, v_new = _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
+                                     stride_c_half, stride_c_b, stride_c_s, stride_c_h,
+                                     (p0 * PAGE <= last) & (last < end), HEAD_D, BLOCK_D, PAGE)
+    m_i, l_i, acc = _attend_range(q, k_new, v_new, cache_ptr, block_table_ptr + b * stride_bt, kvh, start, p0, end,
+                                  last, stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
+                                  BLOCK_G, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, USE_SOFTCAP, IEEE, FUSED_WRITE)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
+    tl.store(mo, out.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
+        if FUSED_MERGE:
+            n_kvh = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
+            _arrive_and_merge(counter_ptr + b * n_kvh + kvh, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_splits,
+                              stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_t,
+                              GROUP, HEAD_D, BLOCK_D, MERGE_S)
 
+
+@triton.jit
+def _split_range(seq_len, s, num_splits, window, PAGE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """``(start, p0, end)``: the first attended position (the window's), split s's first page and its end."""
+    start = seq_len * 0
+    if USE_WINDOW:
+        start = tl.maximum(seq_len - window, 0)  # the query sits at seq_len - 1
+    first_page = start // PAGE
+    p0 = first_page
+    end = seq_len
+    if SPLIT:
+        n_pages = (seq_len + PAGE - 1) // PAGE
+        per_split = (n_pages - first_page + num_splits - 1) // num_splits
+        p0 = first_page + s * per_split
+        end = tl.minimum((p0 + per_split) * PAGE, seq_len)
+    return start, p0, end
+
+
+@triton.jit
+def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
+                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, writes,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """Head kvh of sequence b's new key and value, in the cache's dtype; stored to its slot where ``writes``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_D
+    k_new = tl.load(k_new_ptr + b.to(tl.int64) * stride_kn + kvh * HEAD_D + offs_d, mask=d_mask, other=0.0)
+    v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vn + kvh * HEAD_D + offs_d, mask=d_mask, other=0.0)
+    k_new = k_new.to(cache_ptr.dtype.element_ty)
+    v_new = v_new.to(cache_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    dst = cache_ptr + (slot // PAGE) * stride_c_b + (slot % PAGE) * stride_c_s + kvh * stride_c_h + offs_d
+    tl.store(dst, k_new, mask=d_mask & writes)
+    tl.store(dst + stride_c_half, v_new, mask=d_mask & writes)
+    return k_new, v_new
+
+
+@triton.jit
+def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, last,
+                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
+                  BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                  FUSED_WRITE: tl.constexpr):
+    """The online softmax of q over positions ``[max(start, p0 * PAGE), end)``: ``(m, l, acc)``. FUSED_WRITE: the
+    position ``last`` from k_new / v_new (registers), not the cache."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_D
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -150,13 +222,18 @@ def _decode_split_kernel(
     for pos0 in range(p0 * PAGE, end, BLOCK_N):
         k_pos = pos0 + offs_n
         n_mask = (k_pos < end) & (k_pos >= start)
-        block = tl.load(block_table_ptr + b * stride_bt + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        block = tl.load(table_ptr + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
         off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
+        ld_mask = n_mask
+        if FUSED_WRITE:
+            ld_mask = n_mask & (k_pos != last)
         if EVEN_D:  # a mask constant along each row: 16-byte vector loads of K and V
-            kv_mask = n_mask[:, None]
+            kv_mask = ld_mask[:, None]
         else:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
+            kv_mask = ld_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FUSED_WRITE:
+            k = tl.where((k_pos == last)[:, None], k_new[None, :], k)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -170,18 +247,46 @@ def _decode_split_kernel(
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
+        if FUSED_WRITE:
+            v = tl.where((k_pos == last)[:, None], v_new[None, :], v)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
-    tl.store(mo, out.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    if SPLIT:
-        lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + s, lse, mask=g_mask)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _arrive_and_merge(counter, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_splits,
+                      stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_t,
+                      GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr):
+    """After a split's partial results are stored: count its arrival at the (sequence, KV head)'s counter; the
+    last of the ``num_splits`` to arrive merges them all and resets the counter to 0 for the next launch.
+
+    Memory order: the barrier puts every thread's stores of this program's partial results before the counter's
+    update (one thread's atomic, then broadcast); the update is a gpu-scope release (those stores are visible
+    device-wide before the count is) and an acquire (the merging program, whose count says every other split's
+    release came before, then sees their stores). The partials are read past L1 (``.cg``) besides.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        offs_s = tl.arange(0, MERGE_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < num_splits
+        d_mask = offs_d < HEAD_D
+        for g in tl.static_range(GROUP):  # split order fixed: the same sums at every launch
+            h = kvh * GROUP + g
+            lse = tl.load(mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask,
+                          other=float("-inf"), cache_modifier=".cg")  # [S]; split 0 is never empty
+            o = tl.load(mid_o_ptr + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
+                        + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+            w = tl.exp(lse - tl.max(lse, 0))
+            w = tl.where(lse == float("-inf"), 0.0, w)
+            res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+            tl.store(out_ptr + b * stride_o_t + h * HEAD_D + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has arrived: none counts after this
 
 
 @triton.jit
@@ -242,12 +347,15 @@ def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int,
 
 
 class DecodeWorkspace:
-    """Persistent split-KV scratch for decode batches of up to ``max_num_seqs``: one fp32 buffer per layer shape.
+    """Persistent split-KV scratch for decode batches of up to ``max_num_seqs``: one fp32 buffer per layer shape,
+    and the fused merge's arrival counters (int32, one per sequence and KV head) per KV-head count.
 
     Owned by whatever builds a step's metadata (``models.engine.InputBatch``), so that every step's
     :class:`DecodePlan` is views of the same memory: no allocation per step, and a CUDA graph captured on
     a plan reads buffers that outlive it. Layers of one step share it: their split and merge launches are
-    stream-ordered. A buffer is allocated at the first :meth:`get` of its shape and device, and never moves.
+    stream-ordered (and each launch leaves the counters at 0). A buffer is allocated at the first :meth:`get` of
+    its shape and device, and never moves; the counters likewise, zeroed, never inside a CUDA-graph capture
+    (which would record the zeroing, not run it): there :meth:`counters` has none to give.
     """
 
     def __init__(self, max_num_seqs: int) -> None:
@@ -261,7 +369,26 @@ class DecodeWorkspace:
         if buf is None:
             numel = decode_workspace_numel(self.max_num_seqs, num_heads, num_kv_heads, head_size, device)
             buf = self._buffers[key] = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+            self.counters(num_kv_heads, device)  # allocated with the buffer, before any capture if it is
         return buf
+
+    def counters(self, num_kv_heads: int, device: torch.device) -> torch.Tensor | None:
+        """``max_num_seqs * num_kv_heads`` int32 zeros on ``device`` (left at zero by every launch that uses
+        them); None when they do not exist yet and the current stream is capturing a CUDA graph."""
+        key = ("counters", num_kv_heads, device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = _new_counters(self.max_num_seqs * num_kv_heads, device)
+            if buf is not None:
+                self._buffers[key] = buf
+        return buf
+
+
+def _new_counters(numel: int, device: torch.device) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters, or None under CUDA-graph capture (the zeroing would only be recorded)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.zeros(max(numel, 1), dtype=torch.int32, device=device)
 
 
 class DecodePlan:
@@ -278,11 +405,15 @@ class DecodePlan:
         device: of the batch; num_splits: a power of two, or None (the config's).
         workspace: a flat fp32 buffer to take the partial results from; too small or None: allocated here.
         config: the launch configuration; None: :func:`ops.paged_decode_config.decode_config`'s (the table's).
+        counters: the fused merge's arrival counters (int32 zeros, at least ``B * Hkv``: a
+            :meth:`DecodeWorkspace.counters`); too small or None: allocated here, except under CUDA-graph capture,
+            where the plan then merges with the merge kernel (``fused_merge`` False).
     """
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_size: int, page: int, device: torch.device, num_splits: int | None = None,
-                 workspace: torch.Tensor | None = None, config: DecodeConfig | None = None) -> None:
+                 workspace: torch.Tensor | None = None, config: DecodeConfig | None = None,
+                 counters: torch.Tensor | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
                              f"them in one block) or None; got {num_splits}")
@@ -301,6 +432,14 @@ class DecodePlan:
                                      SPLIT=splits > 1, EVEN_D=block_d == head_size, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages)
         self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=cfg.merge_warps)
+        self.counters: torch.Tensor | None = None
+        if cfg.fused_merge and splits > 1:
+            if counters is None or counters.numel() < b * num_kv_heads:
+                counters = _new_counters(b * num_kv_heads, device)
+            self.counters = counters
+        self.fused_merge = self.counters is not None  # one launch: no merge kernel
+        self.fused_write = cfg.fused_write  # paged_decode_launch's new_kv are written by the decode kernel
+        self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_S=splits if self.fused_merge else 1)
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results
@@ -318,34 +457,49 @@ def _warmup(kernel: object) -> object:
 
 def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        compile_only: bool = False) -> None:
+                        compile_only: bool = False,
+                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode attention of ``plan``'s sequences into ``out`` (rows ``0..B-1`` of ``[>= B, Hq * D]``, any row
-    stride): two launches (one when ``plan.num_splits`` is 1), nothing allocated.
+    stride): one launch (one split, or ``plan.fused_merge``), else two; nothing allocated.
 
     ``q`` (rows ``0..B-1``) and ``out`` may hold more rows (a mixed batch's prefill tokens): the grid covers
     the first B only, so no slicing is needed. q's and out's last dimension must be contiguous.
+    ``new_kv``: ``(k, v, slot_mapping)`` whose rows ``0..B-1`` are the B sequences' new tokens (at position
+    ``seq_lens[b] - 1``; more rows are ignored): written to the cache first, by the decode kernel itself when
+    ``plan.fused_write`` (else by :func:`write_kv_cache_triton` before it). None: the cache already holds them.
     ``compile_only`` (CUDA only): compile the kernels for these arguments (Triton's ``warmup``), launch
     nothing; under Triton's ``AsyncCompileMode`` the compiles run on its executor (``benchmarks.attention``
     compiles its sweep's configs so, in parallel).
     """
     split, merge = (_warmup(_decode_split_kernel), _warmup(_decode_merge_kernel)) if compile_only \
         else (_decode_split_launch, _decode_merge_launch)
-    d = plan.head_size
+    d, b = plan.head_size, plan.num_seqs
     sc = kv_cache.stride()
     bt = plan.block_table
+    if new_kv is not None and not plan.fused_write:
+        k, v, slots = new_kv
+        if not compile_only:
+            write_kv_cache_triton(kv_cache, k[:b] if k.shape[0] > b else k, v[:b] if v.shape[0] > b else v, slots)
+        new_kv = None
+    if new_kv is None:
+        k, v, slots, kv_strides = q, q, bt, (0, 0)
+    else:
+        k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
+        kv_strides = (k.stride(0), v.stride(0))
     if plan.num_splits == 1:
         mid_o, mid_lse, mo_strides, ml_strides = out, out, (out.stride(0), d, 0), (0, 0)
     else:
         mid_o, mid_lse = plan.mid_o, plan.mid_lse
         mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+    counters = plan.counters if plan.fused_merge else out
     split(
-        plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse,
-        q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides,
-        scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits, plan.heads_first,
+        plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse, out, counters, k, v, slots,
+        q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides, out.stride(0),
+        *kv_strides, scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits, plan.heads_first,
         **plan.split_constexprs, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, FUSED_WRITE=new_kv is not None,
     )
-    if plan.num_splits > 1:
+    if plan.num_splits > 1 and not plan.fused_merge:
         merge(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d, **plan.merge_constexprs)
 
 

@@ -35,6 +35,13 @@ class DecodeConfig:
         heads_first: the split kernel's grid is (KV heads, sequences, splits) instead of (sequences, KV heads,
             splits): programs launched together then read the same tokens' rows of every KV head (adjacent in the
             cache) rather than the same head of different sequences. A runtime flag: no compile of its own.
+        fused_merge: with more than one split, no merge kernel: the last split of each (sequence, KV head) to
+            finish merges them (an arrival counter in the plan's workspace, reset by that program); one launch
+            instead of two. Off, or with no counters to use (a CUDA-graph capture that would have to allocate
+            them): the merge kernel.
+        fused_write: the decode kernel also writes the decode sequences' new keys and values to the cache (the
+            caller's separate cache-write launch then covers the other tokens only; none in a decode-only step),
+            when the caller passes them (``paged_decode_launch``'s ``new_kv``).
     """
 
     num_splits: int | None = None
@@ -45,6 +52,8 @@ class DecodeConfig:
     num_stages: int = 3
     merge_warps: int = 4
     heads_first: bool = False
+    fused_merge: bool = True
+    fused_write: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):
