@@ -5,9 +5,10 @@ residual add and the RMSNorm that follow are then computed by every rank on all 
 rows feed the next column-parallel GEMM. For a graph compiled for T tokens (T a multiple of the group's N
 ranks, at least ``min_tokens``), the pass rewrites each site::
 
-    ar = all_reduce(x, g)                        rs = reduce_scatter(x, 0, g)            # [T / N, hidden]
-    normed, res = fused_add_rms_norm(      ->    normed_s, res_s = fused_add_rms_norm(rs, rank_shard(residual, 0, g), w, eps)
-        ar, residual, w, eps)                    normed = all_gather(normed_s, 0, g);  res = all_gather(res_s, 0, g)
+    ar = all_reduce(x, g)                     rs = reduce_scatter(x, 0, g)              # [T / N, hidden]
+    normed, res = fused_add_rms_norm(   ->    normed_s, res_s = fused_add_rms_norm(rs, rank_shard(residual, 0, g),
+        ar, residual, w, eps)                                                      w, eps)
+                                              normed = all_gather(normed_s, 0, g); res = all_gather(res_s, 0, g)
 
 (also with a bias added after the all-reduce, ``ar + bias``, and Gemma's fused op), then simplifies the chain
 and fuses the GEMMs with their collectives:
@@ -191,16 +192,19 @@ class SequenceParallelPass(GraphPass):
         size = getattr(self._size, "value", None)
         if not all(isinstance(t, torch.Tensor) for t in (x, residual, weight)) or size is None or x.dim() != 2:
             return False
-        ok = compat.statically_equal(x.shape, (size, x.shape[1])) and compat.statically_equal(residual.shape, x.shape)
+        ok = (compat.statically_equal(x.shape, (size, x.shape[1]))
+              and compat.statically_equal(residual.shape, x.shape))
         vectors = [weight] + ([vals.get("bias")] if "bias" in match.kwargs else [])
         return ok and all(isinstance(v, torch.Tensor) and compat.statically_equal(v.shape, x.shape[1:])
                           for v in vectors)
 
     def _prepared(self, g: str, world: int) -> tuple[Any, Any]:
-        """The site and GEMM patterns of group ``g`` (``world`` ranks), traced once (fake tensors: no collective runs)."""
+        """The site and GEMM patterns of group ``g`` (``world`` ranks), traced once on fake tensors (no collective
+        runs)."""
         with self._lock:
             if (g, world) not in self._patterns:
-                site, gemm = compat.pattern_matcher_pass(f"{self.name}_sites"), compat.pattern_matcher_pass(self.name)
+                site = compat.pattern_matcher_pass(f"{self.name}_sites")
+                gemm = compat.pattern_matcher_pass(f"{self.name}_gemms")
                 with compat.fake_tensor_mode(), compat.triton_ops_decomposed(False):
                     for fused in self.fused_ops():
                         for search, replace, example in _site_patterns(g, fused, 2 * world):

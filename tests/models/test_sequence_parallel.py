@@ -17,7 +17,8 @@ import torch.distributed as dist
 from dispatcher import CompilationConfig, compat, envs
 from dispatcher.passes import SequenceParallelPass, build_pass_manager, PassConfig, pass_counter
 from models import LLM
-from models.parallel import async_tp, destroy_tensor_parallel, init_tensor_parallel  # noqa: F401 (registers the ops)
+from models.parallel import async_tp as _registers_ops  # noqa: F401  (the fused GEMM + collective ops)
+from models.parallel import destroy_tensor_parallel, init_tensor_parallel
 
 from models_testing import PROMPTS, save_hf_llama
 from pass_testing import counted_after
