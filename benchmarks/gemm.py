@@ -19,7 +19,7 @@ weight_bytes / time / the device-to-device copy bandwidth measured in the same r
 cuBLAS on layer 0 and the lm_head (int8 bit for bit, fp8 / bf16 within 2**-6 of the largest output).
 
 ``--sweep``: for each distinct (N, K) of the stack (the lm_head in bf16 only) and M of ``--sweep-ms`` (1, 4, 16),
-every config of a small grid (``sweep_grid``: ~20 a dtype, GEMV and tl.dot forms, split K) for int8, fp8 and bf16,
+every config of a small grid (``sweep_grid``: ~30 a dtype, GEMV and tl.dot forms, split K) for int8, fp8 and bf16,
 and cuBLAS, on ONE layer's weights in ~32 distinct copies (read from HBM, not L2), a CUDA graph of one call a copy;
 prints the best config per (dtype, M, N, K) and saves ``gemm_sweep`` (every config) and ``gemm_sweep_best``. Triton's
 compiles (~20 configs x 3 dtypes, ~1 s each) take most of its ~2-3 minutes on an H200.
@@ -216,13 +216,17 @@ _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 1
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
            (16, 64, 128, 1, True, 4, 4), (16, 64, 256, 1, True, 8, 3), (16, 32, 512, 1, True, 4, 3),
            (16, 32, 256, 2, True, 4, 4), (16, 32, 256, 4, True, 4, 4)]
+# Split K without a second kernel (each tile's last split reduces): more, smaller programs for the narrow shapes.
+_SPLIT_16 = [(16, 16, 256, 2, True, 4, 4), (16, 32, 128, 2, True, 4, 4), (16, 64, 128, 2, True, 4, 4),
+             (16, 32, 256, 3, True, 4, 4), (16, 16, 512, 2, True, 4, 3), (16, 16, 256, 4, True, 4, 4),
+             (16, 64, 256, 2, True, 8, 3)]
 _DOT_WIDE = [(64, 64, 256, 1, True, 8, 3), (64, 128, 128, 1, True, 4, 3), (64, 128, 128, 1, True, 8, 3),
              (128, 64, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 3), (128, 64, 256, 1, True, 8, 3)]
 
 
 def sweep_grid(m: int) -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``)."""
-    rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16
+    rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
         rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else [])

@@ -75,6 +75,7 @@ def test_tp_decode_sp_measures_the_prefill_with_and_without_the_rewrite(tmp_path
         (2, v, "prefill") for v in ("plain", "sp", "sp, no async")]
     assert all(r["us"] > 0 for r in rows)
     assert counts.matches["sequence_parallel"] == 2 * 4  # tiny-llama's 4 sites, in each rewritten LLM's 64-token compile
+    assert [r["sp_rewrites"] for r in rows] == [0, 4, 4]
     assert len(read_csv(tmp_path / "tp_decode_sp_quick.csv")) == 3
 
 
@@ -168,7 +169,7 @@ def test_gemm_refuses_without_a_gpu_and_quick_says_it_skipped(capsys):
 
 def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
     """The floor the stack rows are measured against: 6.98e9 linear weights + the bf16 lm_head (1.05 GB); the
-    sweep's grid stays near 20 configs a dtype (Triton compiles dominate its time)."""
+    sweep's grid stays near 30 configs a dtype (Triton compiles dominate its time)."""
     from benchmarks import gemm
 
     linear = 32 * (4096 * 6144 + 4096 * 4096 + 4096 * 28672 + 14336 * 4096)
@@ -177,7 +178,7 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
     assert gemm.LLAMA_3_8B.weight_bytes(torch.bfloat16) == 2 * linear + head
     assert round((linear + head) / 4.28e12 * 1e3, 2) == 1.88  # ms at the H200's copy bandwidth, as the issue says
     configs = {c for m in (1, 4, 16) for c in gemm.sweep_grid(m)}
-    assert len(configs) <= 24
+    assert len(configs) <= 32
     assert all(c.BLOCK_M >= m for m in (1, 4, 16) for c in gemm.sweep_grid(m))
 
 
