@@ -53,6 +53,7 @@ def sp_config(passes: str, prefill: int) -> Any:
 
 def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dtype: torch.dtype,
           config: Any = None, variant: str = "") -> list[dict[str, Any]]:
+    from dispatcher.passes import pass_counter
     from models import LLM
 
     max_b = max(batches, default=1)
@@ -73,7 +74,10 @@ def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dty
                              us=round(llm.stats.median_decode_step_s * 1e6, 1), start_s=round(start_s, 1)))
             print(rows[-1], flush=True)
         prompt = [(3 * j) % vocab + 1 for j in range(prefill)]
-        llm.generate([prompt], 1)
+        with pass_counter.record() as counts:  # the prefill size's compile (rank 0's), unless a cache served it
+            llm.generate([prompt], 1)
+        if variant:
+            tag["sp_rewrites"] = counts.matches["sequence_parallel"]
         times = []
         for _ in range(5):
             t = time.perf_counter()
@@ -131,7 +135,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                  notes=[f"level 3, CUDA graphs; {PROMPT}-token prompts, {NEW} new tokens, greedy; "
                                         "us: the median decode step of LLM.generate (end to end), or the prefill "
                                         "call's wall time (median of 5)",
-                                        "start_s: LLM(...) with every rank's load, compile and capture"])
+                                        "start_s: LLM(...) with every rank's load, compile and capture"]
+                                 + (["sp_rewrites: the sequence-parallel pass's rewrites in rank 0's compile for "
+                                     "the prefill size (0 also when a compile cache served that graph: no pass "
+                                     "runs then)"] if a.sp else []))
     return rows
 
 
