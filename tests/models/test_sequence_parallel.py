@@ -55,6 +55,7 @@ def _run(model, passes, prompts, steps, tp=2, min_tokens=None):
     return torch.cat(out), counts, after
 
 
+@pytest.mark.slow
 def test_rewrite_counts_and_outputs(sp_env):
     """Tiny Llama (2 layers, no biases), TP=2: the 4 all-reduce + fused-add norm sites of the 16-token compile
     (layer 0 after attention, layer 1 before and after it, the final norm) are rewritten; the embedding's
@@ -78,6 +79,7 @@ def test_rewrite_counts_and_outputs(sp_env):
     torch.testing.assert_close(logits, base, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_tp2_greedy_with_the_pass_equals_tp1(sp_env, tmp_path):
     """A Llama with biases on QKV, o, gate-up and down (the all-reduce's output plus the bias, the form with a
     bias): TP=2 with the pass greedy-equal to TP=1, chunked prefill's 16-token steps rewritten."""
@@ -98,6 +100,7 @@ def _greedy(path, tp, passes, **kwargs):
         llm.close()
 
 
+@pytest.mark.slow
 def test_small_sizes_keep_the_all_reduce(monkeypatch):
     """Below the threshold (the 16-token compile under a threshold of 32) nothing is rewritten."""
     monkeypatch.setenv("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", "32")
