@@ -216,10 +216,10 @@ _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 1
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
            (16, 64, 128, 1, True, 4, 4), (16, 64, 256, 1, True, 8, 3), (16, 32, 512, 1, True, 4, 3),
            (16, 32, 256, 2, True, 4, 4), (16, 32, 256, 4, True, 4, 4)]
-# Split K without a second kernel (each tile's last split reduces): more, smaller programs for the narrow shapes.
-_SPLIT_16 = [(16, 16, 256, 2, True, 4, 4), (16, 32, 128, 2, True, 4, 4), (16, 64, 128, 2, True, 4, 4),
-             (16, 32, 256, 3, True, 4, 4), (16, 16, 512, 2, True, 4, 3), (16, 16, 256, 4, True, 4, 4),
-             (16, 64, 256, 2, True, 8, 3)]
+# More split-K tiles, and split K without a second kernel (SERIAL: each tile's last split reduces).
+_SPLIT_16 = [(16, 16, 256, 2, True, 4, 4), (16, 32, 128, 2, True, 4, 4), (16, 32, 256, 3, True, 4, 4),
+             (16, 32, 256, 2, True, 4, 4, 1, True), (16, 32, 256, 3, True, 4, 4, 1, True),
+             (16, 32, 256, 4, True, 4, 4, 1, True)]
 _DOT_WIDE = [(64, 64, 256, 1, True, 8, 3), (64, 128, 128, 1, True, 4, 3), (64, 128, 128, 1, True, 8, 3),
              (128, 64, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 3), (128, 64, 256, 1, True, 8, 3)]
 

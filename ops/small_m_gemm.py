@@ -213,6 +213,9 @@ class SmallMConfig:
             weight read of this GEMM then starts while the previous kernel finishes. 0: none. Default 1: on the
             H200 the 8B stack at M = 1 took 4076 / 2301 µs (bf16 / fp8) with 1, 4156 / 2318 with 0, 4204 / 2322
             with 4 (``benchmarks.gemm --prefetch``); after a kernel that does not signal early it costs nothing.
+        SERIAL: split K reduced in the kernel: each tile's last split to arrive (an arrival counter a tile) sums
+            the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
+            M = 1 6% slower with the table's split-K rows (2765 against 2602 µs), and no decode step faster.
     """
 
     BLOCK_M: int
@@ -223,6 +226,7 @@ class SmallMConfig:
     num_warps: int = 4
     num_stages: int = 3
     PREFETCH: int = 1
+    SERIAL: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -376,7 +380,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
-    locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 else None
+    locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 and c.SERIAL else None
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
     # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
     _small_m_gemm_kernel[grid](

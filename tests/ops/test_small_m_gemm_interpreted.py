@@ -8,6 +8,8 @@ public ops, CUDA graphs, the switch) are tests/ops/test_small_m_gemm.py's. Run w
 ``TRITON_INTERPRET=1 pytest -m interpret`` (``make test`` does); elsewhere these are skipped.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -157,11 +159,13 @@ SPLITS = [
 ]
 
 
+@pytest.mark.parametrize("serial", [False, True], ids=["epilogue-kernel", "serial"])
 @pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("m,k,n,config", SPLITS, ids=[f"{s[0]}x{s[1]}x{s[2]}-split{s[3].SPLIT_K}" for s in SPLITS])
-def test_split_k(m, k, n, config, dtype):
-    """The partials summed in split order by each tile's last split, then the same epilogue: int8 still bit for
-    bit; called again (the arrival counters reset themselves), the same results."""
+def test_split_k(m, k, n, config, dtype, serial):
+    """The partials summed in split order (by a second kernel, or SERIAL: by each tile's last split), then the same
+    epilogue: int8 still bit for bit; called again (the arrival counters reset themselves), the same results."""
+    config = dataclasses.replace(config, SERIAL=serial)
     a, w, a_scale, w_scale, _, b = _operands(dtype, m, k, n, "token", "channel", torch.float16, True, seed=1)
     for _ in range(2):
         if dtype == BF16:
