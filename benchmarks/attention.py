@@ -1,10 +1,11 @@
 """Paged decode attention alone, as % of copy bandwidth (issue 16: target >= 85% at batch 32 and 128).
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head size 128, bf16 KV cache, the engine's 16-token
-pages) at decode: the KV cache already written, one query token per sequence, every sequence ``context`` tokens
-long, its pages scattered over the cache (a random permutation of the blocks). The op as the model calls it
-(``ops.paged_attention.paged_decode_launch`` on a prebuilt ``DecodePlan``: the split kernel, and the merge
-kernel when the plan splits), at batch 1, 8, 32, 128 x context 512, 1024, 2048, 4096.
+pages) at decode: one query token per sequence, every sequence ``context`` tokens long, its pages scattered over
+the cache (a random permutation of the blocks). The op as the model calls it (``ops.paged_attention.
+paged_decode_launch`` on a prebuilt ``DecodePlan``, given the new tokens' keys and values: one launch under the
+table's ``fused_write`` and ``fused_merge``, else the cache-write kernel, the split kernel and, when the plan
+splits, the merge kernel), at batch 1, 8, 32, 128 x context 512, 1024, 2048, 4096.
 
 Timing: one CUDA graph of ``copies`` calls, each over its own block table (disjoint blocks of one cache), so that
 a call reads its keys and values from HBM, not L2 (``copies``: the fewest, a power of two, whose KV bytes exceed
@@ -15,7 +16,8 @@ the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the ou
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
 BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape; then the fastest
-six again with the other grid order, ``heads_first``), timed the same way, after a pass that compiles them all (in
+six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the unfused merge and cache
+write), timed the same way, after a pass that compiles them all (in
 parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
 seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
 ``attention_sweep`` (every config), ``attention_sweep_best`` (the fastest per shape, with the table's), and
@@ -49,7 +51,11 @@ DTYPE = torch.bfloat16
 SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
-TOP_FLIPPED = 6  # the sweep's fastest configs per shape timed again with the other grid order
+TOP_FLIPPED = 6  # the sweep's fastest configs per shape timed again in each of the other forms (FORMS)
+#: The other forms the fastest configs are timed in again: the other grid order, and the unfused kernels (the merge
+#: kernel; the cache-write kernel; both: the three-launch form).
+FORMS = ({"heads_first": True}, {"fused_merge": False}, {"fused_write": False},
+         {"fused_merge": False, "fused_write": False})
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -75,6 +81,16 @@ class Case:
     q: torch.Tensor
     out: torch.Tensor
     workspace: torch.Tensor
+    counters: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    slots: list[torch.Tensor]
+
+
+def new_token_slots(table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The flat cache slot of each sequence's last position (its new token's), from its block table row."""
+    last = seq_lens.long() - 1
+    return table.long()[torch.arange(table.shape[0], device=table.device), last // PAGE] * PAGE + last % PAGE
 
 
 def make_case(batch: int, context: int, device: str) -> Case:
@@ -88,13 +104,25 @@ def make_case(batch: int, context: int, device: str) -> Case:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     ws = torch.empty(batch * HEADS * 64 * (HEAD + 1), dtype=torch.float32, device=device)  # up to 64 splits
-    return Case(batch, context, copies, cache, list(perm.unbind(0)), seq_lens, q, out, ws)
+    counters = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=device)
+    tables = list(perm.unbind(0))
+    slots = [new_token_slots(t, seq_lens) for t in tables]
+    # The new tokens' keys and values: what copy 0's cache holds at their slots (the write leaves it unchanged).
+    k_new, v_new = (cache[i].flatten(0, 1)[slots[0]].flatten(1) for i in (0, 1))
+    return Case(batch, context, copies, cache, tables, seq_lens, q, out, ws, counters, k_new, v_new, slots)
 
 
 def plans(case: Case, config: DecodeConfig | None) -> list[DecodePlan]:
     """One plan per copy's block table (the partial results share the case's workspace: stream-ordered)."""
     return [DecodePlan(t, case.seq_lens, HEADS, KV_HEADS, HEAD, PAGE, case.q.device, workspace=case.workspace,
-                       config=config) for t in case.tables]
+                       config=config, counters=case.counters) for t in case.tables]
+
+
+def call(case: Case, plan: DecodePlan, slots: torch.Tensor, compile_only: bool = False) -> None:
+    """One layer's decode attention as the model runs it: the new tokens' keys and values to the cache (by the
+    decode kernel under ``fused_write``, else by the cache-write kernel first), then the decode."""
+    paged_decode_launch(plan, case.q, case.cache, case.out, SCALE, compile_only=compile_only,
+                        new_kv=(case.k_new, case.v_new, slots))
 
 
 def reference(case: Case) -> torch.Tensor:
@@ -104,9 +132,9 @@ def reference(case: Case) -> torch.Tensor:
 def time_config(case: Case, config: DecodeConfig | None, replays: int, ref: torch.Tensor) -> tuple[float, bool, int]:
     """µs per call under ``config`` (None: the table's), whether copy 0's output matches ``ref``, and the splits."""
     ps = plans(case, config)
-    paged_decode_launch(ps[0], case.q, case.cache, case.out, SCALE)
+    call(case, ps[0], case.slots[0])
     ok = bool((case.out.float() - ref).abs().max() <= TOL)
-    fn = common.rotating(lambda p: paged_decode_launch(p, case.q, case.cache, case.out, SCALE), [(p,) for p in ps])
+    fn = common.rotating(lambda p, s: call(case, p, s), list(zip(ps, case.slots)))
     n = case.copies
     us = common.bench_gpu(fn, warmup=n, iters=replays * n, cuda_graph=True, graph_iters=n)
     return us, ok, ps[0].num_splits
@@ -154,7 +182,7 @@ def sweep_candidates(batch: int, num_sms: int) -> list[DecodeConfig]:
 def _resolved(cfg: DecodeConfig, batch: int, num_sms: int) -> tuple:
     """What a config launches at ``batch``: (splits, BLOCK_N, warps, stages, merge warps)."""
     return (cfg.splits(batch, KV_HEADS, num_sms), max(PAGE, cfg.BLOCK_N), cfg.num_warps, cfg.num_stages,
-            cfg.merge_warps, cfg.heads_first)
+            cfg.merge_warps, cfg.heads_first, cfg.fused_merge, cfg.fused_write)
 
 
 @contextmanager
@@ -187,7 +215,8 @@ def precompile(batches: list[int], device: str, num_sms: int, workers: int) -> N
                     continue
                 seen.add(key)
                 try:
-                    paged_decode_launch(plans(case, cfg)[0], case.q, case.cache, case.out, SCALE, compile_only=True)
+                    for form in ({}, *FORMS[1:]):  # the unfused forms too: the sweep times some of them
+                        call(case, plans(case, dataclasses.replace(cfg, **form))[0], case.slots[0], compile_only=True)
                 except Exception as e:  # a config Triton cannot build: the sweep reports it again
                     print(f"precompile {cfg}: {type(e).__name__}: {e}", flush=True)
     print(f"precompiled {len(seen)} launch variants in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -215,16 +244,18 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
                          "table": _resolved(cfg, batch, num_sms) == table})
 
     measure(sweep_candidates(batch, num_sms))
-    # The grid order (a runtime flag, no compile): the fastest few again, heads first.
+    # The other forms (grid order, unfused kernels): the fastest few again in each.
     top = sorted((r for r in rows if r["correct"]), key=lambda r: r["us"])[:TOP_FLIPPED]
-    measure([dataclasses.replace(DecodeConfig(**{k: r[k] for k in _CONFIG_FIELDS}), heads_first=True) for r in top])
+    measure([dataclasses.replace(DecodeConfig(**{k: r[k] for k in _CONFIG_FIELDS}), **form)
+             for form in FORMS for r in top])
     del case, ref
     torch.cuda.empty_cache()
     return rows
 
 
 SWEEP_COLUMNS = ["batch", "context", *DecodeConfig.__dataclass_fields__, "us", "pct_of_copy_bw", "correct", "table"]
-_CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps", "heads_first")
+_CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps", "heads_first", "fused_merge",
+                  "fused_write")
 
 
 def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -276,7 +276,7 @@ def _arrive_and_merge(counter, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_spli
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < num_splits
         d_mask = offs_d < HEAD_D
-        for g in tl.static_range(GROUP):  # split order fixed: the same sums at every launch
+        for g in range(GROUP):  # one head's [MERGE_S, BLOCK_D] partials live at a time; fixed sum order
             h = kvh * GROUP + g
             lse = tl.load(mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask,
                           other=float("-inf"), cache_modifier=".cg")  # [S]; split 0 is never empty
@@ -439,7 +439,8 @@ class DecodePlan:
             self.counters = counters
         self.fused_merge = self.counters is not None  # one launch: no merge kernel
         self.fused_write = cfg.fused_write  # paged_decode_launch's new_kv are written by the decode kernel
-        self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_S=splits if self.fused_merge else 1)
+        # The merge's split tile: one compile for every count up to 32 (the sweep's), the count itself above.
+        self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_S=max(32, splits) if self.fused_merge else 1)
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results

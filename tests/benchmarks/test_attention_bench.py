@@ -86,7 +86,7 @@ def test_sweep_flow_writes_its_files(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(A, "time_config", fake_time)
     A.sweep([1, 4], [32, 64], "cpu", 1000.0, 2, 60.0, str(tmp_path), 1)
     rows = read_rows(tmp_path / "attention_sweep.csv")
-    per_shape = {(b, c): len(A.sweep_candidates(b, 8)) + A.TOP_FLIPPED for b in (1, 4) for c in (32, 64)}
+    per_shape = {(b, c): len(A.sweep_candidates(b, 8)) + A.TOP_FLIPPED * len(A.FORMS) for b in (1, 4) for c in (32, 64)}
     assert len(rows) == sum(per_shape.values())
     best = read_rows(tmp_path / "attention_sweep_best.csv")
     assert len(best) == 4 and all(r["BLOCK_N"] == "32" and r["heads_first"] == "True" for r in best)
