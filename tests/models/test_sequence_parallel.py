@@ -176,26 +176,26 @@ def test_blocks_must_divide_the_rows():
 # ------------------------------------------------------------------ two GPUs
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("async_tp", ["1", "0"])
-def test_tp2_nccl_with_the_pass_equals_tp1(async_tp, monkeypatch, tmp_path):
+def test_tp2_nccl_with_the_pass_equals_tp1(monkeypatch, tmp_path):
     """Two GPUs, level 3 with CUDA graphs (decode sizes keep the all-reduce), a 288-token prefill step (above
-    the capture sizes: run as compiled, not replayed) rewritten: through torch's fused symmetric-memory GEMM +
-    collective ops (async_tp 1) or the plain GEMM and NCCL collective (0). fp32: no near-ties between the
-    GEMMs' roundings (the fused ops cut the GEMM per rank)."""
+    the capture sizes: run as compiled, not replayed) rewritten, through torch's fused symmetric-memory GEMM +
+    collective ops (DYNAMO_ONCE_ASYNC_TP=1) and through the plain GEMM and NCCL collective (0): greedy tokens
+    equal to TP=1's. fp32: no near-ties between the GEMMs' roundings (the fused ops cut the GEMM per rank)."""
     monkeypatch.setenv("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", "288")
-    monkeypatch.setenv("DYNAMO_ONCE_ASYNC_TP", async_tp)
     monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
     save_hf_llama(tmp_path)
     prompts = [[(5 * i + 3 * j) % 120 + 1 for j in range(72)] for i in range(4)]  # one 288-token step
-    out = {}
-    for tp, passes in [(1, WITHOUT), (2, WITH)]:
+    out, rewrites = {}, {}
+    for tp, passes, async_tp in [(1, WITHOUT, "1"), (2, WITH, "1"), (2, WITH, "0")]:
+        monkeypatch.setenv("DYNAMO_ONCE_ASYNC_TP", async_tp)  # read by the workers' ops: spawned after this
         cfg = CompilationConfig(level=3, pass_config=passes, compile_sizes=[288])
-        with pass_counter.record() as counts:
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:  # every compile runs its passes
             llm = LLM(str(tmp_path), compilation_config=cfg, tensor_parallel_size=tp, max_num_tokens=288,
                       max_num_seqs=8, device="cuda", dtype="float32")
             try:
-                out[tp] = llm.generate(prompts, 8)
+                out[tp, async_tp] = llm.generate(prompts, 8)
             finally:
                 llm.close()
-    assert counts.matches["sequence_parallel"] >= 4
-    assert out[2] == out[1]
+        rewrites[tp, async_tp] = counts.matches["sequence_parallel"]
+    assert rewrites == {(1, "1"): 0, (2, "1"): 4, (2, "0"): 4}
+    assert out[2, "1"] == out[1, "1"] and out[2, "0"] == out[1, "1"]
