@@ -64,12 +64,13 @@ def test_tp_decode_quick_measures_both_sizes_and_writes_its_files(tmp_path):
 @pytest.mark.slow
 def test_tp_decode_sp_measures_the_prefill_with_and_without_the_rewrite(tmp_path, monkeypatch):
     """``--sp``: TP=2's prefill alone, plain, rewritten, rewritten without the fused ops; the rewrite ran."""
+    from dispatcher import compat
     from dispatcher.passes import pass_counter
 
     for name in ("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", "DYNAMO_ONCE_ASYNC_TP"):  # restored after the test
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")  # every compile runs its passes
-    with pass_counter.record() as counts:
+    with compat.fresh_inductor_cache(), pass_counter.record() as counts:  # every compile runs its passes
         rows = tp_decode.main(["--quick", "--sp", "--tp", "2", "--out", str(tmp_path)])
     assert [(r["tp"], r["variant"], r["what"].split()[0]) for r in rows] == [
         (2, v, "prefill") for v in ("plain", "sp", "sp, no async")]

@@ -86,7 +86,7 @@ def test_tp2_greedy_with_the_pass_equals_tp1(sp_env, tmp_path):
     save_hf_llama(tmp_path, vocab_size=127, attention_bias=True, mlp_bias=True)
     kwargs = dict(max_num_tokens=SIZE, max_num_seqs=4, level=3)
     expected = _greedy(str(tmp_path), 1, WITHOUT, **kwargs)
-    with pass_counter.record() as counts:
+    with compat.fresh_inductor_cache(), pass_counter.record() as counts:  # every compile runs its passes
         assert _greedy(str(tmp_path), 2, WITH, **kwargs) == expected
     assert counts.matches["sequence_parallel"] >= 4
 
