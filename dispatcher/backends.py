@@ -116,7 +116,9 @@ class RecordingBackend:
         t0 = time.perf_counter()
         self.graphs.append(gm)
         self.static_indices = list(static)
-        with compat.tracing_with(compat.fake_mode_of(fake_args)):
+        # As Dynamo runs a backend: outside inference mode, grad mode as the call has it.
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad), compat.tracing_with(compat.fake_mode_of(fake_args)):
             compiled = self.piecewise(gm, example_inputs, fake_args, static)
         dt = time.perf_counter() - t0
         self.compile_s += dt

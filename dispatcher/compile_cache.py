@@ -54,6 +54,7 @@ __all__ = ["ArtifactError", "CacheEntry", "UnhashableFactor", "cache_root", "key
 
 MAGIC = b"dynamo-once compile cache 1\n"
 SUFFIX = ".bin"
+AOT_SUFFIX = ".aot"
 
 
 class ArtifactError(Exception):
@@ -297,6 +298,25 @@ class CacheEntry:
     def path(self) -> Path:
         return self.root / f"{self.key}{SUFFIX}"
 
+    @property
+    def aot_path(self) -> Path:
+        """The AOT forward (``dispatcher.aot``) next to the Inductor artifacts: ``<key>.aot``."""
+        return self.root / f"{self.key}{AOT_SUFFIX}"
+
+    def read_aot(self) -> bytes | None:
+        """The AOT artifact's payload, checked as :func:`read_artifact` checks; None when there is none.
+        Raises ArtifactError (or OSError) for a file that cannot be used."""
+        if not self.aot_path.exists():
+            return None
+        return read_artifact(self.aot_path, self.key)
+
+    def write_aot(self, payload: bytes) -> None:
+        """Write the AOT artifact (atomically, as the Inductor artifacts); the caller holds the lock."""
+        header = {"key": self.key, "name": self.name, "torch": torch.__version__, "payload_bytes": len(payload),
+                  "payload_sha256": hashlib.sha256(payload).hexdigest(), "kind": "aot"}
+        write_atomic(self.aot_path, _encode(header, payload))
+        logger.info("%s: AOT forward written: %s (%d bytes)", self.name, self.aot_path, len(payload))
+
     def lock(self) -> contextlib.AbstractContextManager[None]:
         self.root.mkdir(parents=True, exist_ok=True)
         return _file_lock(self.root / f"{self.key}.lock", self.name)
@@ -416,6 +436,7 @@ def remove_entry(key: str, root: Path | None = None) -> None:
     """Remove an entry's file, and its lock file unless a process holds it."""
     root = cache_root() if root is None else root
     (root / f"{key}{SUFFIX}").unlink(missing_ok=True)
+    (root / f"{key}{AOT_SUFFIX}").unlink(missing_ok=True)
     lock = root / f"{key}.lock"
     if fcntl is None or not lock.exists():
         return

@@ -29,6 +29,8 @@ class CompilationCounter:
     """Transformed code objects captured by the bytecode hook."""
     num_dispatched_calls: int = 0
     """Calls that ran a captured code directly, skipping Dynamo."""
+    num_aot_loads: int = 0
+    """Forwards rebuilt from an AOT artifact of the compile cache (levels 3-4): their first call skipped Dynamo."""
     num_recompiles: int = 0
     """Traces after an instance's first (level 1 recompiles, or a refused one at level 2)."""
     num_piecewise_graphs_seen: int = 0

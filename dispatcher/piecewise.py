@@ -314,14 +314,20 @@ class PiecewiseBackend:
         self.num_dynamic_sizes: int | None = None
         self.num_piece_compiles = 0  # distinct piece structures, each compiled once (per size) for all its pieces
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any] | None = None,
+                 static: list[int] | None = None) -> Callable[..., Any]:
+        """Split ``gm`` and compile its pieces. From Dynamo: ``example_inputs`` (real tensors, SymInts) only.
+        From an AOT artifact (``dispatcher.aot``): the first call's real inputs, the trace's fake inputs
+        ``fake_args``, and the indices of the static inputs (parameters, buffers)."""
         t0 = time.perf_counter()
         split_gm, items = split_graph(gm, self.config.splitting_ops)
         compilation_counter.add("num_piecewise_graphs_seen", len(items))
         capturable = {it.name for it in items if not it.is_splitting_op}
         compilation_counter.add("num_piecewise_capturable_graphs_seen", len(capturable))
-        fake_mode = compat.fake_mode_of(example_inputs)
-        fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+        whole_inputs = example_inputs if fake_args is None else fake_args  # what a one-piece compile gets
+        fake_mode = compat.fake_mode_of(whole_inputs)
+        if fake_args is None:
+            fake_args = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         symbols = _dynamic_symbols(fake_args)
         self.num_dynamic_sizes = len(symbols)
         self.size_symbol = next(iter(symbols)) if len(symbols) == 1 else None
@@ -333,22 +339,22 @@ class PiecewiseBackend:
             # No split point and nothing per size: one Inductor compile of the whole graph, called
             # directly (no split module around it: one frame and one pass of every argument less a call).
             self.split_gm, self.items = split_gm, items
-            compiled = _compile_inductor(gm, example_inputs, self.options)
+            compiled = _compile_inductor(gm, whole_inputs, self.options)
             logger.info("%s: 1 piece (no splitting op) in %.1fs", self.owner, time.perf_counter() - t0)
             return compiled
-        self._compile_pieces(split_gm, capturable, example_inputs, fake_mode, fake_args, use_graphs)
+        if static is None:  # parameters and buffers: graph inputs that never move between calls
+            static = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and compat.is_static_input(t)]
+        static_ptrs = {example_inputs[i].data_ptr() for i in static}
+        self._compile_pieces(split_gm, capturable, static_ptrs, fake_mode, fake_args, use_graphs)
         self.split_gm, self.items = split_gm, items
         logger.info("%s: %d pieces (%d compiled, %d distinct) in %.1fs", self.owner, len(items), len(capturable),
                     self.num_piece_compiles, time.perf_counter() - t0)
         # The generated forward, not Module.__call__: its hook handling costs ~1.5 µs a call.
         return _clone_pool_outputs(split_gm.forward) if use_graphs else split_gm.forward
 
-    def _compile_pieces(self, split_gm: torch.fx.GraphModule, capturable: set[str], example_inputs: list[Any],
+    def _compile_pieces(self, split_gm: torch.fx.GraphModule, capturable: set[str], static_ptrs: set[int],
                         fake_mode: Any, fake_args: list[Any], use_graphs: bool) -> None:
         """Compile each piece on its fake (symbolic) arguments; it replaces its submodule in ``split_gm``."""
-        # Parameters and buffers: graph inputs that never move between calls.
-        static_ptrs = {t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor) and compat.is_static_input(t)}
-
         shared: dict[str, PieceCompiles] = {}
 
         def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import compat, compile_cache
+from . import aot, compat, compile_cache, envs
 from .backends import RecordingBackend
 from .config import CompilationConfig, CompilationLevel, get_compilation_config
 from .counters import compilation_counter
@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["TorchCompileWrapperWithCustomDispatcher", "CompiledCallable"]
 
 _UNBOUND = object()
+_NO_AOT = object()  # _do_aot_call: no AOT forward ran (none, or unusable): trace
+# The wrapper's own attributes, which change with its state: not model state an AOT forward depends on.
+_WRAPPER_STATE = frozenset({"compile_cache", "compiled_codes", "aot_status", "compiled_callable", "compilation_config",
+                            "compilation_level", "original_code_object", "use_custom_dispatcher"})
 # Bound once: the fast path calls torch's flag directly (Dynamo folds it to True while tracing) and
 # only then pays for the per-thread check of compat.is_compiling (one Python frame less per call).
 _torch_is_compiling = torch.compiler.is_compiling
@@ -177,6 +181,12 @@ class TorchCompileWrapperWithCustomDispatcher:
         #: call; None before it, below level 3, with the cache off, or with a key factor that cannot be hashed.
         self.compile_cache: compile_cache.CacheEntry | None = None
         self._do_cache_opened = False
+        #: Levels 3-4: the AOT forward of the compile cache (``dispatcher.aot``): ``"loaded"`` (the first call ran
+        #: it, no Dynamo trace), ``"saved"`` (traced, and written), ``"miss"`` (none in the cache: traced),
+        #: ``"mismatch"`` (one traced for other arguments or model attributes), ``"corrupt"`` (unusable: a
+        #: warning), ``"unsupported"`` (this trace cannot be written down), or ``"off"``.
+        self.aot_status = "off"
+        self._do_dynamic: dict[str, list[int]] = {}
         # Each instance traces its own copy of the code: Dynamo's cache is keyed by code identity.
         self._do_traced_code = self.original_code_object.replace()
         traced_fn = _function_from_code(function, self._do_traced_code)
@@ -263,8 +273,15 @@ class TorchCompileWrapperWithCustomDispatcher:
         if level == CompilationLevel.DYNAMO_AS_IS:
             return inner(*args, **kwargs)
         try:
-            with self._capturing(swap_code), compile_cache.first_compile(self._do_open_cache(args, kwargs)):
-                return inner(*args, **kwargs)
+            entry = self._do_open_cache(args, kwargs)
+            with self._capturing(swap_code), compile_cache.first_compile(entry):
+                spec = self._do_aot_spec(entry, args, kwargs)  # before the call: what it specializes on
+                out = _NO_AOT if spec is None else self._do_aot_call(entry, spec, args, kwargs)
+                if out is _NO_AOT:
+                    out = inner(*args, **kwargs)
+                    if spec is not None:
+                        self._do_save_aot(entry, spec)
+                return out
         except Exception as e:
             recompile = _find_in_chain(e, RecompileError)
             if recompile is not None:
@@ -290,6 +307,70 @@ class TorchCompileWrapperWithCustomDispatcher:
             self._do_name, self.compilation_config, self.compilation_level, backend.options, self._do_bound,
             self._do_function, self.original_code_object, tensors)
         return self.compile_cache
+
+    # ------------------------------------------------------------ the AOT forward
+    def _do_aot_spec(self, entry: compile_cache.CacheEntry | None, args: tuple,
+                     kwargs: dict) -> tuple[list[tuple], list[tuple]] | None:
+        """What the first call's trace is specialized on: the arguments (``aot.call_spec``) and the model's plain
+        attributes (``aot.module_state``), where the AOT forward applies: a cache entry, ``DYNAMO_ONCE_AOT`` on,
+        bytecode dispatch, not debug mode (whose shape guards need Dynamo's ShapeEnv); None elsewhere."""
+        if entry is None or not envs.aot_enabled() or not self.use_custom_dispatcher or self.compilation_config.debug:
+            return None
+        return (aot.call_spec(self._do_signature, self._do_bound is not _UNBOUND, args, kwargs, self._do_dynamic),
+                aot.module_state(self._do_bound, _WRAPPER_STATE))
+
+    def _do_aot_call(self, entry: compile_cache.CacheEntry, spec: tuple[list[tuple], list[tuple]], args: tuple,
+                     kwargs: dict) -> Any:
+        """The first call through the entry's AOT forward, no Dynamo trace; ``_NO_AOT`` where there is none or
+        it cannot be used (a warning for a damaged one), and the caller traces."""
+        try:
+            payload = entry.read_aot()
+            if payload is None:
+                self.aot_status = "miss"
+                return _NO_AOT
+            forward = aot.load(payload, self._do_function, *spec)
+            forward.install(self._do_function, self._do_backend.compile_aot)
+        except aot.Mismatch as e:
+            logger.info("%s: AOT forward not used (%s); tracing", self._do_name, e)
+            self.aot_status = "mismatch"
+            return _NO_AOT
+        except Exception as e:  # ArtifactError, unpickling, marshal, a graph this torch cannot rebuild
+            logger.warning("%s: AOT forward %s unusable (%s); tracing and rewriting it", self._do_name,
+                           entry.aot_path, e)
+            self.aot_status = "corrupt"
+            return _NO_AOT
+        self.compiled_codes.append(forward.code)
+        try:
+            out = self.dispatch_fn(0)(*args, **kwargs)
+        except Exception as e:
+            forward.uninstall(self._do_function)
+            self.compiled_codes.clear()
+            self._do_dispatch_fns.clear()
+            self._do_backend.graphs.clear()
+            logger.warning("%s: AOT forward %s failed (%s: %s); tracing and rewriting it", self._do_name,
+                           entry.aot_path, type(e).__name__, e)
+            self.aot_status = "corrupt"
+            return _NO_AOT
+        compilation_counter.add("num_aot_loads")
+        self.aot_status = "loaded"
+        logger.info("%s: AOT forward loaded from %s: no Dynamo trace", self._do_name, entry.aot_path)
+        return out
+
+    def _do_save_aot(self, entry: compile_cache.CacheEntry, spec: tuple[list[tuple], list[tuple]]) -> None:
+        """After the first trace: write the entry's AOT forward (under the entry's lock)."""
+        backend = self._do_backend
+        if not self.compiled_codes or not backend.graphs:
+            return
+        payload = aot.capture(self._do_function, self.compiled_codes[0], backend.graphs[0], backend.static_indices,
+                              *spec)
+        if payload is None:
+            self.aot_status = "unsupported"
+            return
+        try:
+            entry.write_aot(payload)
+            self.aot_status = "saved"
+        except OSError as e:
+            logger.warning("%s: AOT forward not written: %s", self._do_name, e)
 
     def save_compile_cache(self) -> bool:
         """Levels 3-4: write this model's compile-cache entry again if a compile since the last write (or the
@@ -393,6 +474,7 @@ class TorchCompileWrapperWithCustomDispatcher:
                 norm.append(d)
             compat.mark_dynamic(value, norm)
             dynamic[name] = norm
+        self._do_dynamic = dynamic
         if self.compilation_level >= CompilationLevel.DYNAMO_ONCE and self.compilation_config.check_inputs:
             self._do_input_checker = InputChecker(self._do_name, self._do_signature, skip_first, args, kwargs,
                                                   dynamic)

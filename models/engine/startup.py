@@ -37,7 +37,10 @@ class StartupReport:
         import_s: process start to ``LLM(...)``: the interpreter, imports, and whatever the caller did first
             (None where the process's start time is unknown).
         load_s: building the model and loading its weights.
-        trace_s: the warm-up forward less the compile: Dynamo's trace, split and the first run.
+        trace_s: the warm-up forward less the compile: Dynamo's trace (or the AOT forward's load), split and the
+            first run.
+        trace: ``"dynamo"`` (Dynamo traced forward), ``"aot"`` (the compile cache's AOT forward ran instead: no
+            trace), ``"off"`` (level 0: nothing compiled), or a mix, e.g. ``"aot+dynamo"``.
         compile_s: Inductor's compiles of the pieces (cache hits included) and loading the compile cache.
         compile_cache: ``"hit"``, ``"miss"``, ``"corrupt"`` (a cache file that could not be used), ``"off"``
             (disabled, below level 3, or a model whose key cannot be computed), or a mix, e.g. ``"hit+miss"``.
@@ -49,6 +52,7 @@ class StartupReport:
     import_s: float | None = None
     load_s: float = 0.0
     trace_s: float = 0.0
+    trace: str = "off"
     compile_s: float = 0.0
     compile_cache: str = "off"
     capture_s: float = 0.0
@@ -66,6 +70,8 @@ class StartupReport:
         self.compile_s = sum(m.backend_compile_s for m in compiled) + sum(e.load_s for e in entries)
         self.trace_s = max(0.0, warm_up_s - self.compile_s)
         self.compile_cache = "+".join(sorted({e.status for e in entries})) or "off"
+        self.trace = "+".join(sorted({"aot" if m.aot_status == "loaded" else "dynamo" for m in compiled
+                                      if m.compilation_level > 0})) or "off"
         self.ready_s = process_age_s()
         logger.info("LLM start-up: %s", self.format())
 
@@ -83,6 +89,7 @@ class StartupReport:
     def format(self) -> str:
         def s(v: float | None) -> str:
             return "?" if v is None else f"{v:.2f}s"
-        return (f"import {s(self.import_s)}, load {s(self.load_s)}, trace {s(self.trace_s)}, compile "
+        trace = "skipped: AOT forward loaded" if self.trace == "aot" else self.trace
+        return (f"import {s(self.import_s)}, load {s(self.load_s)}, trace {s(self.trace_s)} ({trace}), compile "
                 f"{s(self.compile_s)} (cache {self.compile_cache}), capture {s(self.capture_s)}; ready at "
                 f"{s(self.ready_s)}, first token at {s(self.first_token_s)}")

@@ -5,17 +5,20 @@ Each process gets its own ``DYNAMO_ONCE_CACHE_DIR`` and a fresh ``TORCHINDUCTOR_
 start comes from our cache only, not from Inductor's own on-disk cache of an earlier process.
 """
 
+import hashlib
 import importlib
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from dispatcher import CompilationConfig, TorchCompileWrapperWithCustomDispatcher, set_compilation_config
+from dispatcher import CompilationConfig, TorchCompileWrapperWithCustomDispatcher, compile_cache, set_compilation_config
+from dispatcher.counters import compilation_counter
 from models.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -37,10 +40,14 @@ def choose(seqs, step_logits):
 tokens = llm.run(PROMPT, 2, choose)
 (compiled,) = [m for m in llm.model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)]
 entry = compiled.compile_cache
+from dispatcher.counters import compilation_counter
+from torch._dynamo.utils import counters
 print("RESULT " + json.dumps({
     "hits": hits, "misses": misses, "tokens": tokens, "logits": logits,
     "status": llm.startup.compile_cache, "writes": entry.writes if entry else 0,
-    "path": str(entry.path) if entry else None, "startup": llm.startup.format()}))
+    "path": str(entry.path) if entry else None, "startup": llm.startup.format(),
+    "aot": compiled.aot_status, "trace": llm.startup.trace, "aot_loads": compilation_counter.num_aot_loads,
+    "traced": compilation_counter.num_graphs_seen, "dynamo_graphs": counters["stats"]["unique_graphs"]}))
 """.replace("PROMPT", repr(PROMPT))
 
 
@@ -73,6 +80,8 @@ def cold(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cold")
     result = _run(tmp / "cache", tmp / "inductor")
     assert result["status"] == "miss" and result["misses"] > 0 and result["writes"] == 1
+    assert result["aot"] == "saved" and result["traced"] == 1 and result["trace"] == "dynamo"
+    assert pathlib.Path(result["path"]).with_suffix(".aot").is_file()
     return tmp / "cache", result
 
 
@@ -85,6 +94,10 @@ def test_second_process_loads_from_the_cache(cold, tmp_path):
     assert second["writes"] == 0  # nothing new to write
     assert second["logits"] == first["logits"] and second["tokens"] == first["tokens"]
     assert "compile" in second["startup"] and "cache hit" in second["startup"]
+    # The AOT forward: no Dynamo trace at all (our backend saw no traced graph, Dynamo made none).
+    assert second["aot"] == "loaded" and second["aot_loads"] == 1
+    assert second["traced"] == 0 and second["dynamo_graphs"] == 0
+    assert second["trace"] == "aot" and "trace" in second["startup"] and "AOT forward loaded" in second["startup"]
 
 
 def test_corrupt_entry_is_a_warning_and_a_recompile_that_rewrites_it(cold, tmp_path):
@@ -102,6 +115,57 @@ def test_corrupt_entry_is_a_warning_and_a_recompile_that_rewrites_it(cold, tmp_p
         assert again["status"] == "hit" and again["misses"] == 0 and again["logits"] == first["logits"]
     finally:
         path.write_bytes(good)
+
+
+def _aot_copy(cold, tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A copy of the cold start's cache entry (both files) under ``tmp_path``; returns (cache dir, its .aot)."""
+    _, first = cold
+    src = pathlib.Path(first["path"])
+    mine = tmp_path / "cache" / "compile"
+    mine.mkdir(parents=True)
+    for suffix in (".bin", ".aot"):
+        (mine / src.with_suffix(suffix).name).write_bytes(src.with_suffix(suffix).read_bytes())
+    return tmp_path / "cache", mine / src.with_suffix(".aot").name
+
+
+def test_corrupt_aot_artifact_is_a_warning_and_a_retrace_that_rewrites_it(cold, tmp_path):
+    _, first = cold
+    cache, aot = _aot_copy(cold, tmp_path)
+    good = aot.read_bytes()
+    aot.write_bytes(good[: len(good) // 2])  # truncated
+    result = _run(cache, tmp_path / "inductor")
+    assert "AOT forward" in result["stderr"] and "unusable" in result["stderr"], result["stderr"][-3000:]
+    assert "truncated" in result["stderr"]
+    assert result["aot"] == "saved" and result["traced"] == 1 and result["trace"] == "dynamo"
+    assert result["status"] == "hit" and result["misses"] == 0  # Inductor's artifacts still load: no compile
+    assert result["logits"] == first["logits"]
+    assert aot.stat().st_size > len(good) // 2  # rewritten
+    again = _run(cache, tmp_path / "inductor2")
+    assert again["aot"] == "loaded" and again["traced"] == 0 and again["logits"] == first["logits"]
+
+
+def test_aot_artifact_with_a_bad_payload_is_a_warning_and_a_retrace(cold, tmp_path):
+    _, first = cold
+    cache, aot = _aot_copy(cold, tmp_path)
+    header = compile_cache.read_header(aot)
+    payload = pickle.dumps({"format": 1, "code": b"not bytecode"})  # intact file, not an artifact this code can use
+    header.update(payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
+    compile_cache.write_atomic(aot, compile_cache._encode(header, payload))
+    result = _run(cache, tmp_path / "inductor")
+    assert "AOT forward" in result["stderr"] and "unusable" in result["stderr"]
+    assert result["aot"] == "saved" and result["traced"] == 1 and result["misses"] == 0
+    assert result["logits"] == first["logits"]
+
+
+def test_aot_off_switch_traces(cold, tmp_path):
+    _, first = cold
+    cache, aot = _aot_copy(cold, tmp_path)
+    before = aot.read_bytes()
+    result = _run(cache, tmp_path / "inductor", DYNAMO_ONCE_AOT="0")
+    assert result["aot"] == "off" and result["aot_loads"] == 0 and result["traced"] == 1
+    assert result["dynamo_graphs"] == 1 and result["trace"] == "dynamo"
+    assert result["status"] == "hit" and result["misses"] == 0 and result["logits"] == first["logits"]
+    assert aot.read_bytes() == before  # neither read nor written
 
 
 def test_garbage_entry_is_a_warning_and_a_recompile(cold, tmp_path):
@@ -147,9 +211,10 @@ class Small(torch.nn.Module):
     def __init__(self, width: int = 8):
         super().__init__()
         self.proj = torch.nn.Linear(8, width)
+        self.factor = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.proj(x)) * scale()
+        return torch.relu(self.proj(x)) * scale() * self.factor
 '''
 
 
@@ -202,6 +267,44 @@ def test_off_switch_in_process(model_module, monkeypatch, tmp_path):
         model(torch.randn(4, 8))
     assert model.compile_cache is None
     assert not (tmp_path / "cache").exists()
+
+
+def _small(module_name: str, factor: float = 1.0) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A ``Small`` (same weights each time) with ``factor`` set, and its first call's output."""
+    module = importlib.import_module(module_name)
+    torch.manual_seed(0)
+    with set_compilation_config(CompilationConfig(level=3, use_cudagraph=False)):
+        model = module.Small()
+    model.factor = factor
+    with torch.no_grad():
+        return model, model(torch.arange(32.0).reshape(4, 8) / 32)
+
+
+def test_aot_forward_in_process_and_what_it_is_specialized_on(model_module):
+    _, name = model_module
+    first, out = _small(name)
+    assert first.aot_status == "saved"
+    with compilation_counter.expect(num_graphs_seen=0, num_aot_loads=1, num_codes_captured=0):
+        second, again = _small(name)
+    assert second.aot_status == "loaded" and torch.equal(out, again)
+    x = torch.randn(7, 8)  # another size of the dynamic dim: dispatched, no trace
+    with torch.no_grad(), compilation_counter.expect(num_graphs_seen=0, num_dispatched_calls=2):
+        assert torch.equal(second(x), first(x))
+    with pytest.raises(Exception, match="dtype|float64"):  # the input checks of a traced forward hold too
+        second(x.double())
+    # A plain attribute the trace baked in differs: the artifact is not used, the model is traced.
+    with compilation_counter.expect(num_graphs_seen=1, num_aot_loads=0):
+        third, scaled = _small(name, factor=5.0)
+    assert third.aot_status == "saved" and torch.allclose(scaled, 5 * out)
+
+
+def test_aot_off_switch_in_process(model_module, monkeypatch):
+    _, name = model_module
+    _small(name)
+    monkeypatch.setenv("DYNAMO_ONCE_AOT", "0")
+    with compilation_counter.expect(num_graphs_seen=1, num_aot_loads=0):
+        model, _ = _small(name)
+    assert model.aot_status == "off"
 
 
 # ---------------------------------------------------------------- the CLI
