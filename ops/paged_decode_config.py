@@ -42,6 +42,10 @@ class DecodeConfig:
         fused_write: the decode kernel also writes the decode sequences' new keys and values to the cache (the
             caller's separate cache-write launch then covers the other tokens only; none in a decode-only step),
             when the caller passes them (``paged_decode_launch``'s ``new_kv``).
+
+    Both fusions are off by default: measured on the H200 (llama-3-8b, level-3 whole-step graph, context 512,
+    ``benchmarks.kernel_profile``) the fused write made the split kernel 112 µs a layer at batch 128 against 72
+    without it, and alone (``benchmarks.attention``) the fused forms took 14.0 µs at batch 1 against 7.8.
     """
 
     num_splits: int | None = None
@@ -52,8 +56,8 @@ class DecodeConfig:
     num_stages: int = 3
     merge_warps: int = 4
     heads_first: bool = False
-    fused_merge: bool = True
-    fused_write: bool = True
+    fused_merge: bool = False
+    fused_write: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):

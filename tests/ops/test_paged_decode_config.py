@@ -133,7 +133,8 @@ def test_compile_only_passes_the_launch_arguments_to_warmup(monkeypatch):
     for launched, warmed in zip(calls[:2], calls[2:]):
         assert launched[2:] == warmed[2:]
     calls.clear()  # the fused merge: the split kernel alone
-    plan = DecodePlan(table, seq_lens, HEADS, KV_HEADS, HEAD, cache.shape[2], CPU, config=DecodeConfig(num_splits=4))
+    plan = DecodePlan(table, seq_lens, HEADS, KV_HEADS, HEAD, cache.shape[2], CPU,
+                      config=DecodeConfig(num_splits=4, fused_merge=True))
     pa.paged_decode_launch(plan, q, cache, out, SCALE, 7, None)
     pa.paged_decode_launch(plan, q, cache, out, SCALE, 7, None, compile_only=True)
     assert [c[:2] for c in calls] == [("launch", "split"), ("warmup", "split")] and calls[0][2:] == calls[1][2:]
