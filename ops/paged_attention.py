@@ -129,8 +129,9 @@ def _decode_split_kernel(
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
     # heads_first (runtime 0 / 1): the grid is (KV heads, sequences, splits) (DecodeConfig.heads_first says why).
     # FUSED_WRITE: this step's key and value of the sequence (k_new / v_new row b, to flat slot slot_ptr[b], its
-    # position seq_len - 1) are written here by the one program whose range holds that position, which takes
-    # them from registers, never from the cache: no program of the launch reads a slot one of them writes.
+    # position seq_len - 1) are written here by the one program whose range holds that position, which adds
+    # them to its softmax from registers (after its loop, which skips the position): no program of the launch
+    # reads a slot one of them writes.
     # FUSED_MERGE: the last of the sequence's splits to arrive (counter_ptr, see _arrive_and_merge) merges.
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
@@ -211,7 +212,7 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                   FUSED_WRITE: tl.constexpr):
     """The online softmax of q over positions ``[max(start, p0 * PAGE), end)``: ``(m, l, acc)``. FUSED_WRITE: the
-    position ``last`` from k_new / v_new (registers), not the cache."""
+    position ``last`` from k_new / v_new (registers), not the cache (whose slot this launch writes)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_D
@@ -222,18 +223,15 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
     for pos0 in range(p0 * PAGE, end, BLOCK_N):
         k_pos = pos0 + offs_n
         n_mask = (k_pos < end) & (k_pos >= start)
+        if FUSED_WRITE:  # the new token's position is added after the loop, from registers
+            n_mask = n_mask & (k_pos != last)
         block = tl.load(table_ptr + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
         off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
-        ld_mask = n_mask
-        if FUSED_WRITE:
-            ld_mask = n_mask & (k_pos != last)
         if EVEN_D:  # a mask constant along each row: 16-byte vector loads of K and V
-            kv_mask = ld_mask[:, None]
+            kv_mask = n_mask[:, None]
         else:
-            kv_mask = ld_mask[:, None] & d_mask[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if FUSED_WRITE:
-            k = tl.where((k_pos == last)[:, None], k_new[None, :], k)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -243,18 +241,38 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
             qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)  # tanh
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        m_ref = m_new
+        if FUSED_WRITE:  # a chunk may hold no key but the new token's: all -inf, which must add nothing
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
-        if FUSED_WRITE:
-            v = tl.where((k_pos == last)[:, None], v_new[None, :], v)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if FUSED_WRITE:
+        m_i, l_i, acc = _add_new_token(q, k_new, v_new, m_i, l_i, acc, (p0 * PAGE <= last) & (last < end), scale,
+                                       soft_cap, USE_SOFTCAP)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _add_new_token(q, k_new, v_new, m_i, l_i, acc, covers, scale, soft_cap, USE_SOFTCAP: tl.constexpr):
+    """The online softmax state after one more key, the new token's (registers), where this split ``covers`` its
+    position; unchanged elsewhere. Off the loop, whose K and V loads then go to ``tl.dot`` untouched."""
+    qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # [BLOCK_G]
+    if USE_SOFTCAP:
+        qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)
+    qk = tl.where(covers, qk, float("-inf"))
+    m_new = tl.maximum(m_i, qk)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(qk - m_ref)
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+    return m_new, l_i * alpha + p, acc
 
 
 @triton.jit

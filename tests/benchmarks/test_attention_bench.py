@@ -65,6 +65,13 @@ def test_case_runs_every_candidate_kind_in_the_interpreter(monkeypatch):
         torch.testing.assert_close(case.out, tables_ref, rtol=1e-5, atol=1e-5)
     A.paged_decode_launch(A.plans(case, None)[0], case.q, case.cache, case.out, A.SCALE)
     torch.testing.assert_close(case.out, ref, rtol=1e-5, atol=1e-5)
+    # As the benchmark times a call: the new tokens written too (copy 0's cache left as it was), in every form.
+    before = case.cache.clone()
+    for form in ({}, *A.FORMS):
+        case.out.fill_(float("nan"))
+        A.call(case, A.plans(case, DecodeConfig(num_splits=4, BLOCK_N=16, **form))[0], case.slots[0])
+        torch.testing.assert_close(case.out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(case.cache, before) and not case.counters.any()
 
 
 def test_sweep_flow_writes_its_files(monkeypatch, tmp_path, capsys):

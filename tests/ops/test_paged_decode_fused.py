@@ -94,9 +94,9 @@ def check(bt: Batch, config: DecodeConfig, repeats: int = 1, **kw) -> None:
 @pytest.mark.parametrize("kw", WINDOWS, ids=WINDOW_IDS)
 @pytest.mark.parametrize("splits", [1, 2, 4, 8])
 def test_fused_forms_equal_the_references(splits, kw, form):
-    """Contexts from none (the new token alone) to several splits' worth, a new token opening a block, one at a
-    block's end; repeated calls."""
-    bt = new_batch([0, 5, 38, 7, 3])
+    """Contexts from none (the new token alone) to several splits' worth, a new token opening a block (context 4:
+    with 2 or more splits, the last split's range is the new token alone), one at a block's end; repeated calls."""
+    bt = new_batch([0, 5, 38, 7, 3, 4])
     check(bt, DecodeConfig(num_splits=splits, BLOCK_N=16, fused_merge=form[0], fused_write=form[1]), repeats=2, **kw)
 
 
