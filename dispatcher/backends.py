@@ -37,8 +37,8 @@ def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict
         options["max_autotune"] = True
     if level >= CompilationLevel.INDUCTOR:
         option = compat.POST_GRAD_PASS_OPTION
-        options[option] = build_pass_manager(config.pass_config, options.get(option),
-                                             envs.sequence_parallel_min_tokens())
+        min_tokens = envs.sequence_parallel_min_tokens() if config.pass_config.enabled("sequence_parallel") else None
+        options[option] = build_pass_manager(config.pass_config, options.get(option), min_tokens)
     return options
 
 
