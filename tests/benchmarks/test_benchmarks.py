@@ -75,7 +75,7 @@ def test_tp_decode_sp_measures_the_prefill_with_and_without_the_rewrite(tmp_path
     assert [(r["tp"], r["variant"], r["what"].split()[0]) for r in rows] == [
         (2, v, "prefill") for v in ("plain", "sp", "sp, no async")]
     assert all(r["us"] > 0 for r in rows)
-    assert counts.matches["sequence_parallel"] == 2 * 4  # tiny-llama's 4 sites, in each rewritten LLM's 64-token compile
+    assert counts.matches["sequence_parallel"] == 2 * 4  # tiny-llama: 4 sites in each rewritten 64-token compile
     assert [r["sp_rewrites"] for r in rows] == [0, 4, 4]
     assert len(read_csv(tmp_path / "tp_decode_sp_quick.csv")) == 3
 
