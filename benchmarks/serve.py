@@ -1,8 +1,8 @@
 """The OpenAI-compatible server against offline ``LLM.generate`` on the same ``models.LLM`` (issue 14).
 
 For each model (built-in random weights, level 3), the server runs in the LLM's process (uvicorn in a
-thread, 127.0.0.1, an ephemeral port) and the official ``openai`` client (``AsyncOpenAI``, in a process of
-its own, as a load generator runs) drives ``/v1/completions`` with
+thread, 127.0.0.1, an ephemeral port) and the official ``openai`` client (``AsyncOpenAI``, in processes of
+their own, ``--clients-per-proc`` clients each, as a load generator runs) drives ``/v1/completions`` with
 token-id prompts of ``--prompt-len`` random tokens and ``ignore_eos`` (the vLLM extension the server
 takes), so every request generates exactly ``--max-tokens`` tokens:
 
@@ -11,7 +11,9 @@ takes), so every request generates exactly ``--max-tokens`` tokens:
   ``LLM.generate`` on the same request;
 - concurrency C (``--concurrency``, default 16, 64): C requests (asyncio tasks) released together, output
   tokens/s = all their tokens / (last response - release), against ``LLM.generate`` of the same C
-  requests as one list (tokens / its wall time).
+  requests as one list (tokens / its wall time). Where the last batch's time went: its requests' arrivals
+  at the engine after the release (``arrive_ms``), the engine's busy time from the first (``engine_ms``),
+  the last step to the last response (``tail_ms``), its steps and mixed steps against offline's.
 
 Built-in models have no tokenizer, and the server streams text: the LLM gets :class:`IdTokenizer`, which
 writes token ``i`` as ``" i"`` (the offline runs detokenize with it too, so both sides pay the same).
@@ -54,15 +56,26 @@ class IdTokenizer:
         return "".join(f" {int(i)}" for i in ids)
 
 
-def start_server(llm: Any, model_name: str) -> tuple[str, Any]:
-    """uvicorn serving ``llm`` in a daemon thread on a free port of 127.0.0.1; (base url, server)."""
+def start_server(llm: Any, model_name: str, arrivals: list[float] | None = None) -> tuple[str, Any]:
+    """uvicorn serving ``llm`` in a daemon thread on a free port of 127.0.0.1; (base url, server). With
+    ``arrivals``, the time each non-streamed request reaches the engine is appended to it."""
     import uvicorn
 
     from models.serve.app import build_app
 
+    app = build_app(llm, model_name)
+    if arrivals is not None:
+        engine = app.state.engine
+        generate = engine.generate
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            arrivals.append(time.perf_counter())
+            return await generate(*args, **kwargs)
+
+        engine.generate = timed
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     deadline = time.monotonic() + 60
     while not server.started:
@@ -98,46 +111,86 @@ async def _stream_one(client: Any, model: str, prompt: list[int], max_tokens: in
     return (last - first) / after_first * 1e3
 
 
-async def _batch(client: Any, model: str, batch: list[list[int]], max_tokens: int) -> float:
-    """All of ``batch`` at once, one request each (not streamed); output tokens / wall time."""
+async def _batch(client: Any, model: str, batch: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """All of ``batch`` at once, one request each (not streamed): their output tokens and the time the last
+    response came (``time.perf_counter``: CLOCK_MONOTONIC, one clock for every process of the machine)."""
     async def one(prompt: list[int]) -> int:
         r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                             extra_body={"ignore_eos": True})
         return r.usage.completion_tokens
 
-    t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in batch))
-    wall = time.perf_counter() - t0
     if sum(counts) != max_tokens * len(batch):
         raise RuntimeError(f"{len(batch)} requests gave {sum(counts)} tokens, not {max_tokens * len(batch)}")
-    return sum(counts) / wall
+    return dict(tokens=sum(counts), done=time.perf_counter())
 
 
-async def _client_run(job: dict[str, Any]) -> list[float]:
+async def _client_run(job: dict[str, Any]) -> None:
+    """Per batch: say ``ready``, read the release time (a line of stdin), wait for it, run the batch, print
+    its result (a JSON line)."""
     import openai
 
     # The client's connection pool (1000 by default) lets every request of a batch run at once.
     async with openai.AsyncOpenAI(base_url=job["url"], api_key="none", max_retries=0, timeout=600) as client:
-        if job["stream"]:
-            return [await _stream_one(client, job["model"], b[0], job["max_tokens"]) for b in job["batches"]]
-        return [await _batch(client, job["model"], b, job["max_tokens"]) for b in job["batches"]]
+        for b in job["batches"]:
+            print("ready", flush=True)
+            release = float(sys.stdin.readline())
+            await asyncio.sleep(max(0.0, release - time.perf_counter()))
+            if job["stream"]:
+                result: Any = await _stream_one(client, job["model"], b[0], job["max_tokens"])
+            else:
+                result = await _batch(client, job["model"], b, job["max_tokens"]) if b else None
+            print(json.dumps(result), flush=True)
 
 
 def client_main() -> None:
-    """The clients' process: a JSON job on stdin, one figure per batch as a JSON list on stdout."""
-    print(json.dumps(asyncio.run(_client_run(json.load(sys.stdin)))), flush=True)
+    """A clients' process: a JSON job on the first line of stdin (see :func:`_client_run`)."""
+    asyncio.run(_client_run(json.loads(sys.stdin.readline())))
 
 
-def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens: int, stream: bool) -> list[float]:
-    """The requests from another process (as a load generator runs: the clients' HTTP and JSON work off the
-    server's interpreter), one ``asyncio`` task a request; per batch: streamed ms per token (one prompt a
-    batch) or tokens/s."""
-    job = dict(url=url, model=model, batches=batches, max_tokens=max_tokens, stream=stream)
-    out = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--client"], input=json.dumps(job),
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"the clients' process failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens: int, stream: bool,
+                per_proc: int = 0) -> list[tuple[float, float]]:
+    """The requests from other processes, one ``asyncio`` task a request, ``per_proc`` requests a process (0:
+    one process for all). Each batch is released to every process at once; per batch: (streamed ms per token
+    (one prompt a batch) or output tokens/s, the release time).
+
+    As a load generator runs: the clients' HTTP and JSON work stays off the server's interpreter. More than
+    one process for many clients, as many clients are: the ``openai`` client spends ~1 ms of CPU building a
+    request, and one event loop builds all of a batch's before its first is sent (each task yields at its
+    send), so 64 clients in one process reach the server only after ~64 of them, time the server never saw.
+    """
+    size = max(len(b) for b in batches)
+    procs = 1 if stream or not per_proc else -(-size // per_proc)
+    children = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve", "--client"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    results = []
+    try:
+        for i, child in enumerate(children):
+            job = dict(url=url, model=model, batches=[b[i::procs] for b in batches], max_tokens=max_tokens,
+                       stream=stream)
+            child.stdin.write(json.dumps(job) + "\n")
+            child.stdin.flush()
+        for b in batches:
+            for child in children:
+                if child.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a clients' process failed (its stderr is above)")
+            release = time.perf_counter() + 0.05
+            for child in children:
+                child.stdin.write(f"{release}\n")
+                child.stdin.flush()
+            got = [json.loads(child.stdout.readline()) for child in children]
+            if stream:
+                results.append((got[0], release))
+            else:
+                done = [g for g in got if g is not None]
+                wall = max(g["done"] for g in done) - release
+                results.append((sum(g["tokens"] for g in done) / wall, release))
+    finally:
+        for child in children:
+            child.stdin.close()
+            if child.wait(60) != 0:
+                raise RuntimeError(f"a clients' process failed (rc {child.returncode})")
+    return results
 
 
 def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -154,11 +207,15 @@ def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, f
     return llm.stats.median_decode_step_s * 1e3, tokens / wall
 
 
-def row(model: str, concurrency: int, metric: str, served: float, off: float) -> dict[str, Any]:
+COLUMNS = ["model", "concurrency", "metric", "served", "offline", "ratio", "target", "arrive_ms", "engine_ms",
+           "tail_ms", "steps", "mixed"]
+
+
+def row(model: str, concurrency: int, metric: str, served: float, off: float, **where: Any) -> dict[str, Any]:
     ratio = served / off
     ok = ratio <= TARGETS[metric] if metric == "ms/token" else ratio >= TARGETS[metric]
     r = dict(model=model, concurrency=concurrency, metric=metric, served=round(served, 3),
-             offline=round(off, 3), ratio=round(ratio, 3), target=("PASS" if ok else "MISS"))
+             offline=round(off, 3), ratio=round(ratio, 3), target=("PASS" if ok else "MISS"), **where)
     print(r, flush=True)
     return r
 
@@ -170,14 +227,15 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     cmax = max(a.concurrency)
     llm = LLM(name, level=a.level, max_num_tokens=max(512, cmax), max_num_seqs=cmax, dtype=dtype,
               device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer())
-    url, server = start_server(llm, name)
+    arrivals: list[float] = []
+    url, server = start_server(llm, name, arrivals)
     rows = []
     try:
         one = prompts(a.repeats, a.prompt_len, llm.vocab_size, seed=1)
         offline(llm, one[:1], a.max_tokens)  # warm-up, both sides
         run_clients(url, name, [one[:1]], a.max_tokens, stream=True)
         off = statistics.median(offline(llm, [p], a.max_tokens)[0] for p in one)
-        srv = statistics.median(run_clients(url, name, [[p] for p in one], a.max_tokens, stream=True))
+        srv = statistics.median(t for t, _ in run_clients(url, name, [[p] for p in one], a.max_tokens, stream=True))
         rows.append(row(name, 1, "ms/token", srv, off))
         for c in a.concurrency:
             if c == 1:
@@ -185,33 +243,56 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
             batch = prompts(c, a.prompt_len, llm.vocab_size, seed=c)
             offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs
             off = statistics.median(offline(llm, batch, a.max_tokens)[1] for _ in range(a.batch_repeats))
+            off_stats = llm.stats
             # The first batch warms the clients' connections; the median of the others.
-            srv = statistics.median(run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens,
-                                                stream=False)[1:])
-            rows.append(row(name, c, "tokens/s", srv, off))
+            runs = run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens, False, a.clients_per_proc)
+            srv = statistics.median(t for t, _ in runs[1:])
+            where = breakdown(llm.stats, off_stats, [t - runs[-1][1] for t in arrivals[-c:]],
+                              c * a.max_tokens / runs[-1][0])
+            rows.append(row(name, c, "tokens/s", srv, off, **where))
     finally:
         server.should_exit = True
     del llm
     return rows
 
 
+def breakdown(served: Any, off: Any, arrivals: list[float], wall: float) -> dict[str, Any]:
+    """Where the last served batch's time went (seconds since its release, in ms): its requests' arrivals at
+    the engine (first-last), the engine's busy time from the first, from the last step to the last response;
+    its steps and mixed (prefill + decode) steps against the last offline run's."""
+    engine_end = min(arrivals) + served.total_s
+    return dict(arrive_ms=f"{min(arrivals) * 1e3:.1f}-{max(arrivals) * 1e3:.1f}",
+                engine_ms=round(served.total_s * 1e3, 1), tail_ms=round((wall - engine_end) * 1e3, 1),
+                steps=f"{served.num_steps}/{off.num_steps}", mixed=f"{served.num_mixed_steps}/{off.num_mixed_steps}")
+
+
 def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device, tag: str) -> None:
     common.write_results(
-        f"serve{tag}", rows, title="OpenAI-compatible server against offline LLM.generate", device=device,
+        f"serve{tag}", rows, COLUMNS, title="OpenAI-compatible server against offline LLM.generate", device=device,
         out_dir=a.out,
         notes=[f"prompts of {a.prompt_len} random token ids, {a.max_tokens} output tokens each (ignore_eos), "
-               f"greedy; level {a.level}; server in the LLM's process on 127.0.0.1, the clients in another "
-               "(openai.AsyncOpenAI, one asyncio task a request)",
+               f"greedy; level {a.level}; server in the LLM's process on 127.0.0.1, the clients in others "
+               f"(openai.AsyncOpenAI, one asyncio task a request, {a.clients_per_proc or 'all'} a process)",
                "ms/token (concurrency 1): served = streamed (last token - first token) / tokens after the first; "
                f"offline = LLM.generate's median decode step; median of {a.repeats} requests; target ratio <= 1.05",
                f"tokens/s: all clients released together; offline = LLM.generate of the same requests as one list; "
-               f"median of {a.batch_repeats}; target ratio >= 0.9"])
+               f"median of {a.batch_repeats}; target ratio >= 0.9",
+               "the last batch: arrive_ms = its requests' arrivals at the engine (ms after the release, first-last), "
+               "engine_ms = the engine's busy time from the first, tail_ms = its last step to the last response; "
+               "steps, mixed (prefill + decode) steps: served/offline"])
     speed = [dict(model=r["model"], concurrency=r["concurrency"],
                   pct=round(100 * (1 / r["ratio"] if r["metric"] == "ms/token" else r["ratio"]), 1)) for r in rows]
     common.plot_lines(f"serve{tag}", speed, x="concurrency", y="pct", series="model", logx=True, out_dir=a.out,
                       title=f"Served speed as % of offline ({common.device_name(device)})",
                       xlabel="concurrent clients", ylabel="% of offline (1: per token; else tokens/s)",
                       hlines={"target c=1": 100 / TARGETS["ms/token"], "target c>1": 100 * TARGETS["tokens/s"]})
+
+
+def quick_defaults(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--quick``: concurrency 1 and 4, 16-token prompts, 8 tokens, 2 and 1 repeats, unless given."""
+    for key, quick in dict(concurrency="1,4", prompt_len=16, max_tokens=8, repeats=2, batch_repeats=1).items():
+        if getattr(a, key) == parser.get_default(key):
+            setattr(a, key, quick)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -223,6 +304,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--repeats", type=int, default=5, help="requests at concurrency 1 (median)")
     p.add_argument("--batch-repeats", type=int, default=3, help="runs at each concurrency > 1 (median)")
     p.add_argument("--level", type=int, default=3)
+    p.add_argument("--clients-per-proc", type=int, default=8,
+                   help="clients a load-generating process runs (0: all in one process)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -230,10 +313,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if a.client:
         client_main()
         return []
+    if a.quick:
+        quick_defaults(a, p)
     a.concurrency = sorted({1, *(int(c) for c in a.concurrency.split(","))})
     if a.quick:
         device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]
-        a.concurrency, a.prompt_len, a.max_tokens, a.repeats, a.batch_repeats = [1, 4], 16, 8, 2, 1
     else:
         device, dtype, names = torch.device("cuda"), torch.bfloat16, a.models.split(",")
     rows: list[dict[str, Any]] = []
