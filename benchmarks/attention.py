@@ -16,7 +16,7 @@ the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the ou
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
 BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape; then the fastest
-six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the unfused merge and cache
+six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the fused merge and cache
 write), timed the same way, after a pass that compiles them all (in
 parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
 seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
@@ -52,10 +52,9 @@ SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
 TOP_FLIPPED = 6  # the sweep's fastest configs per shape timed again in each of the other forms (FORMS)
-#: The other forms the fastest configs are timed in again: the other grid order, and the unfused kernels (the merge
-#: kernel; the cache-write kernel; both: the three-launch form).
-FORMS = ({"heads_first": True}, {"fused_merge": False}, {"fused_write": False},
-         {"fused_merge": False, "fused_write": False})
+#: The other forms the fastest configs are timed in again: the other grid order, and the fused kernels (the merge in
+#: the split kernel; the cache write in it; both: one launch). The candidates take DecodeConfig's defaults (unfused).
+FORMS = ({"heads_first": True}, {"fused_merge": True}, {"fused_write": True}, {"fused_merge": True, "fused_write": True})
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -215,7 +214,7 @@ def precompile(batches: list[int], device: str, num_sms: int, workers: int) -> N
                     continue
                 seen.add(key)
                 try:
-                    for form in ({}, *FORMS[1:]):  # the unfused forms too: the sweep times some of them
+                    for form in ({}, *FORMS[1:]):  # the fused forms too: the sweep times some of them
                         call(case, plans(case, dataclasses.replace(cfg, **form))[0], case.slots[0], compile_only=True)
                 except Exception as e:  # a config Triton cannot build: the sweep reports it again
                     print(f"precompile {cfg}: {type(e).__name__}: {e}", flush=True)
@@ -244,7 +243,7 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
                          "table": _resolved(cfg, batch, num_sms) == table})
 
     measure(sweep_candidates(batch, num_sms))
-    # The other forms (grid order, unfused kernels): the fastest few again in each.
+    # The other forms (grid order, fused kernels): the fastest few again in each.
     top = sorted((r for r in rows if r["correct"]), key=lambda r: r["us"])[:TOP_FLIPPED]
     measure([dataclasses.replace(DecodeConfig(**{k: r[k] for k in _CONFIG_FIELDS}), **form)
              for form in FORMS for r in top])

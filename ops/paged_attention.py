@@ -123,7 +123,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_S: tl.constexpr,
+    FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
@@ -167,7 +167,7 @@ def _decode_split_kernel(
             n_kvh = tl.where(heads_first != 0, tl.num_programs(0), tl.num_programs(1))
             _arrive_and_merge(counter_ptr + b * n_kvh + kvh, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_splits,
                               stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_t,
-                              GROUP, HEAD_D, BLOCK_D, MERGE_S)
+                              GROUP, HEAD_D, BLOCK_D, MERGE_G, MERGE_S)
 
 
 @triton.jit
@@ -278,7 +278,8 @@ def _add_new_token(q, k_new, v_new, m_i, l_i, acc, covers, scale, soft_cap, USE_
 @triton.jit
 def _arrive_and_merge(counter, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_splits,
                       stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_o_t,
-                      GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_S: tl.constexpr):
+                      GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+                      MERGE_S: tl.constexpr):
     """After a split's partial results are stored: count its arrival at the (sequence, KV head)'s counter; the
     last of the ``num_splits`` to arrive merges them all and resets the counter to 0 for the next launch.
 
@@ -290,20 +291,23 @@ def _arrive_and_merge(counter, mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh, num_spli
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        offs_s = tl.arange(0, MERGE_S)
-        offs_d = tl.arange(0, BLOCK_D)
-        s_mask = offs_s < num_splits
-        d_mask = offs_d < HEAD_D
-        for g in range(GROUP):  # one head's [MERGE_S, BLOCK_D] partials live at a time; fixed sum order
-            h = kvh * GROUP + g
-            lse = tl.load(mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_mask,
-                          other=float("-inf"), cache_modifier=".cg")  # [S]; split 0 is never empty
-            o = tl.load(mid_o_ptr + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s
-                        + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.exp(lse - tl.max(lse, 0))
-            w = tl.where(lse == float("-inf"), 0.0, w)
-            res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-            tl.store(out_ptr + b * stride_o_t + h * HEAD_D + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+        # Every split of the GROUP heads at once, [MERGE_G, MERGE_S, BLOCK_D]: one round of loads, no dependent
+        # ones; the sums in one fixed order (the same at every launch).
+        offs_g = tl.arange(0, MERGE_G)[:, None]
+        offs_s = tl.arange(0, MERGE_S)[None, :]
+        offs_d = tl.arange(0, BLOCK_D)[None, None, :]
+        gs_mask = (offs_g < GROUP) & (offs_s < num_splits)  # [G, S]
+        heads = kvh * GROUP + offs_g
+        lse = tl.load(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + offs_s, mask=gs_mask,
+                      other=float("-inf"), cache_modifier=".cg")  # split 0 is never empty
+        o = tl.load(mid_o_ptr + b * stride_mo_b + (heads * stride_mo_h + offs_s * stride_mo_s)[:, :, None] + offs_d,
+                    mask=gs_mask[:, :, None] & (offs_d < HEAD_D), other=0.0, cache_modifier=".cg")
+        w = tl.exp(lse - tl.max(lse, 1)[:, None])
+        w = tl.where(lse == float("-inf"), 0.0, w)
+        res = tl.sum(o * w[:, :, None], 1) / tl.sum(w, 1)[:, None]  # [G, BLOCK_D]
+        d_row = tl.arange(0, BLOCK_D)[None, :]
+        tl.store(out_ptr + b * stride_o_t + heads * HEAD_D + d_row, res.to(out_ptr.dtype.element_ty),
+                 mask=(offs_g < GROUP) & (d_row < HEAD_D))
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has arrived: none counts after this
 
 
@@ -457,8 +461,8 @@ class DecodePlan:
             self.counters = counters
         self.fused_merge = self.counters is not None  # one launch: no merge kernel
         self.fused_write = cfg.fused_write  # paged_decode_launch's new_kv are written by the decode kernel
-        # The merge's split tile: one compile for every count up to 32 (the sweep's), the count itself above.
-        self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_S=max(32, splits) if self.fused_merge else 1)
+        self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
+                                     MERGE_S=splits if self.fused_merge else 1)
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results

@@ -253,7 +253,8 @@ def test_decode_plan_of_one_split_has_no_partial_results():
 
     table, lens = torch.zeros(4, 3, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
     plan = DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"), num_splits=1)
-    assert plan.mid_o is None and plan.mid_lse is None and plan.split_grid == (4, KV_HEADS, 1)
+    assert plan.mid_o is None and plan.mid_lse is None
+    assert plan.split_grid == ((KV_HEADS, 4, 1) if plan.heads_first else (4, KV_HEADS, 1))  # the table row's order
     with pytest.raises(ValueError, match="num_splits must be a power of two .* got 3"):
         DecodePlan(table, lens, HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"), num_splits=3)
 

@@ -24,6 +24,7 @@ FORMS = [(True, True), (True, False), (False, True)]
 FORM_IDS = ["merge+write", "merge", "write"]
 WINDOWS = [{}, {"sliding_window": 7}, {"logits_soft_cap": 5.0}]
 WINDOW_IDS = ["plain", "window", "softcap"]
+FUSED = {"fused_merge": True, "fused_write": True}  # both off by default (the table's rows): asked for here
 
 
 @dataclasses.dataclass
@@ -106,7 +107,7 @@ def test_fused_forms_equal_the_references(splits, kw, form):
 def test_page_16_gqa_and_a_head_size_no_power_of_two(splits, group):
     bt = new_batch([0, 15, 16, 46, 79], page=16, kv_heads=2, group=group, head=24, seed=group)
     for kw in ({}, {"sliding_window": 20}):
-        check(bt, DecodeConfig(num_splits=splits, BLOCK_N=32), **kw)
+        check(bt, DecodeConfig(num_splits=splits, BLOCK_N=32, **FUSED), **kw)
 
 
 @pytest.mark.interpret
@@ -114,8 +115,8 @@ def test_page_16_gqa_and_a_head_size_no_power_of_two(splits, group):
 def test_several_batches_at_the_table_rule(contexts):
     """The table's own split count (None: the two-wave rule on the interpreter's 8 'SMs')."""
     bt = new_batch(contexts, seed=len(contexts))
-    check(bt, DecodeConfig(BLOCK_N=16), repeats=2)
-    check(bt, DecodeConfig(num_splits=8, BLOCK_N=16), **{"sliding_window": 9})
+    check(bt, DecodeConfig(BLOCK_N=16, **FUSED), repeats=2)
+    check(bt, DecodeConfig(num_splits=8, BLOCK_N=16, **FUSED), **{"sliding_window": 9})
 
 
 @pytest.mark.interpret
@@ -124,7 +125,7 @@ def test_layers_share_the_workspace_counters():
     them; each call's results equal the references."""
     ws = DecodeWorkspace(8)
     bts = [new_batch([5, 38, 70], seed=s) for s in (1, 2)]
-    cfg = DecodeConfig(num_splits=4, BLOCK_N=16)
+    cfg = DecodeConfig(num_splits=4, BLOCK_N=16, **FUSED)
     plans = [DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, CPU, config=cfg,
                         workspace=ws.get(bt.heads, bt.kv_heads, bt.head, CPU), counters=ws.counters(bt.kv_heads, CPU))
              for bt in bts]
@@ -169,10 +170,11 @@ def test_counters_are_never_allocated_under_capture(monkeypatch):
     assert ws.counters(2, cuda) is None and not ws._buffers
     bt = new_batch([5, 38])
     scratch = torch.empty(1 << 16)
-    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, cuda, num_splits=4, workspace=scratch)
+    cfg = DecodeConfig(num_splits=4, **FUSED)
+    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, cuda, 4, workspace=scratch, config=cfg)
     assert plan.counters is None and not plan.fused_merge and plan.split_constexprs["FUSED_MERGE"] is False
     ok = torch.zeros(2 * bt.kv_heads, dtype=torch.int32)  # counters given (the workspace's): fused under capture
-    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, cuda, num_splits=4, workspace=scratch,
+    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, cuda, 4, workspace=scratch, config=cfg,
                       counters=ok)
     assert plan.counters is ok and plan.fused_merge
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -181,7 +183,8 @@ def test_counters_are_never_allocated_under_capture(monkeypatch):
 
 def test_one_split_has_no_merge_and_no_counters():
     bt = new_batch([5])
-    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, CPU, num_splits=1)
+    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, CPU, num_splits=1,
+                      config=DecodeConfig(**FUSED))
     assert plan.counters is None and not plan.fused_merge and plan.fused_write
 
 
