@@ -135,15 +135,17 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
 
     The step's decode plan (:meth:`AttentionMetadata.decode_plan`) is built by the first layer and reused by
     the others; the decode kernels write rows ``0..num_decodes-1`` of the output in place (no slices of q,
-    no copy), and every launch goes through ``ops.triton_utils.FastLaunch``. The decodes' new keys and values
-    go to the decode launch (which writes them itself under the plan's ``fused_write``: a decode-only step is
-    then one launch a layer with ``fused_merge``); the cache-write launch takes the other tokens only.
+    no copy), and every launch goes through ``ops.triton_utils.FastLaunch``. Under the plan's ``fused_write`` the
+    decodes' new keys and values go to the decode launch, which writes them itself (a decode-only step is then one
+    launch a layer with ``fused_merge``), and the cache-write launch takes the other tokens only; else it takes
+    them all, as one launch.
     """
     nd = md.num_decodes
     plan = md.decode_plan(num_heads, kv_cache.shape[3], head_size, kv_cache.shape[2], q.device) if nd else None
+    fused_write = plan is not None and plan.fused_write and kv_cache.is_contiguous()
     if not kv_cache.is_contiguous():
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    elif plan is None:
+    elif not fused_write:
         write_kv_cache_triton(kv_cache, k, v, md.slot_mapping)
     elif k.shape[0] > nd:  # the decodes' rows go with the decode kernel (paged_decode_launch's new_kv)
         write_kv_cache_triton(kv_cache, k[nd:], v[nd:], md.slot_mapping[nd:])
@@ -152,7 +154,7 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
-        new_kv = (k, v, md.slot_mapping) if kv_cache.is_contiguous() else None
+        new_kv = (k, v, md.slot_mapping) if fused_write else None
         paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
         if nd == md.num_seqs:
             return out

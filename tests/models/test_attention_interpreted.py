@@ -91,3 +91,29 @@ def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes):
         out, ref = both_paths(layer, q, k, v, md)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert len(md._plans) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 7}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
+    """The table's rows fused (merge and cache write in the decode kernel): a decode-only step and a mixed one
+    (the decodes' keys and values written by the decode kernel, the prompts' by the cache-write kernel), each
+    twice on one step's metadata with a persistent workspace (its counters), the native path's output and cache."""
+    import dataclasses
+
+    import ops.paged_attention as pa
+    from ops.paged_attention import DecodeWorkspace
+    from ops.paged_decode_config import DecodeConfig
+
+    fused = DecodeConfig(num_splits=splits, BLOCK_N=16, fused_merge=True, fused_write=True)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d: fused)
+    decodes = [(9, 1), (70, 1), (0, 1), (BLOCK * 5, 1)]
+    for specs in (decodes, decodes + [(0, 6), (5, 3)]):
+        layer = new_layer(num_blocks=len(specs) * 20, **kw)
+        q, k, v, md = make_batch(layer, specs)
+        md = dataclasses.replace(md, workspace=DecodeWorkspace(8))
+        for _ in range(2):
+            out, ref = both_paths(layer, q, k, v, md, **kw)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        (plan,) = md._plans.values()
+        assert plan.fused_write and plan.fused_merge == (splits > 1)
