@@ -89,12 +89,16 @@ class DecodeRule:
 
 _ANY = 1 << 30
 _C, _R = DecodeConfig, DecodeRule
-#: The first rule that fits wins. Today's rows are the kernel's settings from before the table existed (two waves
-#: of programs, 64-token steps for head sizes up to 128, 32 above, 4 warps, 3 stages), untuned: replace them with
-#: ``benchmarks.attention --sweep``'s suggested rows (H200) once measured, e.g. ``_R(32, 128, _C(num_splits=2,
-#: BLOCK_N=32, num_warps=4, num_stages=4))`` for batches 9-32 above a batch-8 row.
+#: The first rule that fits wins. Head sizes up to 128: ``benchmarks.attention --sweep``'s suggested rows, measured
+#: on the H200 (torch 2.11, Triton 3.6; results/attention_sweep_best.md: Llama-3-8B's heads, contexts 512-4096; the
+#: comments: µs at contexts 512 and 4096, this row / the rule before the table: two waves of programs, 64-token
+#: steps, 4 warps, 3 stages). Batches 9-32 and above 32 take one wave (one split from 17 sequences on), as the
+#: sweep's 1-split picks at 32 and 128 do. Larger heads (Gemma 2's 256): the rule before the table, untuned.
 DECODE_TABLE: tuple[DecodeRule, ...] = (
-    _R(_ANY, 128, _C(waves=2, BLOCK_N=64, num_warps=4, num_stages=3)),
+    _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=8, num_stages=2)),  # 6.55 / 7.84, 14.13 / 12.51
+    _R(8, 128, _C(num_splits=8, BLOCK_N=64, num_warps=2, num_stages=3, heads_first=True)),  # 11.33 / 11.74, 41.95 / 42.05
+    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True)),  # 22.58 / 24.92, 132.86 / 135.17
+    _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )
 del _C, _R

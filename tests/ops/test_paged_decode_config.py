@@ -29,12 +29,15 @@ def test_table_covers_every_batch_and_head_size():
             assert cfg is rule.config
 
 
-def test_default_rows_keep_the_two_wave_rule():
-    """The untuned rows reproduce the kernel's settings from before the table: ~2 waves, at most 32 splits."""
-    for b, sms, want in [(1, 132, 32), (32, 132, 2), (128, 132, 1), (8, 132, 8), (1, 8, 16), (3, 8, 8)]:
-        assert decode_config(b, 128).splits(b, 8 if sms == 132 else 1, sms) == want
-    assert decode_config(1, 128).BLOCK_N == 64 and decode_config(1, 256).BLOCK_N == 32
-    assert (decode_config(1, 128).num_warps, decode_config(1, 128).num_stages) == (4, 3)
+def test_measured_rows_pick_splits_by_batch():
+    """Head sizes <= 128 (Llama's 8 KV heads, an H200's 132 SMs): 16 splits at batch 1, 8 up to batch 8, then one
+    wave of programs (2 splits at 9-16 sequences, 1 from 17); larger heads keep the two-wave rule before the table."""
+    for b, want in [(1, 16), (2, 8), (8, 8), (9, 2), (16, 2), (17, 1), (32, 1), (128, 1), (256, 1)]:
+        assert decode_config(b, 128).splits(b, 8, 132) == want, b
+    for b, want in [(1, 32), (32, 2), (128, 1)]:
+        assert decode_config(b, 256).splits(b, 8, 132) == want
+    assert decode_config(1, 256).BLOCK_N == 32 and decode_config(32, 128).BLOCK_N == 128
+    assert not decode_config(1, 128).fused_merge and not decode_config(1, 128).fused_write
 
 
 def test_config_validation_and_fixed_splits():
