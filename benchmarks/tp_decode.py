@@ -11,8 +11,10 @@ is the baseline of the same harness.
 ``--batches`` names some) in three configurations, each compiled for exactly the prefill's token count
 (``compile_sizes``) with the fused-add pass: ``plain`` (the all-reduces), ``sp`` (pass ``sequence_parallel``:
 reduce-scatter, norm on the rank's tokens, all-gather, the GEMMs fused with their collectives through torch's
-symmetric-memory ops) and ``sp, no async`` (the same rewrite, plain GEMMs and NCCL collectives:
-``DYNAMO_ONCE_ASYNC_TP=0``). The pass rewrites compiles of at least the prefill's size
+symmetric-memory ops), ``sp, no async`` (the same rewrite, plain GEMMs and NCCL collectives:
+``DYNAMO_ONCE_ASYNC_TP=0``), and ``plain, one graph`` / ``sp, one graph``: the model compiled as one graph
+(``splitting_ops=[]``, no CUDA graphs), where the residual stays a shard from the first layer to the final norm
+instead of being gathered where each piece ends at attention (``--variants`` picks some, ';'-separated). The pass rewrites compiles of at least the prefill's size
 (``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS``); NVLink multicast stays off (the LLM's workers set it).
 
 Usage: ``python -m benchmarks.tp_decode [--models llama-3-8b] [--tp 1,2] [--sp] [--out DIR]`` (two GPUs for
@@ -35,20 +37,26 @@ from benchmarks import common
 PROMPT, NEW = 16, 64
 
 
-#: ``--sp`` configurations: label -> (pass switches, environment)
+_SP = "+fused_add_rms_norm,+sequence_parallel"
+#: one graph: no split at attention (the residual stays a shard through every layer; no CUDA graphs, which the
+#: prefill does not replay anyway)
+_ONE_GRAPH = {"splitting_ops": [], "cudagraph_mode": "none"}
+#: ``--sp`` configurations: label -> (pass switches, environment, other config fields)
 SP_VARIANTS = {
-    "plain": ("+fused_add_rms_norm", {}),
-    "sp": ("+fused_add_rms_norm,+sequence_parallel", {"DYNAMO_ONCE_ASYNC_TP": "1"}),
-    "sp, no async": ("+fused_add_rms_norm,+sequence_parallel", {"DYNAMO_ONCE_ASYNC_TP": "0"}),
+    "plain": ("+fused_add_rms_norm", {}, {}),
+    "sp": (_SP, {"DYNAMO_ONCE_ASYNC_TP": "1"}, {}),
+    "sp, no async": (_SP, {"DYNAMO_ONCE_ASYNC_TP": "0"}, {}),
+    "plain, one graph": ("+fused_add_rms_norm", {}, _ONE_GRAPH),
+    "sp, one graph": (_SP, {"DYNAMO_ONCE_ASYNC_TP": "1"}, _ONE_GRAPH),
 }
 
 
-def sp_config(passes: str, prefill: int) -> Any:
+def sp_config(passes: str, prefill: int, fields: dict[str, Any]) -> Any:
     """Level 3 compiled for the prefill's exact size too, with ``passes``; the rewrite from that size on."""
     from dispatcher import CompilationConfig
 
     os.environ["DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS"] = str(prefill)  # the workers inherit it
-    return CompilationConfig.from_env(level=3, pass_config=passes, compile_sizes=[prefill])
+    return CompilationConfig.from_env(level=3, pass_config=passes, compile_sizes=[prefill], **fields)
 
 
 def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dtype: torch.dtype,
@@ -104,6 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU (gloo), TP 1 and 2")
     p.add_argument("--sp", action="store_true", help="TP > 1: the prefill with the sequence-parallel rewrite against "
                    "without (module docstring); decode only for --batches given")
+    p.add_argument("--variants", default=";".join(SP_VARIANTS), help="--sp: the configurations, ';'-separated")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     try:
@@ -120,14 +129,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             p.error(f"--tp {max(tps)} needs that many GPUs; {torch.cuda.device_count()} visible")
         device, dtype, names, prefill = "cuda", torch.bfloat16, a.models.split(","), a.prefill
     rows: list[dict[str, Any]] = []
+    labels = [v.strip() for v in a.variants.split(";") if v.strip()]
+    if a.sp and not set(labels) <= set(SP_VARIANTS):
+        p.error(f"--variants: expected ';'-separated labels among {list(SP_VARIANTS)}; got {a.variants!r}")
     runs = [(tp, "", None) for tp in tps] if not a.sp else [
-        (tp, label, (passes, env)) for tp in tps if tp > 1 for label, (passes, env) in SP_VARIANTS.items()]
+        (tp, label, SP_VARIANTS[label]) for tp in tps if tp > 1 for label in labels]
     for name in names:
         for tp, label, variant in runs:
             config = None
             if variant is not None:
                 os.environ.update(variant[1])
-                config = sp_config(variant[0], prefill)
+                config = sp_config(variant[0], prefill, variant[2])
             rows += bench(name, tp, batches, prefill, device, dtype, config, label)
             stem = "tp_decode" + ("_sp" if a.sp else "") + ("_quick" if a.quick else "")
             common.write_results(stem, rows, device=torch.device(device),

@@ -63,21 +63,26 @@ def test_tp_decode_quick_measures_both_sizes_and_writes_its_files(tmp_path):
 
 @pytest.mark.slow
 def test_tp_decode_sp_measures_the_prefill_with_and_without_the_rewrite(tmp_path, monkeypatch):
-    """``--sp``: TP=2's prefill alone, plain, rewritten, rewritten without the fused ops; the rewrite ran."""
+    """``--sp``: TP=2's prefill alone, plain and rewritten, split at attention or one graph; the rewrite ran.
+    (Three of the five variants: the other two differ from these by an environment variable only.)"""
     from dispatcher import compat
     from dispatcher.passes import pass_counter
 
+    variants = ["plain", "sp", "sp, one graph"]
     for name in ("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", "DYNAMO_ONCE_ASYNC_TP"):  # restored after the test
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")  # every compile runs its passes
     with compat.fresh_inductor_cache(), pass_counter.record() as counts:  # every compile runs its passes
-        rows = tp_decode.main(["--quick", "--sp", "--tp", "2", "--out", str(tmp_path)])
+        rows = tp_decode.main(["--quick", "--sp", "--tp", "2", "--variants", ";".join(variants),
+                               "--out", str(tmp_path)])
     assert [(r["tp"], r["variant"], r["what"].split()[0]) for r in rows] == [
-        (2, v, "prefill") for v in ("plain", "sp", "sp, no async")]
+        (2, v, "prefill") for v in variants]
     assert all(r["us"] > 0 for r in rows)
     assert counts.matches["sequence_parallel"] == 2 * 4  # tiny-llama: 4 sites in each rewritten 64-token compile
     assert [r["sp_rewrites"] for r in rows] == [0, 4, 4]
     assert len(read_csv(tmp_path / "tp_decode_sp_quick.csv")) == 3
+    with pytest.raises(SystemExit):
+        tp_decode.main(["--quick", "--sp", "--variants", "fast"])
 
 
 def test_tp_decode_refuses_bad_sizes():
