@@ -407,10 +407,14 @@ def make_symint(fake_mode: Any, symbol: str, source: str, hint: int) -> torch.Sy
 
 @contextlib.contextmanager
 def tracing_with(fake_mode: Any) -> Iterator[None]:
-    """A ``torch._guards.TracingContext`` of ``fake_mode`` for the block, as a Dynamo backend runs in."""
+    """As Dynamo runs a backend: in a ``torch._guards.TracingContext`` of ``fake_mode``, with the GraphModules
+    made in the block lazy (``torch.fx._lazy_graph_module._use_lazy_graph_module``, by Dynamo's
+    ``use_lazy_graph_module``) -- their attributes' order enters AOTAutograd's cache key."""
     from torch._guards import TracingContext, tracing
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    with tracing(TracingContext(fake_mode)):
+    lazy = getattr(torch._dynamo.config, "use_lazy_graph_module", True)
+    with tracing(TracingContext(fake_mode)), _use_lazy_graph_module(lazy):
         yield
 
 

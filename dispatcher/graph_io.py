@@ -1,6 +1,6 @@
 """A Dynamo FX graph as plain data (tuples, strings, numbers) and back, for the AOT forward (``dispatcher.aot``).
 
-What is kept: every node's op, name, target and arguments, its ``stack_trace``, and its example value (the
+What is kept: every node's op, name, target, arguments and type annotation, its ``stack_trace``, and its example value (the
 placeholders' are the backend's fake inputs; ``split_module`` finds the symbols each piece needs in the
 others'): a tensor's sizes, strides and storage offset (ints, or expressions of the trace's dynamic symbols),
 dtype, device, ``requires_grad`` and whether it is an inference tensor; a SymInt's expression; a tuple of them. Each symbol is kept with the
@@ -185,8 +185,9 @@ def graph_to_data(gm: torch.fx.GraphModule) -> dict[str, Any]:
         example = _example_to_data(node.meta.get("example_value"), symbols)
         if node.op == "placeholder" and example[0] not in ("tensor", "symint"):
             raise Unsupported(f"graph input {node.name} is a {example[0]}")
+        type_ = None if node.type is None else _target_to_data(node.type)  # AOTAutograd's cache key reads it
         nodes.append((node.op, node.name, _target_to_data(node.target), _arg_to_data(node.args),
-                      _arg_to_data(dict(node.kwargs)), node.meta.get("stack_trace"), example))
+                      _arg_to_data(dict(node.kwargs)), node.meta.get("stack_trace"), example, type_))
     return {"nodes": nodes, "symbols": sorted((k, *v) for k, v in symbols.items())}
 
 
@@ -199,9 +200,10 @@ def graph_from_data(data: dict[str, Any]) -> tuple[torch.fx.GraphModule, list[An
     graph = torch.fx.Graph()
     nodes: dict[str, torch.fx.Node] = {}
     examples = []
-    for op, name, target, args, kwargs, stack_trace, example in data["nodes"]:
+    for op, name, target, args, kwargs, stack_trace, example, type_ in data["nodes"]:
         node = graph.create_node(op, _target_from_data(target), _arg_from_data(args, nodes),
-                                 _arg_from_data(kwargs, nodes), name)
+                                 _arg_from_data(kwargs, nodes), name,
+                                 None if type_ is None else _target_from_data(type_))
         if node.name != name:
             raise Unsupported(f"node {name} came back as {node.name}")
         if stack_trace is not None:

@@ -47,7 +47,8 @@ print("RESULT " + json.dumps({
     "status": llm.startup.compile_cache, "writes": entry.writes if entry else 0,
     "path": str(entry.path) if entry else None, "startup": llm.startup.format(),
     "aot": compiled.aot_status, "trace": llm.startup.trace, "aot_loads": compilation_counter.num_aot_loads,
-    "traced": compilation_counter.num_graphs_seen, "dynamo_graphs": counters["stats"]["unique_graphs"]}))
+    "traced": compilation_counter.num_graphs_seen, "dynamo_graphs": counters["stats"]["unique_graphs"],
+    "aot_autograd_misses": counters["aot_autograd"]["autograd_cache_miss"]}))
 """.replace("PROMPT", repr(PROMPT))
 
 
@@ -97,6 +98,7 @@ def test_second_process_loads_from_the_cache(cold, tmp_path):
     # The AOT forward: no Dynamo trace at all (our backend saw no traced graph, Dynamo made none).
     assert second["aot"] == "loaded" and second["aot_loads"] == 1
     assert second["traced"] == 0 and second["dynamo_graphs"] == 0
+    assert second["aot_autograd_misses"] == 0  # the rebuilt graph's pieces hit AOTAutograd's cache as a trace's do
     assert second["trace"] == "aot" and "trace" in second["startup"] and "AOT forward loaded" in second["startup"]
 
 
