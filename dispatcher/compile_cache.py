@@ -4,9 +4,10 @@ What is saved: ``torch.compiler.save_cache_artifacts()`` (Inductor's FX graphs w
 the AOTAutograd entries, autotuning results) after a model's first call, which traces it and compiles every
 piece; once more when a later compile of the process missed (a per-size compile during CUDA-graph capture).
 A later process loads them with ``load_cache_artifacts()`` before its trace, so that every piece's and size's
-Inductor compile is an FX-graph-cache hit: no Inductor codegen. Dynamo's trace still runs (see the README's
-"Compile cache"): the captured bytecode calls the split graph's pieces, which are Python objects of this
-process, so the trace is what rebuilds them.
+Inductor compile is an FX-graph-cache hit: no Inductor codegen. Next to it, ``<key>.aot`` holds the AOT forward
+(``dispatcher.aot``: Dynamo's bytecode and FX graph, written down), with which a warm start skips Dynamo's
+trace too; the wrapper reads and writes it (:meth:`CacheEntry.read_aot`, :meth:`CacheEntry.write_aot`) under
+the same lock.
 
 The key is a sha256 over the factors that decide the compiled code (:func:`key_factors`), each logged at
 debug level. Inductor checks its own keys at every lookup, so a factor the key misses costs a compile (and a
