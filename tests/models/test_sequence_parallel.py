@@ -37,9 +37,9 @@ def sp_env(monkeypatch):
     monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
 
 
-def _run(model, passes, prompts, steps, tp=2, min_tokens=None):
+def _run(model, passes, prompts, steps, tp=2, **fields):
     """Every step's logits (each step fed token 7), the passes' counts, and the call targets after the pass."""
-    cfg = CompilationConfig(level=3, use_cudagraph=False, pass_config=passes, compile_sizes=[SIZE])
+    cfg = CompilationConfig(level=3, use_cudagraph=False, pass_config=passes, compile_sizes=[SIZE], **fields)
     out = []
 
     def choose(seqs, step_logits):
@@ -56,23 +56,30 @@ def _run(model, passes, prompts, steps, tp=2, min_tokens=None):
 
 
 @pytest.mark.slow
-def test_rewrite_counts_and_outputs(sp_env):
+@pytest.mark.parametrize("split", [True, False], ids=["pieces", "one-graph"])
+def test_rewrite_counts_and_outputs(sp_env, split):
     """Tiny Llama (2 layers, no biases), TP=2: the 4 all-reduce + fused-add norm sites of the 16-token compile
     (layer 0 after attention, layer 1 before and after it, the final norm) are rewritten; the embedding's
-    all-reduce (a plain norm follows) and the symbolic compile's 5 keep theirs. Logits equal to the unrewritten
-    model's (module docstring)."""
-    base, base_counts, _ = _run("tiny-llama", WITHOUT, FIRST_STEP, 3)
-    logits, counts, after = _run("tiny-llama", WITH, FIRST_STEP, 3)
+    all-reduce (a plain norm follows) and the symbolic compile's 5 keep theirs. Split at attention (3 pieces),
+    the residual is sliced where a piece begins and gathered where the middle one ends; as one graph
+    (``splitting_ops=[]``) it is sliced once, after the embedding, and never gathered: the chain reduce-scatter ->
+    norm on the shard -> all-gather + GEMM runs from layer to layer, the final norm's output gathered. Logits
+    equal to the unrewritten model's (module docstring)."""
+    fields = {} if split else {"splitting_ops": []}
+    base, base_counts, _ = _run("tiny-llama", WITHOUT, FIRST_STEP, 3, **fields)
+    logits, counts, after = _run("tiny-llama", WITH, FIRST_STEP, 3, **fields)
+    graphs = 3 if split else 1
     assert base_counts.matches["fused_add_rms_norm"] == counts.matches["fused_add_rms_norm"] == 2 * 4
-    assert counts.matches["sequence_parallel"] == 4 and counts.runs["sequence_parallel"] == 3  # the 3 pieces
-    assert counts.skipped["sequence_parallel"] == 3  # the symbolic compile's pieces
+    assert counts.matches["sequence_parallel"] == 4 and counts.runs["sequence_parallel"] == graphs
+    assert counts.skipped["sequence_parallel"] == graphs  # the symbolic compile's
     expected = {
         "all_reduce": 5 + 1,  # symbolic; the 16-token compile's embedding
         "reduce_scatter": 0,  # each fused with its GEMM (o_proj, down_proj):
         "matmul_reduce_scatter": 4,
         "all_gather_matmul": 3,  # the normed rows into gate-up (2) and layer 1's QKV
-        "all_gather": 2,  # the final norm's output; the residual leaving the middle piece for attention
-        "rank_shard": 2,  # the residual entering each piece after attention
+        # the final norm's output (and the residual leaving the middle piece for attention)
+        "all_gather": 2 if split else 1,
+        "rank_shard": 2 if split else 1,  # the residual entering each piece after attention (after the embedding)
         "fused_add_rms_norm": 2 * 4,
     }
     assert {name: after[_op(name)] for name in expected} == expected
