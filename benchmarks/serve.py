@@ -13,7 +13,8 @@ takes), so every request generates exactly ``--max-tokens`` tokens:
   tokens/s = all their tokens / (last response - release), against ``LLM.generate`` of the same C
   requests as one list (tokens / its wall time). Where the last batch's time went: its requests' arrivals
   at the engine after the release (``arrive_ms``), the engine's busy time from the first (``engine_ms``),
-  the last step to the last response (``tail_ms``), its steps and mixed steps against offline's.
+  the last step to the last response (``tail_ms``); its steps, mixed and overlapped steps, median decode
+  step and largest decode batch against offline's.
 
 Built-in models have no tokenizer, and the server streams text: the LLM gets :class:`IdTokenizer`, which
 writes token ``i`` as ``" i"`` (the offline runs detokenize with it too, so both sides pay the same).
@@ -208,7 +209,7 @@ def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, f
 
 
 COLUMNS = ["model", "concurrency", "metric", "served", "offline", "ratio", "target", "arrive_ms", "engine_ms",
-           "tail_ms", "steps", "mixed"]
+           "tail_ms", "steps", "mixed", "overlapped", "decode_ms", "max_batch"]
 
 
 def row(model: str, concurrency: int, metric: str, served: float, off: float, **where: Any) -> dict[str, Any]:
@@ -259,11 +260,15 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
 def breakdown(served: Any, off: Any, arrivals: list[float], wall: float) -> dict[str, Any]:
     """Where the last served batch's time went (seconds since its release, in ms): its requests' arrivals at
     the engine (first-last), the engine's busy time from the first, from the last step to the last response;
-    its steps and mixed (prefill + decode) steps against the last offline run's."""
+    its steps, mixed (prefill + decode) steps, overlapped (async) steps, median decode step and largest decode
+    batch against the last offline run's."""
     engine_end = min(arrivals) + served.total_s
     return dict(arrive_ms=f"{min(arrivals) * 1e3:.1f}-{max(arrivals) * 1e3:.1f}",
                 engine_ms=round(served.total_s * 1e3, 1), tail_ms=round((wall - engine_end) * 1e3, 1),
-                steps=f"{served.num_steps}/{off.num_steps}", mixed=f"{served.num_mixed_steps}/{off.num_mixed_steps}")
+                steps=f"{served.num_steps}/{off.num_steps}", mixed=f"{served.num_mixed_steps}/{off.num_mixed_steps}",
+                overlapped=f"{served.num_overlapped_steps}/{off.num_overlapped_steps}",
+                decode_ms=f"{served.median_decode_step_s * 1e3:.3f}/{off.median_decode_step_s * 1e3:.3f}",
+                max_batch=f"{served.max_decode_batch}/{off.max_decode_batch}")
 
 
 def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device, tag: str) -> None:
@@ -279,7 +284,8 @@ def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device
                f"median of {a.batch_repeats}; target ratio >= 0.9",
                "the last batch: arrive_ms = its requests' arrivals at the engine (ms after the release, first-last), "
                "engine_ms = the engine's busy time from the first, tail_ms = its last step to the last response; "
-               "steps, mixed (prefill + decode) steps: served/offline"])
+               "steps, mixed (prefill + decode) steps, overlapped (async) steps, median decode step, largest decode "
+               "batch: served/offline"])
     speed = [dict(model=r["model"], concurrency=r["concurrency"],
                   pct=round(100 * (1 / r["ratio"] if r["metric"] == "ms/token" else r["ratio"]), 1)) for r in rows]
     common.plot_lines(f"serve{tag}", speed, x="concurrency", y="pct", series="model", logx=True, out_dir=a.out,

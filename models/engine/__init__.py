@@ -6,7 +6,8 @@ one engine's steps; ``scheduler`` admission, chunked prefill and the decode-firs
 ``input_batch`` the persistent step buffers and their staging; ``graphs`` the CUDA graphs and the padding
 they ask for; ``sampling`` each sequence's sampler and the async tokens' way to the host;
 ``request_sampler`` per-request ``SamplingParams`` sampling on the device; ``detokenizer`` incremental text
-and stop strings; ``sequence`` a sequence's state; ``outputs`` ``RequestOutput``; ``stats``
+and stop strings; ``sequence`` a sequence's state; ``request`` a text-way request for a caller that runs
+the engine itself (the server); ``outputs`` ``RequestOutput``; ``stats``
 ``GenerateStats``; ``kv_cache`` the paged KV cache and its block allocator.
 """
 

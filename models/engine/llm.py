@@ -55,7 +55,8 @@ from .input_batch import InputBatch
 from .kv_cache import KVCache, attention_layers
 from .outputs import RequestOutput
 from .prompts import Prompt, is_text_call, parse_prompts
-from .request_sampler import RequestSampler, logprobs_of
+from .request import Request, final_output
+from .request_sampler import RequestSampler
 from .sampling import ChooserSampler, Sampler, make_sampler
 from .scheduler import Scheduler
 from .sequence import Chooser, Seq
@@ -488,6 +489,20 @@ class LLM:
         seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
         return self._stream_outputs(seq, parsed)
 
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Request:
+        """One prompt (as :meth:`stream_outputs` takes it) made a :class:`.request.Request`, checked (a
+        ``ValueError`` now) but not submitted: for a caller that runs the engine itself, submitting
+        ``request.seq`` to :attr:`engine` (the HTTP server's engine thread)."""
+        self._need_tokenizer("add_request")
+        (parsed,) = parse_prompts(prompt, None, self._encode)
+        return Request(self._request_seq(0, parsed, sampling_params or SamplingParams()), parsed)
+
+    @property
+    def engine(self) -> EngineLoop:
+        """The engine every call goes through (:class:`.engine_loop.EngineLoop`: ``submit``, ``run_until``,
+        ``abort``; thread-safe)."""
+        return self._engine
+
     def _stream_outputs(self, seq: Seq, prompt: Prompt) -> Iterator[RequestOutput]:
         pieces = self._stream(seq)
         try:
@@ -556,11 +571,7 @@ class LLM:
 
     @staticmethod
     def _output(seq: Seq, prompt: Prompt) -> RequestOutput:
-        return RequestOutput(
-            prompt=prompt.text, prompt_token_ids=seq.tokens[:seq.prompt_len],
-            text=seq.detokenizer.text if seq.detokenizer is not None else None,
-            token_ids=seq.tokens[seq.prompt_len:], finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None)
+        return final_output(seq, prompt)
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> Seq:
         tokens = [int(t) for t in prompt]

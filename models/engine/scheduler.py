@@ -119,6 +119,7 @@ class Scheduler:
         stats.step_times_s.append(dt)
         if num_decodes == len(batch):
             stats.decode_step_times_s.append(dt)
+            stats.max_decode_batch = max(stats.max_decode_batch, num_decodes)
         elif num_decodes:
             stats.num_mixed_steps += 1
         for seq, n in batch:
@@ -232,6 +233,7 @@ class Scheduler:
         stats.num_steps += 1
         stats.step_times_s.append(dt)
         stats.decode_step_times_s.append(dt)
+        stats.max_decode_batch = max(stats.max_decode_batch, len(pending.seqs))
         for seq, tok in zip(pending.seqs, tokens):
             if not seq.blocks:  # ended (stop token, stop string, abort) the step before: one past its end
                 continue

@@ -18,6 +18,8 @@ class GenerateStats:
     decode_step_times_s: list[float] = dataclasses.field(default_factory=list)
     """Steps with decode sequences only."""
     num_generated: int = 0
+    max_decode_batch: int = 0
+    """The most sequences in one decode-only step (all requests in flight together reach it)."""
     num_overlapped_steps: int = 0
     """Decode steps launched before the last step's tokens were read (``async_scheduling``)."""
     total_s: float = 0.0

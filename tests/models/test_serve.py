@@ -2,6 +2,7 @@
 text Llama of text_testing at level 0, driven by the official ``openai`` client and by raw HTTP; offline
 ``LLM.generate`` / ``LLM.chat`` / ``LLM.stream_outputs`` as the oracle."""
 
+import asyncio
 import json
 import os
 import re
@@ -205,6 +206,60 @@ def test_concurrent_clients_each_get_their_own_result(llm, client, monkeypatch):
     assert results == expected
     # continuous batching: the requests shared steps (alone, each takes 10: one prefill + 9 decodes)
     assert max(batch_sizes) > 1 and len(batch_sizes) < 4 * 10
+
+
+def test_64_concurrent_requests_share_one_decode_batch(llm):
+    """64 non-streamed requests at once (openai.AsyncOpenAI, a task each) all run together: the engine's
+    decode batch reaches 64 (a pool of fewer threads, or requests taken one after another, would not)."""
+    from models.serve.app import build_app
+
+    n, max_tokens = 64, 240  # long enough for the first request to outlast the last one's arrival
+    llm64 = LLM(llm.model_name, level=0, max_num_tokens=64, max_num_seqs=n, num_cache_tokens=n * 256)
+    url, srv = start_server(build_app(llm64, MODEL))
+    free = llm64.kv_cache.num_free_blocks
+    prompts = [[3 + i % 50, 4, 5, 6] for i in range(n)]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*(ac.completions.create(
+                model=MODEL, prompt=p, temperature=0, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+                for p in prompts))
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        srv.should_exit = True
+    assert [o.usage.completion_tokens for o in outs] == [max_tokens] * n
+    assert llm64.stats.max_decode_batch == n
+    assert llm64.kv_cache.num_free_blocks == free
+    expected = llm64.generate([{"prompt_token_ids": p} for p in prompts[:3]], greedy(max_tokens, ignore_eos=True))
+    assert [o.choices[0].text for o in outs[:3]] == [e.text for e in expected]
+
+
+def test_a_cancelled_request_frees_its_sequence(llm):
+    """A request whose coroutine is cancelled (a handler the server cancels) is aborted between two steps."""
+    from models.serve.bridge import AsyncLLM
+
+    free = llm.kv_cache.num_free_blocks
+    engine = AsyncLLM(llm)
+
+    async def run():
+        task = asyncio.ensure_future(engine.generate(PROMPTS[0], greedy(240, ignore_eos=True)))
+        while not llm.engine.scheduler.running:  # admitted: it holds its blocks
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while llm.kv_cache.num_free_blocks != free:
+            await asyncio.sleep(0.005)
+        assert llm.stats.num_generated < 240  # aborted, not run to its end
+        return await engine.generate(PROMPTS[1], greedy(6))
+
+    try:
+        out = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        engine.shutdown()
+    assert out.text == llm.generate(PROMPTS[1], greedy(6))[0].text
 
 
 def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
