@@ -54,7 +54,9 @@ def call_spec(signature: inspect.Signature, skip_first: bool, args: tuple, kwarg
               dynamic: dict[str, list[int]]) -> list[tuple]:
     """What a trace is specialized on in a call's arguments: each tensor's dtype, device, rank, sizes (None
     for a dynamic dim) and ``requires_grad``; each plain constant's value; the type of anything else."""
-    bound = signature.bind(*((None, *args) if skip_first else args), **kwargs).arguments
+    bound = signature.bind(*((None, *args) if skip_first else args), **kwargs)
+    bound.apply_defaults()
+    bound = bound.arguments
     spec = []
     for i, (name, value) in enumerate(bound.items()):
         if skip_first and i == 0:
@@ -128,8 +130,11 @@ def capture(function: types.FunctionType, code: types.CodeType, gm: torch.fx.Gra
         data = {"format": FORMAT, "code": marshal.dumps(code), "globals": plan, "graph": graph,
                 "static": list(static_indices), "spec": spec, "state": state}
         return pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-    except (Unsupported, ValueError, TypeError, pickle.PicklingError) as e:
+    except Unsupported as e:
         logger.debug("%s: no AOT artifact: %s", function.__qualname__, e)
+        return None
+    except Exception as e:  # e.g. an unbacked symbol (no source, no hint): never fail the first call for it
+        logger.debug("%s: no AOT artifact (%s: %s)", function.__qualname__, type(e).__name__, e)
         return None
 
 
