@@ -53,6 +53,7 @@ __all__ = [
     "SymbolNameMismatch",
     "tracing_with",
     "op_name",
+    "materialize",
     "dynamo_disable",
 ]
 
@@ -416,6 +417,15 @@ def tracing_with(fake_mode: Any) -> Iterator[None]:
     lazy = getattr(torch._dynamo.config, "use_lazy_graph_module", True)
     with tracing(TracingContext(fake_mode)), _use_lazy_graph_module(lazy):
         yield
+
+
+def materialize(gm: torch.fx.GraphModule) -> None:
+    """Generate a lazy GraphModule's code now (``_LazyGraphModule.force_recompile``; a no-op for another), so that
+    ``gm.forward`` is the generated function, not ``_lazy_forward``, which goes through ``Module.__call__`` on every
+    call. (Dynamo does the same for a backend that returns a lazy module's forward.)"""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
 
 
 def op_name(target: Any) -> str | None:

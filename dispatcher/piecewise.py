@@ -349,7 +349,9 @@ class PiecewiseBackend:
         self.split_gm, self.items = split_gm, items
         logger.info("%s: %d pieces (%d compiled, %d distinct) in %.1fs", self.owner, len(items), len(capturable),
                     self.num_piece_compiles, time.perf_counter() - t0)
-        # The generated forward, not Module.__call__: its hook handling costs ~1.5 µs a call.
+        # The generated forward, not Module.__call__: its hook handling costs ~1.5 µs a call. (Under Dynamo, and
+        # for an AOT forward, GraphModules are lazy: their forward is _lazy_forward until the code is generated.)
+        compat.materialize(split_gm)
         return _clone_pool_outputs(split_gm.forward) if use_graphs else split_gm.forward
 
     def _compile_pieces(self, split_gm: torch.fx.GraphModule, capturable: set[str], static_ptrs: set[int],
