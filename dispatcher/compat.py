@@ -54,6 +54,7 @@ __all__ = [
     "tracing_with",
     "op_name",
     "materialize",
+    "quick_graph_captures",
     "dynamo_disable",
 ]
 
@@ -488,3 +489,21 @@ def symm_mem_fused_ops(group_name: str) -> Any | None:
                 symm_mem.enable_symm_mem_for_group(group_name)
         _symm_mem_groups.add(group_name)
     return ops
+
+
+@contextlib.contextmanager
+def quick_graph_captures() -> Iterator[None]:
+    """For a run of CUDA-graph captures: every ``torch.cuda.graph`` capture starts by emptying the caching
+    allocator's and the host allocator's caches (``torch.cuda.empty_cache``, ``torch._C._host_emptyCache``) and,
+    where ``torch.compiler.config.force_cudagraph_gc`` is set (always, on older torch), a ``gc.collect()``: a
+    synchronizing release of every cached block and a cudaMalloc again for the next, per piece and size. In the
+    block they do nothing (vLLM captures the same way); restored after it."""
+    import gc
+    from unittest import mock
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "empty_cache", lambda: None))
+        stack.enter_context(mock.patch.object(gc, "collect", lambda generation=2: 0))
+        if hasattr(torch._C, "_host_emptyCache"):
+            stack.enter_context(mock.patch.object(torch._C, "_host_emptyCache", lambda: None))
+        yield

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .counters import compilation_counter
 from .errors import DynamoOnceError
 
@@ -265,14 +266,16 @@ class CUDAGraphs:
 
         todo = [n for n in sizes if (mode, n) not in self]
         t0 = time.perf_counter()
-        for size in tqdm(todo, desc=f"capturing CUDA graphs ({mode.name.lower()})", unit="size"):
-            if prepare is not None:
-                prepare(size)
-            self._run_in(None, fn, size)  # warm-up
-            if mode is _PIECEWISE:
-                self._capture_piecewise(size, fn)
-            else:
-                self._capture_full(size, fn)
+        torch.cuda.empty_cache()  # once, not at every capture (compat.quick_graph_captures)
+        with compat.quick_graph_captures():
+            for size in tqdm(todo, desc=f"capturing CUDA graphs ({mode.name.lower()})", unit="size"):
+                if prepare is not None:
+                    prepare(size)
+                self._run_in(None, fn, size)  # warm-up
+                if mode is _PIECEWISE:
+                    self._capture_piecewise(size, fn)
+                else:
+                    self._capture_full(size, fn)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         logger.info("captured %s CUDA graphs for %d sizes in %.1fs", mode.name, len(todo), dt)

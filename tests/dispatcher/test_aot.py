@@ -82,3 +82,13 @@ def test_unloadable_payloads_raise():
         aot.load(pickle.dumps({"format": -1}), fn, [], [])
     with pytest.raises(ValueError):
         aot.load(pickle.dumps({"format": aot.FORMAT}), fn, [], [])
+
+
+def test_quick_graph_captures_restores_what_it_stubs():
+    import gc
+
+    collect, empty = gc.collect, torch.cuda.empty_cache
+    with compat.quick_graph_captures():
+        assert gc.collect() == 0 and torch.cuda.empty_cache() is None
+        assert gc.collect is not collect and torch.cuda.empty_cache is not empty
+    assert gc.collect is collect and torch.cuda.empty_cache is empty
