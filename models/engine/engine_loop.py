@@ -48,6 +48,11 @@ class EngineLoop:
         self._incoming: list[Seq] = []  # submitted, to be added to the scheduler before the next step
         self._t_start = 0.0
 
+    @property
+    def stepping(self) -> bool:
+        """A step is running now (a condition checked now may see it half done)."""
+        return self._busy
+
     def _idle(self) -> bool:
         return not self._busy and not self._incoming and not self.scheduler.has_unfinished
 

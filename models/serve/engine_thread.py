@@ -104,7 +104,9 @@ class EngineThread:
         seen = (id(stats), stats.num_steps)
         with self._cv:
             if seen != self._seen:  # a step appended tokens since the last look (a launch alone appends none)
-                self._seen = seen
+                # Checked while another caller's step runs, it may have appended to some requests only:
+                # look again after it.
+                self._seen = None if self._engine.stepping else seen
                 self._deliver(list(self._follows.values()))
             return not self._follows or bool(self._cancelled) or self._closed
 

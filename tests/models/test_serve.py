@@ -236,6 +236,29 @@ def test_64_concurrent_requests_share_one_decode_batch(llm):
     assert [o.choices[0].text for o in outs[:3]] == [e.text for e in expected]
 
 
+def test_offline_callers_share_the_engine_with_the_server(llm, client):
+    """LLM.generate on other threads while the server's requests run: whoever runs a step runs everyone's,
+    and each gets its own result (the server's requests ended in another caller's steps included)."""
+    expected = [out.text for out in llm.generate(PROMPTS, greedy(24, ignore_eos=True))]
+    offline, errors = [None] * 2, []
+
+    def generate(i):
+        try:
+            offline[i] = [o.text for o in llm.generate(PROMPTS, greedy(24, ignore_eos=True))]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    served = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=24,
+                                        extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert served == expected and offline == [expected, expected]
+
+
 def test_a_cancelled_request_frees_its_sequence(llm):
     """A request whose coroutine is cancelled (a handler the server cancels) is aborted between two steps."""
     from models.serve.bridge import AsyncLLM
