@@ -140,7 +140,8 @@ for step in $steps; do
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
     tptests)  # issue 17 (two GPUs): the tensor-parallel CUDA tests
-              timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short -rf \
+              # -x -v: the first failure's traceback is printed at once (a timeout would cut the summary)
+              timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -x -v -p no:cacheprovider -m cuda --tb=short -rf \
                 tests/models/test_tensor_parallel.py tests/models/test_sequence_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
     allreduce) # issue 17 (two GPUs): all-reduce latency inside CUDA graphs, NCCL against symmetric memory
               timeout ${ALLREDUCE_TIMEOUT:-90} python3 -m benchmarks.all_reduce --out "$R/all_reduce" 2>&1 \
