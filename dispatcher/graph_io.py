@@ -5,7 +5,8 @@ placeholders' are the backend's fake inputs; ``split_module`` finds the symbols 
 others'): a tensor's sizes, strides and storage offset (ints, or expressions of the trace's dynamic symbols),
 dtype, device, ``requires_grad`` and whether it is an inference tensor; a SymInt's expression; a tuple of them. Each symbol is kept with the
 name of its source and its hint, from which :func:`graph_from_data` makes the same symbol in a new ShapeEnv,
-so that the rebuilt graph's fake inputs equal the trace's (and Inductor's cache keys with them).
+so that the rebuilt graph's fake inputs equal the trace's (and Inductor's cache keys with them). Rebuilt, each
+placeholder has a fake tensor of its own; intermediate nodes of one description share one (:class:`_Examples`).
 
 A target is kept by name: an operator as ``ns::name.overload``, a Python callable as its module and qualified
 name, checked at save time to resolve to the very object. A graph with anything else (``get_attr``,
@@ -155,23 +156,63 @@ def _eval(expr: str, env: dict[str, Any]) -> Any:
     return eval(expr, {"__builtins__": {}}, env)  # noqa: S307 - checked above: names, digits, + - * / ( )
 
 
-def _example_from_data(d: tuple, env: dict[str, Any], fake_mode: Any) -> Any:
-    if d[0] == "symint":
-        return _eval(d[1], env)
-    if d[0] == "seq":
-        items = [_example_from_data(x, env, fake_mode) for x in d[1]]
-        return tuple(items) if d[2] else items
-    if d[0] == "none":
-        return None
-    _, sizes, strides, offset, dtype, device, requires_grad, inference = d
-    sizes = [_eval(s, env) for s in sizes]
-    strides = [_eval(s, env) for s in strides]
-    offset = _eval(offset, env)
-    with fake_mode, torch.inference_mode(inference):
-        extent = 1 + offset + sum((n - 1) * s for n, s in zip(sizes, strides))
-        base = torch.empty(extent, dtype=getattr(torch, dtype), device=torch.device(device))
-        t = base.as_strided(sizes, strides, offset)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+class _Examples:
+    """Rebuilds example values in one FakeTensorMode, each symbolic expression evaluated once.
+
+    A placeholder's tensor is its own (the backend's fake inputs: one storage each, as Dynamo's). An intermediate
+    node's tensor is shared by every node with the same description (a decoder's 32 layers hold a few dozen
+    distinct ones among thousands of nodes): only its shape, strides and symbols are read (``split_module``: the
+    symbols a piece needs; Inductor's pre-grad passes: shapes), and making a symbolic fake tensor costs a
+    dispatch with sympy arithmetic, which made up most of a warm start's rebuild.
+    """
+
+    def __init__(self, env: dict[str, Any], fake_mode: Any):
+        self.env = env
+        self.fake_mode = fake_mode
+        self.exprs: dict[str, Any] = {}
+        self.shared: dict[Any, Any] = {}
+
+    def expr(self, expr: str) -> Any:
+        value = self.exprs.get(expr, self)
+        if value is self:
+            value = self.exprs[expr] = _eval(expr, self.env)
+        return value
+
+    def value(self, d: tuple, fresh: bool) -> Any:
+        """The example value of ``d``; ``fresh``: a tensor of its own (a placeholder's), else a shared one."""
+        if d[0] == "symint":
+            return self.expr(d[1])
+        if d[0] == "seq":
+            items = [self.value(x, fresh) for x in d[1]]
+            return tuple(items) if d[2] else items
+        if d[0] == "none":
+            return None
+        if fresh:
+            return self._tensor(d, fresh)
+        key = _frozen(d)
+        t = self.shared.get(key)
+        if t is None:
+            t = self.shared[key] = self._tensor(d, fresh)
+        return t
+
+    def _tensor(self, d: tuple, fresh: bool) -> Any:
+        _, sizes, strides, offset, dtype, device, requires_grad, inference = d
+        sizes = [self.expr(s) for s in sizes]
+        strides = [self.expr(s) for s in strides]
+        offset = self.expr(offset)
+        dtype, device = getattr(torch, dtype), torch.device(device)
+        with self.fake_mode, torch.inference_mode(inference):
+            if not fresh and isinstance(offset, int) and offset == 0:
+                t = torch.empty_strided(sizes, strides, dtype=dtype, device=device)  # one dispatch, not two
+            else:
+                extent = 1 + offset + sum((n - 1) * s for n, s in zip(sizes, strides))
+                t = torch.empty(extent, dtype=dtype, device=device).as_strided(sizes, strides, offset)
+        return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _frozen(d: Any) -> Any:
+    """``d`` (lists inside) as a hashable key."""
+    return tuple(_frozen(x) for x in d) if isinstance(d, (tuple, list)) else d
 
 
 # ------------------------------------------------------------------ the graph
@@ -197,6 +238,7 @@ def graph_from_data(data: dict[str, Any]) -> tuple[torch.fx.GraphModule, list[An
     Raises Unsupported, or ValueError where this torch would name a symbol otherwise than the trace did."""
     fake_mode = compat.new_fake_mode()
     env = {name: compat.make_symint(fake_mode, name, source, hint) for name, source, hint in data["symbols"]}
+    rebuild = _Examples(env, fake_mode)
     graph = torch.fx.Graph()
     nodes: dict[str, torch.fx.Node] = {}
     examples = []
@@ -208,7 +250,7 @@ def graph_from_data(data: dict[str, Any]) -> tuple[torch.fx.GraphModule, list[An
             raise Unsupported(f"node {name} came back as {node.name}")
         if stack_trace is not None:
             node.meta["stack_trace"] = stack_trace
-        value = _example_from_data(example, env, fake_mode)
+        value = rebuild.value(example, fresh=op == "placeholder")
         if value is not None:
             node.meta["example_value"] = value
         if op == "placeholder":

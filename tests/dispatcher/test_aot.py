@@ -48,6 +48,32 @@ def test_graph_round_trip_without_dynamo():
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+def g(x, w, v):
+    return (x @ w).relu() + 1.0, (x @ v).relu() - 1.0
+
+
+def test_rebuilt_example_values_shared_by_description_but_not_inputs():
+    """Intermediate nodes of one description share one fake tensor (the rebuild of a 32-layer graph makes a few
+    dozen, not thousands); each placeholder keeps its own, and every value keeps its node's shape and strides."""
+    w = torch.randn(3, 3)
+    gm = _trace(g, torch.randn(5, 3), w, w.clone(), dynamic_dims=((0,), (), ()))
+    rebuilt, fakes = graph_io.graph_from_data(graph_io.graph_to_data(gm))
+    tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
+    assert len({id(f) for f in tensors}) == len(tensors) == 3
+    for old, new in zip(gm.graph.nodes, rebuilt.graph.nodes):
+        a, b = old.meta.get("example_value"), new.meta.get("example_value")
+        if isinstance(a, torch.Tensor):
+            assert (str(a.shape), str(a.stride()), a.dtype) == (str(b.shape), str(b.stride()), b.dtype)
+    inner = {}
+    for node in rebuilt.graph.nodes:
+        v = node.meta.get("example_value")
+        if node.op != "placeholder" and isinstance(v, torch.Tensor):
+            inner.setdefault((str(v.shape), str(v.stride()), v.dtype), set()).add(id(v))
+    assert inner and all(len(ids) == 1 for ids in inner.values())
+    assert sum(1 for n in rebuilt.graph.nodes if n.op != "placeholder"
+               and isinstance(n.meta.get("example_value"), torch.Tensor)) > len(inner)
+
+
 def test_graph_with_module_state_is_unsupported():
     gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 4))  # get_attr / call_module nodes
     with pytest.raises(graph_io.Unsupported):
