@@ -429,6 +429,13 @@ def materialize(gm: torch.fx.GraphModule) -> None:
     _LazyGraphModule.force_recompile(gm)
 
 
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable key of ``t``'s storage (``StorageWeakRef``; a fake tensor's too): equal for two views of one storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
 def op_name(target: Any) -> str | None:
     """``"ns::name.overload"`` of an ``OpOverload`` (``"ns::name"`` of a packet), None for anything else."""
     if isinstance(target, torch._ops.OpOverload):

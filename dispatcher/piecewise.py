@@ -32,6 +32,7 @@ from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
 from .cuda_graph import thread_state
 from .passes import compile_context, with_compile_size
+from .piece_replay import MISS, PieceReplay
 
 logger = logging.getLogger(__name__)
 
@@ -235,18 +236,26 @@ class PiecewisePiece:
 
 
 class _CompileInterpreter(torch.fx.Interpreter):
-    """Runs the split graph on fake inputs; compiles each piece with its (symbolic) fake arguments."""
+    """Runs the split graph on fake inputs; compiles each piece with its (symbolic) fake arguments. A piece of the
+    same structure as an earlier one does not run: its outputs are made from that one's (``dispatcher.piece_replay``)."""
 
-    def __init__(self, split_gm: torch.fx.GraphModule, make_piece: Callable[[str, list[Any]], Any],
+    def __init__(self, split_gm: torch.fx.GraphModule, make_piece: Callable[[str, list[Any], str | None], Any],
                  pieces: set[str]):
         super().__init__(split_gm)
         self.make_piece = make_piece
         self.pieces = pieces
+        self.replay = PieceReplay()
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        out = super().call_module(target, args, kwargs)
-        if target in self.pieces:
-            self.module.__dict__[target] = self.make_piece(target, list(args))
+        if target not in self.pieces:
+            return super().call_module(target, args, kwargs)
+        args = list(args)
+        key = structure_key(getattr(self.module, target), args)
+        out = MISS if kwargs else self.replay.replay(key)
+        if out is MISS:
+            out = super().call_module(target, tuple(args), kwargs)
+            self.replay.record(key, args, out)
+        self.module.__dict__[target] = self.make_piece(target, args, key)
         return out
 
 
@@ -359,9 +368,8 @@ class PiecewiseBackend:
         """Compile each piece on its fake (symbolic) arguments; it replaces its submodule in ``split_gm``."""
         shared: dict[str, PieceCompiles] = {}
 
-        def make_piece(name: str, args: list[Any]) -> Callable[..., Any]:
+        def make_piece(name: str, args: list[Any], key: str | None) -> Callable[..., Any]:
             graph = getattr(split_gm, name)
-            key = structure_key(graph, args)
             compiles = shared.get(key) if key is not None else None
             if compiles is None:
                 compiles = PieceCompiles(f"{self.owner}:{name}", graph, args, self.options)
@@ -375,5 +383,8 @@ class PiecewiseBackend:
             return piece if piece.graphs_on else piece.run_compiled
 
         with fake_mode, compat.python_dispatcher():
-            _CompileInterpreter(split_gm, make_piece, capturable).run(*fake_args)
+            interpreter = _CompileInterpreter(split_gm, make_piece, capturable)
+            interpreter.run(*fake_args)
+        logger.debug("%s: %d pieces' fake outputs made from an identical piece's, not run", self.owner,
+                     interpreter.replay.replayed)
         self.num_piece_compiles = len({id(p.compiles) for p in self.pieces.values()})
