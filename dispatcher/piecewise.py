@@ -309,6 +309,8 @@ class PiecewiseBackend:
             compiles and CUDA graphs need exactly one, the token count.
         num_piece_compiles: the pieces' distinct structures (:func:`structure_key`): a decoder's middle
             pieces, one per layer, share one Inductor compile per size.
+        num_pieces_replayed: the pieces whose fake run before the compiles was skipped, their outputs made from an
+            earlier piece's of the same structure (``dispatcher.piece_replay``).
     """
 
     def __init__(self, config: CompilationConfig, level: CompilationLevel, options: dict[str, Any], owner: str):
@@ -322,6 +324,7 @@ class PiecewiseBackend:
         self.size_symbol: Any = None  # the one dynamic size (token count) of the traced graph, if there is one
         self.num_dynamic_sizes: int | None = None
         self.num_piece_compiles = 0  # distinct piece structures, each compiled once (per size) for all its pieces
+        self.num_pieces_replayed = 0  # pieces not run on fake tensors before their compile (piece_replay)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any] | None = None,
                  static: list[int] | None = None) -> Callable[..., Any]:
@@ -385,6 +388,7 @@ class PiecewiseBackend:
         with fake_mode, compat.python_dispatcher():
             interpreter = _CompileInterpreter(split_gm, make_piece, capturable)
             interpreter.run(*fake_args)
+        self.num_pieces_replayed = interpreter.replay.replayed
         logger.debug("%s: %d pieces' fake outputs made from an identical piece's, not run", self.owner,
-                     interpreter.replay.replayed)
+                     self.num_pieces_replayed)
         self.num_piece_compiles = len({id(p.compiles) for p in self.pieces.values()})

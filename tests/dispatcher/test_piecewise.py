@@ -46,6 +46,32 @@ def test_split_and_compile_counters_on_cpu():
     pw = m._do_backend.piecewise
     assert [it.is_splitting_op for it in pw.items] == [False, True] * N_LAYERS + [False]
     assert pw.num_piece_compiles == DISTINCT
+    assert pw.num_pieces_replayed == N_LAYERS - 1  # the layers after the first: not run on fake tensors
+
+
+def test_piece_replay_makes_fresh_outputs_of_the_same_description_or_runs():
+    """An identical piece's outputs are new fake tensors described as the first one's (a view keeps its offset,
+    strides and storage size); outputs that alias an input, or each other, are not replayed."""
+    from dispatcher import compat
+    from dispatcher.piece_replay import MISS, PieceReplay
+
+    with compat.new_fake_mode():
+        x = torch.empty(6, 8)
+        fresh = torch.empty(6, 16)
+        view = torch.empty(6, 24)[:, 8:]  # a view of a fresh base at a nonzero offset
+        replay = PieceReplay()
+        replay.record("a", [x], (fresh, view, 3))
+        out = replay.replay("a")
+        assert out is not MISS and out[2] == 3
+        for new, old in zip(out[:2], (fresh, view)):
+            assert (new.shape, new.stride(), new.storage_offset()) == (old.shape, old.stride(), old.storage_offset())
+            assert new.untyped_storage().nbytes() == old.untyped_storage().nbytes()
+            assert compat.storage_key(new) != compat.storage_key(old)
+        assert out[1]._base is not None
+        replay.record("b", [x], x[1:])  # a view of the piece's input
+        replay.record("c", [x], (fresh, fresh[1:]))  # two outputs on one storage
+        assert replay.replay("b") is MISS and replay.replay("c") is MISS and replay.replay("d") is MISS
+        assert replay.replayed == 1
 
 
 @torch.no_grad()
