@@ -85,9 +85,12 @@ def _samples(num_tokens: int, device: str) -> dict:
 
 def test_every_registered_op_is_listed_and_sampled():
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("dynamo_once::")}
-    # models/ adds its attention op and the tensor-parallel collectives (models/parallel/communication.py,
-    # opchecked in tests/models/test_tensor_parallel.py) to the namespace when a test in this worker imported them.
-    assert registered - {"attention", "all_reduce", "all_gather"} == set(ops.TORCH_OP_NAMES) == set(_samples(3, "cpu"))
+    # models/ adds its attention op and the tensor-parallel collectives (models/parallel/communication.py and
+    # async_tp.py, opchecked in tests/models/test_tensor_parallel.py and test_sequence_parallel.py) to the
+    # namespace when a test in this worker imported them.
+    models_ops = {"attention", "all_reduce", "all_gather", "reduce_scatter", "rank_shard", "matmul_reduce_scatter",
+                  "all_gather_matmul"}
+    assert registered - models_ops == set(ops.TORCH_OP_NAMES) == set(_samples(3, "cpu"))
 
 
 # opcheck's test_schema compares each input before and after the call with torch.allclose, which has no fp8
