@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -86,6 +86,10 @@ for step in $steps; do
               python3 -c "import pstats; pstats.Stats('$R/warm_start.prof').sort_stats('cumulative').print_stats(150)" \
                 > "$R/warm_start_prof.txt" 2>&1
               unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR DYNAMO_ONCE_CACHE_DIR ;;
+    startupphases) # warm trace/compile phases: cold + 2 warm starts, then a warm one under cProfile (library + Inductor rows)
+              timeout ${STARTUP_TIMEOUT:-400} python3 -m benchmarks.startup_phases --model ${PROF_MODEL:-llama-3-8b} \
+                --warm-runs 2 --profile "$R/startup_phases.prof" --limit 80 > "$R/startup_phases.txt" 2>&1
+              grep -E "^\{|Error" "$R/startup_phases.txt" ;;
     startup)  # issue 15: process start to first token, cold and warm caches, every default capture size
               timeout ${STARTUP_TIMEOUT:-560} python3 -m benchmarks.decode --startup --startup-only \
                 --models ${STARTUP_MODELS:-llama-3.2-1b,llama-3-8b,llama-3-8b-fp8} --out "$R/startup" 2>&1 \
