@@ -323,12 +323,6 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
         print("best " + line.strip(), flush=True)
 
 
-def _ints(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
-    vals = [v.strip() for v in value.split(",") if v.strip()]
-    if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
-        p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
-    return [int(v) for v in vals]
-
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -341,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="threads compiling the sweep's configs (1: one by one, without Triton's AsyncCompileMode)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
-    batches, contexts = _ints(p, "--batches", a.batches), _ints(p, "--contexts", a.contexts)
+    batches, contexts = common.int_list(p, "--batches", a.batches), common.int_list(p, "--contexts", a.contexts)
     if any(c % PAGE for c in contexts):
         p.error(f"--contexts: multiples of {PAGE} (whole pages); got {a.contexts!r}")
     if not torch.cuda.is_available():

@@ -7,6 +7,7 @@ from ``models.reporting``.
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -147,3 +148,9 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> float
     return nbytes / (us * 1e-6) / 1e9
 
 
+def int_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
+    """A flag's comma-separated positive integers, or the parser's error naming the flag (exit 2)."""
+    vals = [v.strip() for v in value.split(",") if v.strip()]
+    if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
+        p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
+    return [int(v) for v in vals]

@@ -326,13 +326,6 @@ def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: s
                          out_dir=out_dir)
 
 
-def _ints(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
-    """Comma-separated positive integers, or the parser's error (exit 2)."""
-    vals = [v.strip() for v in value.split(",") if v.strip()]
-    if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
-        p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
-    return [int(v) for v in vals]
-
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -346,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers, on CUDA: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
-    ms, sweep_ms = _ints(p, "--ms", a.ms), _ints(p, "--sweep-ms", a.sweep_ms)
+    ms, sweep_ms = common.int_list(p, "--ms", a.ms), common.int_list(p, "--sweep-ms", a.sweep_ms)
     pfs = [v.strip() for v in a.prefetch.split(",") if v.strip()]
     if not all(v.isdigit() for v in pfs):
         p.error(f"--prefetch: expected comma-separated integers >= 0; got {a.prefetch!r}")
