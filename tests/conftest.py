@@ -1,10 +1,16 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 # Keep Dynamo's caches and Inductor's artifacts per test worker.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+# The compile cache off from the start (module- and session-scoped fixtures run before the per-test fixture below
+# that also turns it off: one of them hit an entry a run left under ~/.cache and never ran its pass manager), and
+# whatever a test or its subprocesses write goes to a temporary directory, never the user's ~/.cache.
+os.environ["DYNAMO_ONCE_DISABLE_COMPILE_CACHE"] = "1"
+os.environ.setdefault("DYNAMO_ONCE_CACHE_DIR", tempfile.mkdtemp(prefix="dynamo_once_tests_"))
 
 
 def _interpreting() -> bool:
