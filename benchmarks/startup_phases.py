@@ -67,6 +67,23 @@ def measure(name: str, layers: int | None, warm_runs: int, profile: str | None) 
     return rows
 
 
+def save(rows: list[dict[str, Any]], name: str, layers: int | None, out_dir: str) -> None:
+    """The starts' phases as ``startup_phases_<cpu|cuda>.{md,csv}`` in ``out_dir``."""
+    import torch
+
+    from benchmarks import common
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keep = ["caches", "model", "import_s", "load_s", "trace_s", "trace", "compile_s", "compile_cache", "capture_s",
+            "ready_s", "first_token_s"]
+    model = f"{name} with {layers} layers" if layers else name
+    notes = [f"{model}, level 3; a fresh process a start; cold: empty Inductor, Triton and dynamo-once caches (a "
+             "temporary directory), warm: the caches the cold start left; seconds (LLM.startup's phases)",
+             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"]
+    common.write_results(f"startup_phases_{device}", [{k: r.get(k, "") for k in keep} for r in rows], keep,
+                         title="Start-up phases, cold and warm", notes=notes, device=device, out_dir=out_dir)
+
+
 def print_profile(path: str, limit: int) -> None:
     import pstats
     import re
@@ -84,13 +101,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", nargs="?", const="warm_start.prof", default=None,
                    help="also a warm start under cProfile, written to this file (default warm_start.prof)")
     p.add_argument("--limit", type=int, default=60, help="functions listed from the profile")
+    p.add_argument("--out", default=None, help="results folder for startup_phases_<device>.{md,csv} (nothing is "
+                                               "written without it)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         child(a.child, a.layers)
         return
     layers = a.layers if a.layers is not None else (32 if a.model.startswith("tiny-") else None)
-    measure(a.model, layers, a.warm_runs, a.profile)
+    rows = measure(a.model, layers, a.warm_runs, a.profile)
+    if a.out:
+        save(rows, a.model, layers, a.out)
     if a.profile:
         print_profile(a.profile, a.limit)
 

@@ -260,3 +260,15 @@ def test_kernel_profile_variants_patch_the_gemm_table_and_restore_it():
         assert inside is not None and inside.PREFETCH == 2
         assert inside == ops.small_m_config(1, 6144, 4096, torch.int8)  # int8's row, the same bytes a weight
     assert ops.small_m_config(1, 6144, 4096, fp8) == before
+
+
+@pytest.mark.slow
+def test_startup_phases_warm_start_loads_the_aot_forward_and_writes_its_files(tmp_path):
+    from benchmarks import startup_phases
+
+    startup_phases.main(["--layers", "2", "--warm-runs", "1", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "startup_phases_cpu.csv") if not torch.cuda.is_available() else \
+        read_csv(tmp_path / "startup_phases_cuda.csv")
+    assert [(r["caches"], r["trace"], r["compile_cache"]) for r in rows] == [("cold", "dynamo", "miss"),
+                                                                              ("warm", "aot", "hit")]
+    assert all(float(r["first_token_s"]) > 0 for r in rows)
