@@ -152,17 +152,18 @@ def main(argv: list[str] | None = None) -> None:
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)
     tag = f" {a.tag}" if a.tag else ""
-    graphs: list[tuple[str, Callable[[], dict[str, Callable[[], Any]]]]] = []
+    # builders, each of {label: graph replay}, built one at a time (a model's graphs freed before the next)
+    builders: list[Callable[[], dict[str, Callable[[], Any]]]] = []
     for dt in [d for d in a.stack.split(",") if d]:
-        graphs += [(dt, lambda dt=dt, impl=impl: {f"stack {dt} {impl} M=1{tag}": stack_graph(dt, impl, 1)})
+        builders += [lambda dt=dt, impl=impl: {f"stack {dt} {impl} M=1{tag}": stack_graph(dt, impl, 1)}
                    for impl in ("cuBLAS", "ours")]
-    batches = [int(b) for b in a.batches.split(",") if b]
+    batches = common.int_list(p, "--batches", a.batches)
     for name in [m for m in a.models.split(",") if m]:
-        graphs.append((name, lambda name=name: {f"{name} decode b{b}{tag}": run for b, run
-                                                in decode_graphs(name, batches, a.context).items()}))
+        builders.append(lambda name=name: {f"{name} decode b{b}{tag}": run for b, run
+                                           in decode_graphs(name, batches, a.context).items()})
     kinds, tops = [], []
     with gemm_table(a.fp8_ours, a.prefetch):
-        for _, build in graphs:
+        for build in builders:
             torch._dynamo.reset()
             for label, run in build().items():
                 k, t = summarize(label, kernel_events(run, a.replays), a.replays)
