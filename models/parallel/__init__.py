@@ -45,6 +45,9 @@ Async scheduling (on by default on CUDA) works as with one rank: a decode step's
 Llava (each refused with an error saying so).
 """
 
+# Importing the package registers its collectives (``torch.ops.dynamo_once.all_reduce`` and the others, and the
+# fused async-TP ops): a process that only imports ``models.parallel`` (a spawned worker) can call them.
+from . import async_tp, communication  # noqa: F401
 from .state import (
     TensorParallelState,
     destroy_tensor_parallel,

@@ -4,6 +4,9 @@ single graph nodes; per-rank checkpoint slices; worker failures reported as erro
 process outliving its group; bad sizes and unsupported models refused; the all-reduce choice by size. The
 two-GPU tests (NCCL with CUDA graphs, symmetric memory) are marked cuda and need two GPUs."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -343,6 +346,17 @@ def test_all_reduce_asks_the_choice(one_rank_group, monkeypatch):
 def test_all_reduce_opcheck(one_rank_group):
     torch.library.opcheck(torch.ops.dynamo_once.all_reduce.default, (torch.randn(3, 8), one_rank_group))
     torch.library.opcheck(torch.ops.dynamo_once.all_gather.default, (torch.randn(3, 8), -1, one_rank_group))
+
+
+def test_importing_the_package_registers_its_collectives():
+    """A spawned worker imports only ``models.parallel``: the collective ops must exist then (a fresh process,
+    as the two-GPU tests' workers start)."""
+    code = ("import torch, models.parallel\n"
+            "for op in ('all_reduce', 'all_gather', 'reduce_scatter', 'rank_shard', 'matmul_reduce_scatter',"
+            " 'all_gather_matmul'):\n"
+            "    getattr(torch.ops.dynamo_once, op)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), timeout=120)
 
 
 # ------------------------------------------------------------------ two GPUs
