@@ -21,6 +21,7 @@ from models.reporting import (  # noqa: F401  (re-exported for the benchmark scr
     markdown_table,
     plot_lines,
     plot_panels,
+    plot_stacked_bars,
     write_results,
 )
 

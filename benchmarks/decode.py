@@ -412,6 +412,19 @@ def startup_child(name: str) -> None:
                       "cuda_graphs_captured": compilation_counter.num_cudagraph_captured}), flush=True)
 
 
+STARTUP_PHASES = ("import_s", "load_s", "trace_s", "compile_s", "capture_s")
+
+
+def plot_startup(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | None:
+    """``<name>.png``: a bar per start (model, caches), stacked by phase; ``other_s`` is the rest of the way to
+    the first token (the allocations before capture, the first token's step)."""
+    bars = [dict(r, other_s=round(float(r["first_token_s"]) - sum(float(r[k]) for k in STARTUP_PHASES), 2))
+            for r in rows]
+    return common.plot_stacked_bars(name, bars, label=("model", "caches"), parts=(*STARTUP_PHASES, "other_s"),
+                                    title="process start to first token, by phase", ylabel="seconds",
+                                    out_dir=out_dir)
+
+
 def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> list[dict[str, Any]]:
     """Level-3 start-up in a subprocess with empty Inductor, Triton and dynamo-once caches (cold), then again with
     the caches the first run left (warm)."""
@@ -501,8 +514,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         tag = f"{suffix}_{name}"
         if a.startup and device.type == "cuda":
+            startup_rows = measure_startup(name, tuple(a.startup.split(",")))
             common.write_results(
-                f"startup_all_sizes{tag}", measure_startup(name, tuple(a.startup.split(","))), device=device,
+                f"startup_all_sizes{tag}", startup_rows, device=device,
                 out_dir=a.out, title="Level-3 start-up of models.LLM with every default capture size",
                 notes=["fresh process each, process start to first token (one 8-token prompt); cold: empty Inductor, "
                        "Triton and dynamo-once compile caches; warm: the caches the cold run left",
@@ -510,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                        "Inductor or the compile cache's load; capture_s: every CUDA graph (piecewise and full)",
                        "max_num_tokens 512, max_num_seqs 256: piecewise and full graphs for sizes 1, 2, 4, 8, ..., 256",
                        "load_s: built-in random weights, no checkpoint read (models over 2^28 parameters draw them on the GPU)"])
+            plot_startup(f"startup_all_sizes{tag}", startup_rows, a.out)
             if a.startup_only:
                 continue
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["device_name", "env_header", "markdown_table", "write_results", "plot_panels", "plot_lines"]
+__all__ = ["device_name", "env_header", "markdown_table", "write_results", "plot_panels", "plot_lines",
+           "plot_stacked_bars"]
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -151,3 +152,31 @@ def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, se
 def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, **kwargs: Any) -> str | None:
     """Save ``<name>.png``: ``y`` against ``x``, one line per value of ``series`` (one panel of :func:`plot_panels`)."""
     return plot_panels(name, rows, x=x, y=y, series=series, panel=None, **kwargs)
+
+
+def plot_stacked_bars(name: str, rows: Sequence[dict[str, Any]], *, label: Sequence[str], parts: Sequence[str],
+                      title: str = "", ylabel: str = "", out_dir: str | None = None) -> str | None:
+    """Save ``<name>.png``: one bar per row (named by its ``label`` fields), stacked from its ``parts`` (the
+    phases of a start-up, say). None without matplotlib or ``out_dir``."""
+    if not out_dir:
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 5))
+    names = ["\n".join(str(r[k]) for k in label) for r in rows]
+    bottom = [0.0] * len(rows)
+    for part in parts:
+        values = [float(r[part] or 0) for r in rows]
+        ax.bar(names, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or name, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

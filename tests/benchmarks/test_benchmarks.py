@@ -135,6 +135,19 @@ def test_results_are_written_only_where_asked(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_startup_plot_stacks_the_phases(tmp_path):
+    """A start-up's bar is its phases stacked, the rest to the first token as ``other_s``; a PNG only when asked."""
+    from benchmarks.decode import plot_startup
+
+    row = dict(model="m", caches="warm", import_s=1.0, load_s=0.5, trace_s=0.25, compile_s=2.0, capture_s=1.0,
+               first_token_s=5.0)
+    assert plot_startup("s", [row], None) is None
+    path = plot_startup("s", [row], str(tmp_path))
+    if path is None:
+        pytest.skip("matplotlib is not installed")
+    assert path == str(tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_piecewise_step_refuses_without_a_gpu(capsys):
     from benchmarks import piecewise_step
