@@ -409,3 +409,17 @@ def test_a_failed_step_is_a_500_in_the_error_shape(llm, server, monkeypatch):
     monkeypatch.undo()
     assert free_blocks_when_idle(llm, free) == free
     assert post(server, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_response_ids_are_unique_and_make_no_system_call(monkeypatch):
+    """A request's id reads no ``os.urandom`` (a system call on the event loop, whose GIL hand-back waits for
+    the engine thread's step); ids stay unique and in OpenAI's shape."""
+    from models.serve import protocol
+
+    def no_urandom(n):
+        raise AssertionError("new_id read os.urandom")
+
+    monkeypatch.setattr(os, "urandom", no_urandom)
+    ids = [protocol.new_id("cmpl") for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
