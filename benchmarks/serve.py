@@ -160,10 +160,14 @@ def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens
     one process for all). Each batch is released to every process at once; per batch: (streamed ms per token
     (one prompt a batch) or output tokens/s, the release time).
 
-    As a load generator runs: the clients' HTTP and JSON work stays off the server's interpreter. More than
-    one process for many clients, as many clients are: the ``openai`` client spends ~1 ms of CPU building a
-    request, and one event loop builds all of a batch's before its first is sent (each task yields at its
-    send), so 64 clients in one process reach the server only after ~64 of them, time the server never saw.
+    As a load generator runs: the clients' HTTP and JSON work stays off the server's interpreter. One process
+    a client by default, as users are: the ``openai`` client spends ~3-4 ms of CPU building a request of 128
+    token ids (its typed transform walks every id), and one event loop builds all of its tasks' requests
+    before the first is whole on the wire (a task yields between its headers and its body). With 8 clients a
+    process (the old default) the server got the first request's headers 4 ms after the release but its body
+    at 19 ms, behind seven other users' builds (tiny-llama, 2 CPU cores; the H200 run's first arrival, 20-29
+    ms, is that wait): time no user sees, whose own request costs one build. The release stays the moment
+    every client starts its request, so each user's own build is still counted.
     """
     size = max(len(b) for b in batches)
     procs = 1 if stream or not per_proc else -(-size // per_proc)
@@ -316,8 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--repeats", type=int, default=5, help="requests at concurrency 1 (median)")
     p.add_argument("--batch-repeats", type=int, default=3, help="runs at each concurrency > 1 (median)")
     p.add_argument("--level", type=int, default=3)
-    p.add_argument("--clients-per-proc", type=int, default=8,
-                   help="clients a load-generating process runs (0: all in one process)")
+    p.add_argument("--clients-per-proc", type=int, default=1,
+                   help="clients a load-generating process runs (0: all in one process; see run_clients)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
