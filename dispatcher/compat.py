@@ -298,6 +298,46 @@ def triton_ops_decomposed(enabled: bool) -> Iterator[None]:
         yield
 
 
+def triton_op_names(namespace: str) -> frozenset[str]:
+    """``"ns::name"`` of every ``torch.library.triton_op`` registered so far in ``namespace``."""
+    from torch._library.triton import triton_ops_to_kernels
+
+    return frozenset(n for n in triton_ops_to_kernels if n.startswith(f"{namespace}::"))
+
+
+def decompose_triton_ops(graph: torch.fx.Graph, names: frozenset[str]) -> int:
+    """Replace each call of a ``torch.library.triton_op`` named in ``names`` in a post-grad ``graph`` by its body
+    traced as AOTAutograd decomposes it when ``triton_ops_decomposed`` is on: the op's Triton kernels as
+    ``triton_kernel_wrapper_functional`` nodes (and the body's allocations), which Inductor launches from its
+    generated code instead of calling the op through the dispatcher. Returns how many calls it replaced."""
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, register_graph_pattern
+    from torch._library.custom_ops import OPDEFS
+    from torch.utils import _pytree as pytree
+
+    present = {n.target for n in graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in names}
+    if not present:
+        return 0
+    patterns = pattern_matcher_pass("decompose_triton_ops")
+    for overload in present:
+        body = OPDEFS[overload._schema.name]._abstract_fn  # triton_op registers its body as the fake kernel
+
+        def replace(match: Any, *args: Any, body: Callable[..., Any] = body, **kwargs: Any) -> None:
+            flat, spec = pytree.tree_flatten((args, kwargs))
+
+            def run(*flat_args: Any) -> Any:
+                a, k = pytree.tree_unflatten(list(flat_args), spec)
+                return body(*a, **k)
+
+            def decomposed(*flat_args: Any) -> Any:
+                return torch.func.functionalize(run, remove="mutations_and_views")(*flat_args)
+
+            match.replace_by_example(decomposed, flat, run_functional_passes=False)
+
+        register_graph_pattern(CallFunctionVarArgs(overload), pass_dict=patterns)(replace)
+    return patterns.apply(graph)
+
+
 def fx_graph_cache_counts() -> tuple[int, int]:
     """``(hits, misses)`` of Inductor's FX graph cache so far in this process (``torch._dynamo.utils.counters``)."""
     from torch._dynamo.utils import counters

@@ -98,6 +98,11 @@ def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, af
     assert after[quant.default] == layers  # o_proj's
     assert after[D.rms_norm.default] == 0 and after[D.silu_and_mul.default] == layers - plain_down
     assert after[D.fused_add_rms_norm.default] == 1  # the final norm: the LM head is not quantized
+    # After the passes, every Triton op left (the fused ones too) is decomposed into its kernels, as without
+    # passes: Inductor launches them from its code, not through the dispatcher (the GEMM is an opaque op).
+    triton_ops = {name.replace("::", ".") for name in compat.triton_op_names("dynamo_once")}
+    left = sum(n for t, n in after.items() if str(t).rsplit(".", 1)[0] in triton_ops)
+    assert counts.matches["decompose_triton_ops"] == left == 4 * layers + 1  # 2 norms, o_proj, SiLU; the last norm
     assert_logits_match(fused, unfused)
 
 
