@@ -77,18 +77,26 @@ class StepGraphs:
         self._captured_pieces: frozenset[int] = frozenset()  # token counts with piecewise graphs
         self._full_md: dict[int, AttentionMetadata] = {}
 
+    @staticmethod
+    def captures(device: torch.device, level: CompilationLevel, config: CompilationConfig) -> bool:
+        """Whether :meth:`setup` captures graphs (levels 3-4 on CUDA, graphs on): the KV cache then needs its
+        pad block (``KVCache(pad_block=True)``)."""
+        return (device.type == "cuda" and level >= CompilationLevel.INDUCTOR and config.use_cudagraph
+                and config.cudagraph_mode != "none")
+
     def setup(self, model: nn.Module, layers: dict[str, Attention], kv_cache: KVCache,
               level: CompilationLevel, config: CompilationConfig) -> float:
-        """Levels 3-4 on CUDA: capture every capture size of ``config`` at start-up (reserving the pad
-        block in ``kv_cache``); returns seconds taken."""
+        """Levels 3-4 on CUDA: capture every capture size of ``config`` at start-up (padding writes to
+        ``kv_cache``'s pad block, outside the sequences' budget); returns seconds taken."""
         inputs = self.inputs
-        if (inputs.device.type != "cuda" or level < CompilationLevel.INDUCTOR or not config.use_cudagraph
-                or config.cudagraph_mode == "none"):
+        if not self.captures(inputs.device, level, config):
             return 0.0
+        if kv_cache.pad_block is None:
+            raise ValueError("StepGraphs.setup: the KV cache has no pad block (KVCache(..., pad_block=True))")
         sizes = config.cudagraph_capture_sizes
         self.piece_sizes = [n for n in sizes if n <= self.max_num_tokens]
         graphs = self.cuda_graphs = CUDAGraphs()
-        inputs.pad_block = kv_cache.allocate(1)[0]  # padding tokens write here, never read by a sequence
+        inputs.pad_block = kv_cache.pad_block  # padding tokens write here, never read by a sequence
         graphs.mark_static(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
         self._piecewise_outputs(layers, graphs)
 

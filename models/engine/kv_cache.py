@@ -3,7 +3,9 @@
 Sized from a token budget: ``num_blocks = ceil(num_cache_tokens / block_size)``
 blocks shared by all layers' tensors (block ``j`` of every layer belongs to the
 same sequence). Blocks are handed out whole; a sequence of ``n`` tokens holds
-``ceil(n / block_size)`` of them.
+``ceil(n / block_size)`` of them. With ``pad_block``, one more block after them
+belongs to no sequence: the padding tokens of CUDA-graph steps write there, so
+the sequences keep the whole budget.
 """
 
 from __future__ import annotations
@@ -42,19 +44,28 @@ class KVCache:
         block_size: tokens per block (16: small enough to waste little per sequence,
             large enough for the decode kernel's 64-key tiles to span few blocks).
         dtype, device: of the cache tensors.
+        pad_block: one block more, outside the budget (:attr:`pad_block`).
+
+    Attributes:
+        num_blocks: the sequences' blocks (the budget's).
+        pad_block: the block after them that padding tokens write to (never read by a sequence), or None.
     """
 
     def __init__(self, layers: dict[str, Attention], num_cache_tokens: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 pad_block: bool = False) -> None:
         if num_cache_tokens < 1 or block_size < 1:
             raise ValueError(f"KVCache: num_cache_tokens and block_size must be >= 1; got {num_cache_tokens}, "
                              f"{block_size}")
         self.block_size = block_size
         self.num_blocks = cdiv(num_cache_tokens, block_size)
+        # Outside the budget: taken from it, a prompt of exactly num_cache_tokens passed LLM.generate's check and
+        # then never fitted the free blocks (issue 17: 2048 + 1 tokens in a 2064-token cache on CUDA)
+        self.pad_block = self.num_blocks if pad_block else None
         self.layers = layers
         self.tensors: dict[str, torch.Tensor] = {}
         for name, layer in layers.items():
-            t = torch.zeros(2, self.num_blocks, block_size, layer.num_kv_heads, layer.head_size,
+            t = torch.zeros(2, self.num_blocks + pad_block, block_size, layer.num_kv_heads, layer.head_size,
                             dtype=dtype, device=device)
             layer.kv_cache = t
             self.tensors[name] = t

@@ -148,8 +148,10 @@ class LLM:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.layers = attention_layers(self.model)
+        graph_config = compiled[0].compilation_config if compiled else config
         self.kv_cache = KVCache(self.layers, num_cache_tokens or max(8192, max_num_tokens), block_size,
-                                dtype=self.dtype, device=self.device)
+                                dtype=self.dtype, device=self.device,
+                                pad_block=StepGraphs.captures(self.device, self.level, graph_config))
         self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         # The persistent buffers under the runner's names (never rebound: each step's inputs are views of them).
@@ -173,8 +175,7 @@ class LLM:
                     self.level.name, self.compile_time_s)
         check_one_dynamic_size(compiled)
         with self._tp_guard("CUDA-graph capture"):
-            self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level,
-                                                    compiled[0].compilation_config if compiled else config)
+            self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level, graph_config)
             if self._tp is not None:
                 self._tp.wait_ready()
         self.startup.finish(compiled, self.load_time_s, self.compile_time_s, self.capture_time_s)

@@ -64,3 +64,12 @@ def test_async_scheduling_with_graphs_gives_the_tokens_of_eager(mode):
         eos = expected[0][3]
         assert m.generate(PROMPTS, 12, eos_token_id=eos) == ref.generate(PROMPTS, 12, eos_token_id=eos)
         assert m.generate(PROMPTS[:3], 6) == [t[:6] for t in expected[:3]]  # 3 decodes pad to 4
+
+
+def test_prompt_of_the_whole_cache_budget_runs_beside_the_pad_block():
+    """The pad block (padding tokens' writes) is outside num_cache_tokens: a prompt and its new token of exactly
+    the budget run (issue 17: 2048 + 1 tokens in a 2064-token cache could never be scheduled)."""
+    m = llm("full_and_piecewise", num_cache_tokens=48)
+    assert m.pad_block == m.kv_cache.num_blocks == 3
+    assert len(m.generate([[3] * 47], 1)[0]) == 1
+    assert m.kv_cache.num_free_blocks == 3

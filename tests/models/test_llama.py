@@ -5,6 +5,7 @@ import torch
 
 from dispatcher import (
     CompilationConfig,
+    CompilationLevel,
     TorchCompileWrapperWithCustomDispatcher,
     compilation_counter,
     set_compilation_config,
@@ -197,6 +198,25 @@ def test_sampling_is_reproducible_and_seeded():
     assert llm.generate(PROMPTS, 12, temperature=1.0, seed=2) != a
     top1 = llm.generate(PROMPTS, 12, temperature=1.0, top_k=1, seed=3)
     assert top1 == llm.generate(PROMPTS, 12)  # top-1 sampling is greedy
+
+
+def test_pad_block_is_outside_the_budget():
+    """The pad block that CUDA-graph steps' padding writes to comes on top of num_cache_tokens (issue 17: taken
+    from it, a 2048-token prompt and its new token in a 2064-token cache passed generate's check, then never
+    fitted the free blocks)."""
+    from models.engine.graphs import StepGraphs
+    from models.engine.kv_cache import KVCache
+
+    llm = LLM("tiny-llama", level=0, max_num_tokens=16, num_cache_tokens=64, block_size=16)
+    assert llm.kv_cache.pad_block is None  # no CUDA graphs on the CPU
+    cache = KVCache(llm.layers, 2064, 16, pad_block=True)
+    assert (cache.num_blocks, cache.num_free_blocks, cache.pad_block) == (129, 129, 129)
+    assert all(t.shape[1] == 130 for t in cache.tensors.values())
+    config = CompilationConfig(level=3, use_cudagraph=True, cudagraph_mode="full_and_piecewise")
+    assert StepGraphs.captures(torch.device("cuda"), CompilationLevel.INDUCTOR, config)
+    assert not StepGraphs.captures(torch.device("cpu"), CompilationLevel.INDUCTOR, config)
+    assert not StepGraphs.captures(torch.device("cuda"), CompilationLevel.INDUCTOR,
+                                   CompilationConfig(level=3, cudagraph_mode="none"))
 
 
 def test_kv_cache_budget_and_prompt_errors():
