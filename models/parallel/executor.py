@@ -50,6 +50,9 @@ WORKER_FAULT: tuple[str, int, int] | None = None
 #: How long a failed step waits for the workers' own reports (a worker sends its error before it exits).
 _REPORT_WAIT_S = 5.0
 
+#: How long closing waits for the workers to exit (then terminated) and for rank 0 to leave the group.
+_CLOSE_S = 10.0
+
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed: it raised (its traceback follows) or its process died."""
@@ -265,7 +268,12 @@ def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelSta
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + _CLOSE_S
+    # Rank 0 leaves the group now, while the workers leave theirs: on NCCL, leaving (ncclCommDestroy, in
+    # destroy_process_group since torch 2.6) is an intra-node collective. Left after the workers' exit, each worker
+    # waited in its destroy for rank 0 until terminated, then rank 0's own destroy waited for peers that were gone,
+    # for ever (issue 17: a benchmark's close never returned).
+    leaving = _leave(state[0], all(p.is_alive() for p in procs)) if state[0] is not None else None
     for proc in procs:
         proc.join(max(deadline - time.monotonic(), 0.1))
         if proc.is_alive():
@@ -276,11 +284,30 @@ def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelSta
             proc.join(5.0)
     for conn in conns:
         conn.close()
-    if state[0] is not None:
-        disable_symmetric(state[0].group_name)
-        with contextlib.suppress(Exception):
-            destroy_tensor_parallel(state[0])
+    if leaving is not None:
+        leaving.join(max(deadline - time.monotonic(), 0.1))
+        if leaving.is_alive():  # a daemon thread: the caller goes on (its group's name is gone: no model runs on it)
+            logger.error("tensor parallel: rank 0 did not leave its group within %.0fs (a worker that never left "
+                         "its own?); going on without it", _CLOSE_S)
     logger.debug("tensor parallel: %d workers stopped", len(procs))
+
+
+def _leave(state: TensorParallelState, peers_alive: bool) -> threading.Thread | None:
+    """Leave ``state``'s group in a daemon thread (whose join the caller bounds), aborting it first where a worker
+    is already gone (no collective leave is possible then); inline where no thread can start (at exit)."""
+    disable_symmetric(state.group_name)
+
+    def leave() -> None:
+        with contextlib.suppress(Exception):
+            destroy_tensor_parallel(state, abort=not peers_alive)
+
+    thread = threading.Thread(target=leave, name="dynamo-once-tp-leave", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # interpreter shutdown (Python >= 3.12 starts no thread then)
+        leave()
+        return None
+    return thread
 
 
 def _summary(report: str) -> str:

@@ -101,10 +101,18 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str, store: dist.S
     return TensorParallelState(rank, world_size, group.group_name, backend)
 
 
-def destroy_tensor_parallel(state: TensorParallelState) -> None:
-    """Leave ``state``'s group (its models' collectives fail from then on, naming it)."""
-    if state.group_name is None or _groups.pop(state.group_name, None) is None:
+def destroy_tensor_parallel(state: TensorParallelState, abort: bool = False) -> None:
+    """Leave ``state``'s group (its models' collectives fail from then on, naming it). On NCCL every rank of the
+    group leaves together (the communicator's destroy is a collective); ``abort``: a rank is gone, abort the group
+    first (``ProcessGroup.abort``, torch >= 2.6) instead of waiting for it."""
+    if state.group_name is None:
         return
+    group = _groups.pop(state.group_name, None)
+    if group is None:
+        return
+    if abort and hasattr(group, "abort"):
+        with contextlib.suppress(Exception):
+            group.abort()
     if dist.is_initialized():
         dist.destroy_process_group()
 

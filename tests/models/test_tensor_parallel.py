@@ -156,6 +156,58 @@ def test_close_stops_the_workers(llama_dir):
     assert LLM(llama_dir, level=0, max_num_tokens=16).generate(PROMPTS[:1], 2)  # an unsharded model after it
 
 
+#: NCCL's leaving, emulated on gloo (a sitecustomize for the worker, the same patch in this process): the
+#: communicator's destroy (in destroy_process_group since torch 2.6) is an intra-node collective of all ranks.
+COLLECTIVE_DESTROY = """\
+import torch.distributed as dist
+
+_destroy = dist.destroy_process_group
+
+
+def destroy_process_group(group=None):
+    if group is None and dist.is_initialized():
+        dist.barrier()  # every rank of the group leaves together, as ncclCommDestroy
+    _destroy(group)
+
+
+dist.destroy_process_group = destroy_process_group
+"""
+
+
+def test_prefill_of_the_compile_size_then_close_with_a_collective_leave(tmp_path, monkeypatch):
+    """Issue 17's ``tp_decode --sp`` run: compiled for exactly the prefill's N tokens (level 3, the fused-add
+    pass), N-token steps at most, an N-token prompt in a cache of N + 16 tokens, then close(). Leaving the group
+    is a collective here, as on NCCL: rank 0 must leave while the worker does, not after waiting for its exit
+    (which waited for rank 0: terminated after the close's 10 s, then rank 0's own leave hung on NCCL)."""
+    n = 64
+    (tmp_path / "sitecustomize.py").write_text(COLLECTIVE_DESTROY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    destroy = dist.destroy_process_group
+
+    def collective_destroy(group=None):
+        if group is None and dist.is_initialized():
+            dist.barrier()
+        destroy(group)
+
+    monkeypatch.setattr(dist, "destroy_process_group", collective_destroy)
+    config = CompilationConfig(level=3, pass_config="+fused_add_rms_norm", compile_sizes=[n])
+    llm = LLM("tiny-llama", tensor_parallel_size=2, max_num_tokens=n, max_num_seqs=1, num_cache_tokens=n + 16,
+              compilation_config=config)
+    procs = list(llm._tp._procs)
+    prompt = [(3 * j) % 100 + 1 for j in range(n)]
+    try:
+        out = llm.generate([prompt], 1)
+    finally:
+        t0 = time.perf_counter()
+        llm.close()
+        close_s = time.perf_counter() - t0
+    expected = LLM("tiny-llama", level=0, max_num_tokens=n, max_num_seqs=1).generate([prompt], 1)
+    assert out == expected
+    assert [p.exitcode for p in procs] == [0]  # left the group and exited by itself, not terminated
+    assert close_s < executor._CLOSE_S / 2, close_s
+    assert not dist.is_initialized()
+
+
 def test_worker_killed_between_steps(llama_dir):
     llm = LLM(llama_dir, level=0, max_num_tokens=16, tensor_parallel_size=2)
     (proc,) = llm._tp._procs
