@@ -132,13 +132,12 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
             pass_counter.add("matches", p.name, n)
             logger.debug("pass %s at size %s: %d rewrites in %.1f ms", p.name, self.size, n,
                          (time.perf_counter() - t0) * 1e3)
-        if self.keeps_ops_opaque():
-            # The passes saw the library's Triton ops as single nodes; what is left of them (and the fused ops
-            # they put in) goes back to the form torch gives them without passes: their Triton kernels, which
-            # Inductor launches from its generated code. Left opaque, each op is a call through the dispatcher
-            # into Python at run time (tens of µs of host time a call: 45% on the fp8 8B's 2048-token prefill).
-            n = compat.decompose_triton_ops(graph, compat.triton_op_names("dynamo_once"))
-            pass_counter.add("matches", "decompose_triton_ops", n)
+        # The library's Triton ops in the graph (kept opaque for the passes that match them, or put in by a pass)
+        # go back to the form torch gives an op a model calls: their Triton kernels, which Inductor launches from
+        # its code. Left opaque, each is a call through the dispatcher into Python at run time (tens of µs of host
+        # time a call: 45% of the fp8 8B's 2048-token prefill).
+        n = compat.decompose_triton_ops(graph, compat.triton_op_names("dynamo_once"))
+        pass_counter.add("matches", "decompose_triton_ops", n)
         for c in self.chained:
             c(graph)
 
@@ -146,8 +145,7 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
         """A hash of this manager's source, then of each pass that runs (name and ``uuid()``), then of the
         chained passes' ``uuid()``; None (Inductor does not cache) when a chained pass returns None."""
         h = hashlib.sha256(module_source_hash(__name__).encode())
-        if self.keeps_ops_opaque():  # the Triton ops' decomposition after the passes
-            h.update(module_source_hash(compat.__name__).encode())
+        h.update(module_source_hash(compat.__name__).encode())  # the Triton ops' decomposition after the passes
         for p in self.active_passes():
             h.update(f"\n{p.name}:{p.uuid()}".encode())
         for c in self.chained:

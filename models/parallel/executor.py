@@ -299,7 +299,8 @@ def _leave(state: TensorParallelState, peers_alive: bool) -> threading.Thread | 
 
     def leave() -> None:
         with contextlib.suppress(Exception):
-            destroy_tensor_parallel(state, abort=not peers_alive)
+            # NCCL: abort (no collective destroy to wait in); gloo: a plain destroy (a worker that is gone: abort)
+            destroy_tensor_parallel(state, abort=not peers_alive or state.backend == "nccl")
 
     thread = threading.Thread(target=leave, name="dynamo-once-tp-leave", daemon=True)
     try:

@@ -14,6 +14,7 @@ import datetime
 import logging
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 from ..layers import ConfigError
@@ -102,15 +103,18 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str, store: dist.S
 
 
 def destroy_tensor_parallel(state: TensorParallelState, abort: bool = False) -> None:
-    """Leave ``state``'s group (its models' collectives fail from then on, naming it). On NCCL every rank of the
-    group leaves together (the communicator's destroy is a collective); ``abort``: a rank is gone, abort the group
-    first (``ProcessGroup.abort``, torch >= 2.6) instead of waiting for it."""
+    """Leave ``state``'s group (its models' collectives fail from then on, naming it). ``abort``: abort the group
+    first (``ProcessGroup.abort``, torch >= 2.6), which waits for no other rank: on NCCL a plain destroy is a
+    collective of every rank of the node, and it was seen to hang at close on two H200s with the model's CUDA
+    graphs (holding NCCL kernels) alive; a rank that is gone cannot take part in it either."""
     if state.group_name is None:
         return
     group = _groups.pop(state.group_name, None)
     if group is None:
         return
     if abort and hasattr(group, "abort"):
+        if state.backend == "nccl":
+            torch.cuda.synchronize()  # the last step's collectives done: nothing is in flight when it aborts
         with contextlib.suppress(Exception):
             group.abort()
     if dist.is_initialized():
