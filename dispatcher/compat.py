@@ -338,6 +338,23 @@ def decompose_triton_ops(graph: torch.fx.Graph, names: frozenset[str]) -> int:
     return patterns.apply(graph)
 
 
+def abort_process_groups() -> None:
+    """Abort every ``torch.distributed`` group of this process and forget them (the default one too), waiting for
+    no other rank: ``distributed_c10d._abort_process_group()`` (torch >= 2.6: the NCCL communicators aborted
+    together, in one NCCL group call), else each group's ``abort()`` and then ``destroy_process_group()``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    abort_all = getattr(distributed_c10d, "_abort_process_group", None)
+    if abort_all is not None:
+        abort_all()
+        return
+    for pg in list(distributed_c10d._world.pg_map):
+        if hasattr(pg, "abort"):
+            pg.abort()
+    dist.destroy_process_group()
+
+
 def fx_graph_cache_counts() -> tuple[int, int]:
     """``(hits, misses)`` of Inductor's FX graph cache so far in this process (``torch._dynamo.utils.counters``)."""
     from torch._dynamo.utils import counters

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from dispatcher import compat
+
 from ..layers import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -112,9 +114,11 @@ def destroy_tensor_parallel(state: TensorParallelState, abort: bool = False) -> 
     group = _groups.pop(state.group_name, None)
     if group is None:
         return
+    if abort and state.backend == "nccl" and dist.is_initialized():
+        torch.cuda.synchronize()  # the last step's collectives done: nothing is in flight when it aborts
+        compat.abort_process_groups()  # every group (symmetric memory's too): a shutdown of one left would wait
+        return
     if abort and hasattr(group, "abort"):
-        if state.backend == "nccl":
-            torch.cuda.synchronize()  # the last step's collectives done: nothing is in flight when it aborts
         with contextlib.suppress(Exception):
             group.abort()
     if dist.is_initialized():
