@@ -338,6 +338,13 @@ def decompose_triton_ops(graph: torch.fx.Graph, names: frozenset[str]) -> int:
     return patterns.apply(graph)
 
 
+def is_real_tensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds real data: not a fake tensor, a tensor subclass, or the wrapper ``torch.func.functionalize``
+    puts around a traced tensor (a plain ``torch.Tensor`` to ``type()``, so a body traced by
+    ``decompose_triton_ops`` would otherwise take it for a real one)."""
+    return type(x) is torch.Tensor and not torch._is_functional_tensor(x)
+
+
 def abort_process_groups() -> None:
     """Abort every ``torch.distributed`` group of this process and forget them (the default one too), waiting for
     no other rank: ``distributed_c10d._abort_process_group()`` (torch >= 2.6: the NCCL communicators aborted

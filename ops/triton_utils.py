@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dispatcher import envs
+from dispatcher import compat, envs
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
 def pdl_available(x: torch.Tensor) -> bool:
     """Whether a kernel on ``x`` may launch with PDL at all (``pdl_launch`` without its size limit): a real CUDA
     tensor of a Hopper or newer GPU, eager mode (CUDA-graph capture included), ``DYNAMO_ONCE_PDL`` not 0."""
-    if type(x) is not torch.Tensor or x.device.type != "cuda" or torch.compiler.is_compiling():
+    if not compat.is_real_tensor(x) or x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
     return envs.pdl() and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
 

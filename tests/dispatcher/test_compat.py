@@ -242,3 +242,16 @@ def test_triton_ops_decomposed_switch():
 
     assert targets(True) == [torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor]
     assert targets(False) == [torch.ops.dynamo_once_test.twice.default, torch.ops.aten.add.Tensor]
+
+
+def test_is_real_tensor_sees_through_functionalize_and_fakes():
+    """A body traced by ``compat.decompose_triton_ops`` (``torch.func.functionalize``) must not take its inputs
+    for real tensors (a launch option such as PDL would be traced into the graph): the functionalize wrapper is
+    a plain ``torch.Tensor`` to ``type()``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+    torch.func.functionalize(lambda t: seen.append(compat.is_real_tensor(t)) or t.clone())(torch.randn(3))
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    assert compat.is_real_tensor(torch.randn(3)) and seen == [False] and not compat.is_real_tensor(fake)
