@@ -58,6 +58,9 @@ class Scheduler:
         # sampling needs no split by sampler, found without a pass over the batch (~5 us at batch 128).
         self._samplers: dict[int, list] = {}
         self._admitted: list[Seq] = []  # the running step's newly admitted sequences
+        #: Sequences ended so far (any way: a stop, ``max_tokens``, an abort, a failed step), never reset: a
+        #: caller that follows many sequences looks at them only when it moved (the server's engine thread).
+        self.num_ended = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -70,6 +73,7 @@ class Scheduler:
 
     def _release(self, seq: Seq) -> None:
         """``seq`` ended: its cache blocks and its count among the samplers go."""
+        self.num_ended += 1
         if seq.blocks:
             self.kv_cache.free(seq.blocks)
             seq.blocks = []
@@ -165,6 +169,7 @@ class Scheduler:
     def fail(self, error: BaseException) -> None:
         """A step raised: every sequence not yet ended gets ``error``; all state is dropped, blocks freed."""
         seqs = list(self.waiting) + self.running + self._admitted + (self.pending.seqs if self.pending else [])
+        self.num_ended += len(seqs)
         for seq in seqs:
             if not seq.done:
                 seq.error = error
