@@ -47,6 +47,10 @@ class EngineLoop:
         self._busy = False  # a thread is running a step
         self._incoming: list[Seq] = []  # submitted, to be added to the scheduler before the next step
         self._t_start = 0.0
+        #: Runs each step, on the thread that runs it, as ``step_hook(step)``: it must call the zero-argument
+        #: ``step`` exactly once and let its exception through. For measurements around a step (e.g.
+        #: ``benchmarks.serve_steps``: wall and thread CPU times); None, the default, costs nothing.
+        self.step_hook: Callable[[Callable[[], None]], None] | None = None
 
     @property
     def stepping(self) -> bool:
@@ -102,7 +106,10 @@ class EngineLoop:
                     raise RuntimeError("EngineLoop: waiting on sequences that were never submitted")
                 self._busy = True
             try:
-                self.scheduler.step(self._execute)
+                if self.step_hook is None:
+                    self.scheduler.step(self._execute)
+                else:
+                    self.step_hook(lambda: self.scheduler.step(self._execute))
             except BaseException as e:
                 with self._lock:
                     self.scheduler.fail(e)

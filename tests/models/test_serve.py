@@ -480,3 +480,27 @@ def test_engine_thread_reads_non_streamed_requests_only_when_a_sequence_ended():
         thread.close()
         thread._thread.join(5)
         loop.close()
+
+
+def test_step_hook_wraps_every_step_on_the_thread_that_runs_it(llm, client):
+    """``EngineLoop.step_hook`` runs each step exactly once, on its thread: the served request's steps on the
+    engine thread, offline ``LLM.generate``'s on the caller's; one hook call per ``Scheduler.step`` (the CPU
+    steps are synchronous: one per ``stats.num_steps``)."""
+    calls = []
+
+    def hook(step):
+        calls.append(threading.current_thread().name)
+        step()
+
+    llm.engine.step_hook = hook
+    try:
+        out = client.completions.create(model=MODEL, prompt=[3, 4, 5], temperature=0, max_tokens=6,
+                                        extra_body={"ignore_eos": True})
+        served = list(calls)
+        calls.clear()
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], greedy(6, ignore_eos=True))
+    finally:
+        llm.engine.step_hook = None
+    assert out.usage.completion_tokens == 6
+    assert served == ["dynamo-once-engine"] * len(served) and len(served) >= 6
+    assert calls == [threading.current_thread().name] * llm.stats.num_steps
