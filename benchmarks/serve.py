@@ -19,7 +19,10 @@ takes), so every request generates exactly ``--max-tokens`` tokens:
 Built-in models have no tokenizer, and the server streams text: the LLM gets :class:`IdTokenizer`, which
 writes token ``i`` as ``" i"`` (the offline runs detokenize with it too, so both sides pay the same).
 ``ratio`` is served / offline (ms per token: at most 1.05 is the target; tokens/s: at least 0.9).
-Usage: ``python -m benchmarks.serve [--models llama-3.2-1b,llama-3-8b] [--out DIR]``; ``--quick``
+``--step-profile`` adds, per concurrency > 1, the engine's steps served against offline by phase (arrivals,
+middle, responses): wall and CPU time of the stepping thread, the event loop thread's CPU, the gaps
+(:mod:`benchmarks.serve_steps`; ``serve_steps.csv``).
+Usage: ``python -m benchmarks.serve [--models llama-3.2-1b,llama-3-8b] [--step-profile] [--out DIR]``; ``--quick``
 runs tiny-llama on the CPU at concurrency 1 and 4 to check the harness.
 """
 
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, serve_steps
 
 TARGETS = {"ms/token": 1.05, "tokens/s": 0.9}  # served / offline: at most (latency), at least (throughput)
 
@@ -57,9 +60,12 @@ class IdTokenizer:
         return "".join(f" {int(i)}" for i in ids)
 
 
-def start_server(llm: Any, model_name: str, arrivals: list[float] | None = None) -> tuple[str, Any]:
-    """uvicorn serving ``llm`` in a daemon thread on a free port of 127.0.0.1; (base url, server). With
-    ``arrivals``, the time each non-streamed request reaches the engine is appended to it."""
+def start_server(llm: Any, model_name: str,
+                 arrivals: list[float] | None = None) -> tuple[str, Any, threading.Thread]:
+    """uvicorn serving ``llm`` in a daemon thread on a free port of 127.0.0.1; (base url, server, the thread:
+    the event loop's). With ``arrivals``, the time each non-streamed request reaches the engine is appended
+    to it. uvicorn picks its loop and HTTP parser (``auto``: uvloop and httptools when installed, as
+    ``dynamo-once serve`` does)."""
     import uvicorn
 
     from models.serve.app import build_app
@@ -77,13 +83,14 @@ def start_server(llm: Any, model_name: str, arrivals: list[float] | None = None)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="serve-loop", daemon=True)
+    thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not start in 60 s")
         time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server, thread
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -230,15 +237,18 @@ def row(model: str, concurrency: int, metric: str, served: float, off: float, **
     return r
 
 
-def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """Every measurement of one model: one LLM, one server over it; offline and served runs alternate."""
+def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                step_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every measurement of one model: one LLM, one server over it; offline and served runs alternate. With
+    ``step_rows`` (``--step-profile``), each concurrency's per-step summary (:mod:`.serve_steps`) is appended."""
     from models import LLM
 
     cmax = max(a.concurrency)
     llm = LLM(name, level=a.level, max_num_tokens=max(512, cmax), max_num_seqs=cmax, dtype=dtype,
               device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer())
     arrivals: list[float] = []
-    url, server = start_server(llm, name, arrivals)
+    url, server, loop_thread = start_server(llm, name, arrivals)
+    profile = None if step_rows is None else serve_steps.StepProfile(llm.engine, loop_thread.ident)
     rows = []
     try:
         one = prompts(a.repeats, a.prompt_len, llm.vocab_size, seed=1)
@@ -250,20 +260,39 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         for c in a.concurrency:
             if c == 1:
                 continue
-            batch = prompts(c, a.prompt_len, llm.vocab_size, seed=c)
-            offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs
-            off = statistics.median(offline(llm, batch, a.max_tokens)[1] for _ in range(a.batch_repeats))
-            off_stats = llm.stats
-            # The first batch warms the clients' connections; the median of the others.
-            runs = run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens, False, a.clients_per_proc)
-            srv = statistics.median(t for t, _ in runs[1:])
-            where = breakdown(llm.stats, off_stats, [t - runs[-1][1] for t in arrivals[-c:]],
-                              c * a.max_tokens / runs[-1][0])
-            rows.append(row(name, c, "tokens/s", srv, off, **where))
+            rows.append(concurrent(llm, name, url, c, a, arrivals, profile, step_rows))
     finally:
         server.should_exit = True
+        if profile is not None:
+            profile.close()
     del llm
     return rows
+
+
+def concurrent(llm: Any, name: str, url: str, c: int, a: argparse.Namespace, arrivals: list[float],
+               profile: serve_steps.StepProfile | None, step_rows: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Concurrency ``c``: offline runs, then served batches (the first warms the clients' connections); the
+    medians' row. With ``profile``, the steps of the last offline run and the last served batch, summarized
+    into ``step_rows``."""
+    batch = prompts(c, a.prompt_len, llm.vocab_size, seed=c)
+    offline(llm, batch, a.max_tokens)  # warm-up: this batch size's graphs
+    speeds = []
+    for _ in range(a.batch_repeats):
+        if profile is not None:
+            profile.take()  # the last run's steps only
+        speeds.append(offline(llm, batch, a.max_tokens)[1])
+    off_stats = llm.stats
+    off_steps = profile.take() if profile is not None else []
+    loop_cpu = profile.loop_cpu() if profile is not None else 0.0
+    runs = run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens, False, a.clients_per_proc)
+    release = runs[-1][1]
+    where = breakdown(llm.stats, off_stats, [t - release for t in arrivals[-c:]], c * a.max_tokens / runs[-1][0])
+    if profile is not None:
+        served_steps = [s for s in profile.take() if s.t0 >= release]
+        step_rows += serve_steps.summary(off_steps, None, model=name, concurrency=c, side="offline")
+        step_rows += serve_steps.summary(served_steps, max(arrivals[-c:]), model=name, concurrency=c, side="served")
+        step_rows[-1]["loop_us_per_req"] = round((profile.loop_cpu() - loop_cpu) / (c * len(runs)) * 1e6, 1)
+    return row(name, c, "tokens/s", statistics.median(t for t, _ in runs[1:]), statistics.median(speeds), **where)
 
 
 def breakdown(served: Any, off: Any, arrivals: list[float], wall: float) -> dict[str, Any]:
@@ -323,6 +352,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--clients-per-proc", type=int, default=1,
                    help="clients a load-generating process runs (0: all in one process; see run_clients)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
+    p.add_argument("--step-profile", action="store_true",
+                   help="per engine step at each concurrency > 1: wall, engine and event-loop CPU, gaps, by phase, "
+                        "served against offline (benchmarks/serve_steps.py; serve_steps*.csv with --out)")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -337,10 +369,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         device, dtype, names = torch.device("cuda"), torch.bfloat16, a.models.split(",")
     rows: list[dict[str, Any]] = []
+    step_rows: list[dict[str, Any]] | None = [] if a.step_profile else None
     tag = "_quick" if a.quick else ""
     for name in names:
-        rows += bench_model(name, a, device, dtype)
+        rows += bench_model(name, a, device, dtype, step_rows)
         save(rows, a, device, tag)  # after every model: a run cut short keeps what it measured
+        if step_rows is not None:
+            common.write_results(f"serve_steps{tag}", step_rows, serve_steps.COLUMNS, device=device, out_dir=a.out,
+                                 title="Engine steps served against offline, by phase", notes=serve_steps.NOTES)
     return rows
 
 

@@ -100,6 +100,39 @@ def test_serve_quick_compares_served_with_offline_and_writes_its_files(tmp_path)
     assert os.path.getsize(tmp_path / "serve_quick.png") > 0
 
 
+def test_serve_step_profile_writes_each_side_and_phase(tmp_path):
+    """--step-profile: per concurrency > 1, served and offline rows for arrival, middle, end and all; the phases'
+    steps add up to all's, and the served batch's loop CPU a request is there (its event loop parsed them)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    serve.main(["--quick", "--step-profile", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "serve_steps_quick.csv")
+    assert [(r["concurrency"], r["side"], r["phase"]) for r in rows] == [
+        ("4", side, phase) for side in ("offline", "served") for phase in ("arrival", "middle", "end", "all")]
+    for side in (rows[:4], rows[4:]):
+        assert sum(int(r["steps"]) for r in side[:3]) == int(side[3]["steps"]) > 0
+        assert float(side[3]["cpu_ms"]) > 0 and float(side[3]["wall_ms"]) >= float(side[3]["median_step_ms"])
+    assert rows[0]["steps"] == "0"  # offline: every request in before the first step
+    assert float(rows[-1]["loop_us_per_req"]) > 0
+    assert (tmp_path / "serve_steps_quick.md").read_text().startswith("# Engine steps served against offline")
+
+
+def test_serve_steps_phases_and_sums():
+    """Phases by time: arrival before the last arrival, end after the first step that ended a request; the gap
+    and the loop's CPU in it go to the step before it."""
+    from benchmarks.serve_steps import Step, summary
+
+    steps = [Step(0.0, 0.001, 0.0005, 0.0, 0.0002, 0), Step(0.002, 0.001, 0.001, 0.0003, 0.0003, 0),
+             Step(0.004, 0.001, 0.001, 0.0003, 0.0003, 2), Step(0.006, 0.002, 0.001, 0.0004, 0.0010, 2)]
+    rows = {r["phase"]: r for r in summary(steps, 0.001, side="served")}
+    assert [rows[p]["steps"] for p in ("arrival", "middle", "end", "all")] == [1, 2, 1, 4]
+    assert rows["arrival"]["wait_ms"] == 0.5 and rows["arrival"]["gap_ms"] == 1.0
+    assert rows["arrival"]["loop_step_ms"] == 0.2 and rows["arrival"]["loop_gap_ms"] == 0.1
+    assert rows["end"]["gap_ms"] == 0.0 and rows["end"]["loop_step_ms"] == 0.6
+    assert rows["all"]["wall_ms"] == 5.0 and rows["all"]["side"] == "served"
+    assert [r["steps"] for r in summary(steps, None)] == [0, 3, 1, 4]
+
+
 @pytest.mark.slow
 def test_bench_ops_checks_ours_against_the_reference(tmp_path):
     from benchmarks import bench_ops
@@ -291,7 +324,7 @@ def test_serve_runs_one_client_a_process_by_default(monkeypatch):
     """Each client builds its request in a process of its own (8 a process: the eighth's request, and the
     first's body, waited on seven other clients' ~3 ms builds, a delay no user sees)."""
     seen = []
-    monkeypatch.setattr(serve, "bench_model", lambda name, a, device, dtype: seen.append(a.clients_per_proc) or [])
+    monkeypatch.setattr(serve, "bench_model", lambda name, a, device, dtype, step_rows: seen.append(a.clients_per_proc) or [])
     monkeypatch.setattr(serve, "save", lambda *args: None)
     serve.main(["--quick"])
     assert seen == [1]
