@@ -2,7 +2,10 @@
 
 Built by :func:`build_app` around one :class:`models.LLM` (the model is fixed at start: no request names
 a path). ``stream: true`` answers server-sent events, ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``.
-Every refusal is OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``: a bad field
+A body that is not streamed is returned as a :class:`JSONResponse` of plain ``dict``/``list``/``str``/number
+values: the same bytes FastAPI writes for a returned ``dict`` (``json.dumps``, compact, UTF-8), without
+its ``jsonable_encoder`` walk of every value first (~20 us a completion, on the event loop, whose time
+during a step can delay the engine thread's next one: both take the GIL). Every refusal is OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``: a bad field
 400, an unknown model 404, a missing or wrong API key 401, a body over ``max_body_bytes`` 413.
 """
 
@@ -66,9 +69,10 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     _add_error_handlers(app)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "dynamo-once", "max_model_len": llm.max_model_len}]}
+    async def models() -> JSONResponse:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dynamo-once",
+                "max_model_len": llm.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
@@ -82,7 +86,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
             chunk = lambda text, finish, use=None: completion_chunk(rid, model_name, text, finish, use)  # noqa: E731
             return await _stream(engine, prompt, params, chunk, req, first=None)
         out = await _generate(engine, prompt, params)
-        return completion_response(rid, model_name, out, llm.tokenizer)
+        return JSONResponse(completion_response(rid, model_name, out, llm.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
@@ -102,7 +106,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
             first = chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None)
             return await _stream(engine, prompt, params, chunk, req, first)
         out = await _generate(engine, prompt, params)
-        return chat_response(rid, model_name, out, llm.tokenizer, top or 0)
+        return JSONResponse(chat_response(rid, model_name, out, llm.tokenizer, top or 0))
 
     return app
 

@@ -504,3 +504,22 @@ def test_step_hook_wraps_every_step_on_the_thread_that_runs_it(llm, client):
     assert out.usage.completion_tokens == 6
     assert served == ["dynamo-once-engine"] * len(served) and len(served) >= 6
     assert calls == [threading.current_thread().name] * llm.stats.num_steps
+
+
+def test_bodies_are_the_bytes_fastapi_writes_for_the_dict(server):
+    """Non-streamed bodies go out pre-serialized (no jsonable_encoder walk): byte for byte what FastAPI wrote
+    for the returned dict (its encoder, then JSONResponse: compact, UTF-8 unescaped), logprobs and non-ASCII
+    text included; application/json."""
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
+
+    asks = [("completions", {"model": MODEL, "prompt": "Café crème", "max_tokens": 5, "temperature": 0,
+                             "logprobs": 2}),
+            ("chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0,
+                                  "logprobs": True, "top_logprobs": 2})]
+    for route, body in asks:
+        r = post(server, route, body)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.content == JSONResponse(jsonable_encoder(json.loads(r.content))).body
+    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.content == JSONResponse(jsonable_encoder(r.json())).body and r.json()["data"][0]["id"] == MODEL
