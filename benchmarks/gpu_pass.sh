@@ -67,8 +67,8 @@ for step in $steps; do
                 --models llama-3.2-1b --out "$R/llama-3.2-1b" 2>&1 | tee "$R/decode1b.log" | grep -E "^\{|Error" ;;
     decode8b) timeout ${DECODE_TIMEOUT:-560} python3 -m benchmarks.decode --startup cold --generate --iters 30 --models llama-3-8b \
                 --out "$R/llama-3-8b" 2>&1 | tee "$R/decode8b.log" | grep -E "^\{|Error" ;;
-    serve)    # issue 14: the OpenAI-compatible server (openai client, in-process uvicorn) against offline LLM.generate
-              timeout ${SERVE_TIMEOUT:-560} python3 -m benchmarks.serve --models ${SERVE_MODELS:-llama-3.2-1b,llama-3-8b} \
+    serve)    # issue 14: the OpenAI-compatible server (openai client, in-process uvicorn) against offline LLM.generate; per-step profile by phase (serve_steps.csv)
+              timeout ${SERVE_TIMEOUT:-560} python3 -m benchmarks.serve --models ${SERVE_MODELS:-llama-3.2-1b,llama-3-8b} --step-profile \
                 --out "$R/serve" 2>&1 | tee "$R/serve.log" | grep -E "^\{|Error" ;;
     quant)    # issue 12: the quantized 8B decode step at level 3 (native code: the default)
               for m in ${QUANT_MODELS:-llama-3-8b-int8 llama-3-8b-fp8}; do
