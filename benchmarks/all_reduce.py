@@ -47,6 +47,16 @@ def _graph_us(fn: Any, calls: int) -> float:
     return statistics.median(times)
 
 
+def plot(rows: list[dict[str, Any]], out_dir: str | None, name: str = "all_reduce") -> str | None:
+    """``<name>.png``: µs per all-reduce against tokens (log-log), one line per algorithm."""
+    lines = [dict(tokens=int(r["tokens"]), algorithm=alg, us=float(r[f"{alg}_us"])) for alg in ALGORITHMS for r in rows
+             if r.get(f"{alg}_us") not in ("", None)]
+    hidden = rows[0]["hidden"] if rows else "?"
+    return common.plot_lines(name, lines, x="tokens", y="us", series="algorithm", logx=True, logy=True,
+                             out_dir=out_dir, title=f"All-reduce inside CUDA graphs, 2 GPUs (bf16 [tokens, {hidden}])",
+                             xlabel="tokens", ylabel="µs per all-reduce")
+
+
 def _rank(rank: int, port: int, tokens: list[int], hidden: int, calls: int, out: str | None) -> None:
     import torch.distributed as dist
 
@@ -84,6 +94,7 @@ def _rank(rank: int, port: int, tokens: list[int], hidden: int, calls: int, out:
                              notes=[f"bf16 [tokens, {hidden}] summed over 2 ranks; a CUDA graph of {calls} "
                                     "all-reduces, median of 10 replays, per all-reduce, rank 0",
                                     "NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1)"])
+        plot(rows, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -140,6 +140,18 @@ def measure(names: list[str], batches: list[int], prefills: list[int], context: 
     return rows
 
 
+def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | None:
+    """``<name>.png``: host and GPU µs per call against the decode batch, a panel per model, a line per launch
+    path, prompt and clock (no GPU line on the CPU)."""
+    lines = [dict(model=r["model"], decodes=int(r["decodes"]), us=float(r[f"{clock}_us"]),
+                  line=f"{r['launch']}, prefill {r['prefill']}: {clock}")
+             for r in rows for clock in ("host", "gpu") if r.get(f"{clock}_us") not in ("", None)]
+    return common.plot_panels(name, lines, x="decodes", y="us", series="line", panel="model", logx=True,
+                              out_dir=out_dir, title="dynamo_once::attention on a mixed step: host µs against GPU "
+                                                     "µs per call (host above GPU: the host sets the pace)",
+                              xlabel="decode sequences", ylabel="µs per call")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b,llama-3.2-1b")
@@ -166,7 +178,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             p.error(f"--batches, --prefill: expected comma-separated integers; got {a.batches!r}, {a.prefill!r}")
         context, steps, launches = a.context, a.steps, a.launches.split(",")
     rows = measure(names, batches, prefills, context, device, dtype, steps, launches)
-    common.write_results("attention_host" + ("_quick" if a.quick else ""), rows, device=device, out_dir=a.out,
+    stem = "attention_host" + ("_quick" if a.quick else "")
+    common.write_results(stem, rows, device=device, out_dir=a.out,
                          title="Host time of one dynamo_once::attention call (eager, as on the piecewise path)",
                          notes=[f"B decodes of {context} cached tokens each, plus one prompt of `prefill` tokens "
                                 "(0: none); bf16 paged cache, 16-token blocks; one call per layer of the model a "
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
                                 "the prompt goes through ops.paged_prefill_triton (one launch for every non-decode sequence)"])
+    plot(stem, rows, a.out)
     return rows
 
 

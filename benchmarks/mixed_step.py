@@ -146,6 +146,21 @@ def bench_model(name: str, prefills: list[int], decodes: list[int], context: int
     return rows
 
 
+def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | None:
+    """``<name>.png``: the mixed step's µs against the decodes beside it, and its parts' sum, a panel per prompt
+    chunk, a line per model."""
+    lines = []
+    for r in rows:
+        parts = float(r["prefill_us"]) + float(r["decode_us"])
+        for us, what in ((float(r["mixed_us"]), "mixed"), (parts, "prefill + decode apart")):
+            lines.append(dict(prefill=f"{r['prefill']} tokens", decodes=int(r["decodes"]), us=us,
+                              line=f"{r['model']}: {what}"))
+    return common.plot_panels(name, lines, x="decodes", y="us", series="line", panel="prefill", logx=True,
+                              logy=True, out_dir=out_dir, title="Mixed step (prefill chunk + decodes) against its "
+                                                                "parts run apart", xlabel="decode sequences",
+                              ylabel="µs per step")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b,llama-3.2-1b")
@@ -172,7 +187,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in names:
         rows += bench_model(name, prefills, decodes, context, device, dtype, iters)
-        common.write_results("mixed_step" + ("_quick" if a.quick else ""), rows, device=device, out_dir=a.out,
+        stem = "mixed_step" + ("_quick" if a.quick else "")
+        common.write_results(stem, rows, device=device, out_dir=a.out,
                              title="Mixed steps (one prefill chunk + decodes), level 3 piecewise, against their parts",
                              notes=[f"decodes of {context} cached tokens each; the chunk is a whole prompt; random "
                                     "bf16 weights; logits of each sequence's last token",
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "the chunk alone, piecewise; decode_us: the decodes alone, whole-step graph",
                                     "ratio: mixed_us / (prefill_us + decode_us); sync after every step, median of "
                                     f"{iters}"] if not a.quick else ["CPU, no CUDA graphs: a check of the harness"])
+        plot(stem, rows, a.out)
     return rows
 
 

@@ -21,7 +21,7 @@ writes token ``i`` as ``" i"`` (the offline runs detokenize with it too, so both
 ``ratio`` is served / offline (ms per token: at most 1.05 is the target; tokens/s: at least 0.9).
 ``--step-profile`` adds, per concurrency > 1, the engine's steps served against offline by phase (arrivals,
 middle, responses): wall and CPU time of the stepping thread, the event loop thread's CPU, the gaps
-(:mod:`benchmarks.serve_steps`; ``serve_steps.csv``).
+(:mod:`benchmarks.serve_steps`; ``serve_steps.csv`` and ``.png``).
 Usage: ``python -m benchmarks.serve [--models llama-3.2-1b,llama-3-8b] [--step-profile] [--out DIR]``; ``--quick``
 runs tiny-llama on the CPU at concurrency 1 and 4 to check the harness.
 """
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, concurrency 1 and 4")
     p.add_argument("--step-profile", action="store_true",
                    help="per engine step at each concurrency > 1: wall, engine and event-loop CPU, gaps, by phase, "
-                        "served against offline (benchmarks/serve_steps.py; serve_steps*.csv with --out)")
+                        "served against offline (benchmarks/serve_steps.py; serve_steps*.csv and .png with --out)")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if step_rows is not None:
             common.write_results(f"serve_steps{tag}", step_rows, serve_steps.COLUMNS, device=device, out_dir=a.out,
                                  title="Engine steps served against offline, by phase", notes=serve_steps.NOTES)
+            serve_steps.plot(f"serve_steps{tag}", step_rows, a.out)
     return rows
 
 

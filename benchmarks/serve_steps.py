@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COLUMNS", "NOTES", "Step", "StepProfile", "summary"]
+from benchmarks import common
+
+__all__ = ["COLUMNS", "NOTES", "Step", "StepProfile", "plot", "summary"]
 
 PHASES = ("arrival", "middle", "end", "all")
 COLUMNS = ["model", "concurrency", "side", "phase", "steps", "wall_ms", "cpu_ms", "wait_ms", "median_step_ms",
@@ -119,3 +121,19 @@ def summary(steps: list[Step], last_arrival: float | None, **keys: Any) -> list[
                          loop_step_ms=ms(steps[i].loop1 - steps[i].loop0 for i in idx),
                          loop_gap_ms=ms(loop_gaps[i] for i in idx)))
     return rows
+
+
+#: what :func:`plot` draws per phase: the stepping thread's time not running in steps, the loop's CPU in them and
+#: between them
+PLOTTED = {"wait_ms": "engine wait", "loop_step_ms": "loop CPU in steps", "loop_gap_ms": "loop CPU in gaps"}
+
+
+def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | None:
+    """``<name>.png``: per phase (``all`` left out), the engine thread's wait and the event loop's CPU in ms, served
+    against offline; a panel per model and concurrency."""
+    lines = [dict(run=f"{r['model']}, {r['concurrency']} clients", phase=r["phase"], ms=float(r[key]),
+                  line=f"{r['side']}: {what}")
+             for r in rows if r["phase"] != "all" for key, what in PLOTTED.items()]
+    return common.plot_panels(name, lines, x="phase", y="ms", series="line", panel="run", out_dir=out_dir,
+                              title="Engine steps by phase, served against offline: where the engine thread waited "
+                                    "and the event loop ran", xlabel="phase", ylabel="ms (sum over the phase's steps)")

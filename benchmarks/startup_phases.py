@@ -68,7 +68,7 @@ def measure(name: str, layers: int | None, warm_runs: int, profile: str | None) 
 
 
 def save(rows: list[dict[str, Any]], name: str, layers: int | None, out_dir: str) -> None:
-    """The starts' phases as ``startup_phases_<cpu|cuda>.{md,csv}`` in ``out_dir``."""
+    """The starts' phases as ``startup_phases_<cpu|cuda>.{md,csv,png}`` in ``out_dir``."""
     import torch
 
     from benchmarks import common
@@ -80,8 +80,17 @@ def save(rows: list[dict[str, Any]], name: str, layers: int | None, out_dir: str
     notes = [f"{model}, level 3; a fresh process a start; cold: empty Inductor, Triton and dynamo-once caches (a "
              "temporary directory), warm: the caches the cold start left; seconds (LLM.startup's phases)",
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"]
-    common.write_results(f"startup_phases_{device}", [{k: r.get(k, "") for k in keep} for r in rows], keep,
+    kept = [{k: r.get(k, "") for k in keep} for r in rows]
+    common.write_results(f"startup_phases_{device}", kept, keep,
                          title="Start-up phases, cold and warm", notes=notes, device=device, out_dir=out_dir)
+    plot(f"startup_phases_{device}", kept, out_dir)
+
+
+def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | None:
+    """``<name>.png``: a bar per start (model, caches), stacked by phase (``benchmarks.decode.plot_startup``)."""
+    from benchmarks.decode import plot_startup
+
+    return plot_startup(name, rows, out_dir)
 
 
 def print_profile(path: str, limit: int) -> None:
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", nargs="?", const="warm_start.prof", default=None,
                    help="also a warm start under cProfile, written to this file (default warm_start.prof)")
     p.add_argument("--limit", type=int, default=60, help="functions listed from the profile")
-    p.add_argument("--out", default=None, help="results folder for startup_phases_<device>.{md,csv} (nothing is "
+    p.add_argument("--out", default=None, help="results folder for startup_phases_<device>.{md,csv,png} (nothing is "
                                                "written without it)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -104,6 +104,22 @@ def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dty
     return rows
 
 
+def plot(name: str, rows: list[dict[str, Any]], sp: bool, out_dir: str | None) -> str | None:
+    """``<name>.png``: without ``sp``, µs per decode step against the batch, a line per model and TP size (the
+    prefill rows are in the table); with ``sp``, a bar per TP size and variant, its prefill's ms."""
+    if sp:
+        bars = [dict(r, tp=f"TP={r['tp']}", variant=r.get("variant") or "?", ms=float(r["us"]) / 1e3)
+                for r in rows if str(r["what"]).startswith("prefill")]
+        return common.plot_stacked_bars(name, bars, label=("model", "tp", "variant"), parts=("ms",), out_dir=out_dir,
+                                        title=f"Tensor parallel prefill with and without sequence parallelism "
+                                              f"({bars[0]['what'] if bars else 'prefill'})", ylabel="ms")
+    lines = [dict(batch=int(r["batch"]), us=float(r["us"]), line=f"{r['model']}, TP={r['tp']}")
+             for r in rows if r["what"] == "decode step"]
+    return common.plot_lines(name, lines, x="batch", y="us", series="line", logx=True, out_dir=out_dir,
+                             title="Tensor parallel: LLM.generate's median decode step", xlabel="batch (sequences)",
+                             ylabel="µs per decode step")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b")
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                  + (["sp_rewrites: the sequence-parallel pass's rewrites in rank 0's compile for "
                                      "the prefill size, from its start-up to the first prefill (0 also when a compile "
                                      "cache served that graph: no pass runs then)"] if a.sp else []))
+            plot(stem, rows, a.sp, a.out)
     return rows
 
 

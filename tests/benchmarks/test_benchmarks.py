@@ -19,6 +19,15 @@ def read_csv(path):
     return list(csv.DictReader(lines))
 
 
+def assert_png(path):
+    """``path`` is a PNG written, unless matplotlib is missing (then the benchmark writes none)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert os.path.getsize(path) > 0
+
+
 def test_results_state_device_torch_and_date(tmp_path):
     md = common.write_results("t", [{"a": 1, "b": 2.5}], title="T", out_dir=str(tmp_path))
     header = md.splitlines()[2]
@@ -59,6 +68,7 @@ def test_tp_decode_quick_measures_both_sizes_and_writes_its_files(tmp_path):
         (tp, what, b) for tp in (1, 2) for what, b in (("decode", 1), ("decode", 4), ("prefill", 1))]
     assert all(r["us"] > 0 for r in rows)
     assert len(read_csv(tmp_path / "tp_decode_quick.csv")) == 6
+    assert_png(tmp_path / "tp_decode_quick.png")
 
 
 @pytest.mark.slow
@@ -81,6 +91,7 @@ def test_tp_decode_sp_measures_the_prefill_with_and_without_the_rewrite(tmp_path
     assert counts.matches["sequence_parallel"] == 2 * 4  # tiny-llama: 4 sites in each rewritten 64-token compile
     assert [r["sp_rewrites"] for r in rows] == [0, 4, 4]
     assert len(read_csv(tmp_path / "tp_decode_sp_quick.csv")) == 3
+    assert_png(tmp_path / "tp_decode_sp_quick.png")
     with pytest.raises(SystemExit):
         tp_decode.main(["--quick", "--sp", "--variants", "fast"])
 
@@ -115,6 +126,7 @@ def test_serve_step_profile_writes_each_side_and_phase(tmp_path):
     assert rows[0]["steps"] == "0"  # offline: every request in before the first step
     assert float(rows[-1]["loop_us_per_req"]) > 0
     assert (tmp_path / "serve_steps_quick.md").read_text().startswith("# Engine steps served against offline")
+    assert_png(tmp_path / "serve_steps_quick.png")
 
 
 def test_serve_steps_phases_and_sums():
@@ -181,6 +193,45 @@ def test_startup_plot_stacks_the_phases(tmp_path):
     assert path == str(tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
 
 
+def test_all_reduce_plot_draws_each_algorithm_against_tokens(tmp_path):
+    """The two-GPU benchmark's plot, on made-up rows (strings too, as read back from its CSV); only when asked."""
+    from benchmarks import all_reduce
+
+    rows = [dict(tokens=t, hidden=4096, kib=t * 8, nccl_us=8.0 + t / 64, one_shot_us=7.0 + t / 16,
+                 two_shot_us="10.5", best="one_shot") for t in (1, 64, 512)]
+    assert all_reduce.plot(rows, None) is None
+    path = all_reduce.plot(rows, str(tmp_path))
+    if path is None:
+        pytest.skip("matplotlib is not installed")
+    assert path == str(tmp_path / "all_reduce.png") and os.path.getsize(path) > 0
+
+
+def test_tp_decode_plots_decode_steps_and_sp_variants(tmp_path):
+    """tp_decode's plots on made-up rows: decode steps against the batch per TP size, and --sp's bars."""
+    rows = [dict(model="m", tp=tp, what="decode step", batch=b, us=100.0 * b / tp, start_s=1.0)
+            for tp in (1, 2) for b in (1, 8)]
+    rows.append(dict(model="m", tp=1, what="prefill 64 (generate, 1 token)", batch=1, us=5000.0, start_s=1.0))
+    sp_rows = [dict(model="m", tp=2, variant=v, sp_rewrites=4, what="prefill 64 (generate, 1 token)", batch=1,
+                    us=us, start_s=1.0) for v, us in (("plain", 3000.0), ("sp", 2500.0))]
+    assert tp_decode.plot("t", rows, False, None) is None
+    paths = [tp_decode.plot("t", rows, False, str(tmp_path)), tp_decode.plot("t_sp", sp_rows, True, str(tmp_path))]
+    if paths[0] is None:
+        pytest.skip("matplotlib is not installed")
+    assert all(os.path.getsize(p) > 0 for p in paths)
+
+
+def test_serve_steps_plot_draws_each_side_by_phase(tmp_path):
+    from benchmarks import serve_steps
+
+    rows = [dict(model="m", concurrency=4, side=side, phase=phase, wait_ms=1.5, loop_step_ms=0.5, loop_gap_ms=0.2)
+            for side in ("offline", "served") for phase in serve_steps.PHASES]
+    assert serve_steps.plot("steps", rows, None) is None
+    path = serve_steps.plot("steps", rows, str(tmp_path))
+    if path is None:
+        pytest.skip("matplotlib is not installed")
+    assert os.path.getsize(path) > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_piecewise_step_refuses_without_a_gpu(capsys):
     from benchmarks import piecewise_step
@@ -241,6 +292,7 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
     assert {(r["decodes"], r["prefill"]) for r in rows} == {(1, 32), (4, 32), (1, 0), (4, 0)}
     assert all(r["host_us"] > 0 and r["gpu_us"] is None for r in rows)
     assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 4
+    assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
 
 def test_attention_host_shapes_are_the_models():
@@ -259,6 +311,7 @@ def test_mixed_step_quick_matches_its_parts_and_writes_its_files(tmp_path):
     # fp32 on the CPU: the mixed step's logits are its parts' (the same sequences, split differently)
     assert all(r["mixed_us"] > 0 and r["ratio"] > 0 and r["logits_max_diff"] < 1e-3 for r in rows)
     assert len(read_csv(tmp_path / "mixed_step_quick.csv")) == 2
+    assert_png(tmp_path / "mixed_step_quick.png")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -318,6 +371,7 @@ def test_startup_phases_warm_start_loads_the_aot_forward_and_writes_its_files(tm
     assert [(r["caches"], r["trace"], r["compile_cache"]) for r in rows] == [("cold", "dynamo", "miss"),
                                                                               ("warm", "aot", "hit")]
     assert all(float(r["first_token_s"]) > 0 for r in rows)
+    assert_png(tmp_path / ("startup_phases_cuda.png" if torch.cuda.is_available() else "startup_phases_cpu.png"))
 
 
 def test_serve_runs_one_client_a_process_by_default(monkeypatch):
