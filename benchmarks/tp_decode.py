@@ -111,8 +111,8 @@ def plot(name: str, rows: list[dict[str, Any]], sp: bool, out_dir: str | None) -
         bars = [dict(r, tp=f"TP={r['tp']}", variant=r.get("variant") or "?", ms=float(r["us"]) / 1e3)
                 for r in rows if str(r["what"]).startswith("prefill")]
         return common.plot_stacked_bars(name, bars, label=("model", "tp", "variant"), parts=("ms",), out_dir=out_dir,
-                                        title=f"Tensor parallel prefill with and without sequence parallelism "
-                                              f"({bars[0]['what'] if bars else 'prefill'})", ylabel="ms")
+                                        title=f"Tensor parallel {str(bars[0]['what']).split(' (')[0] if bars else 'prefill'}"
+                                              " tokens: plain against sequence parallel", ylabel="ms")
     lines = [dict(batch=int(r["batch"]), us=float(r["us"]), line=f"{r['model']}, TP={r['tp']}")
              for r in rows if r["what"] == "decode step"]
     return common.plot_lines(name, lines, x="batch", y="us", series="line", logx=True, out_dir=out_dir,
