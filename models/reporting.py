@@ -98,6 +98,25 @@ def _pyplot() -> Any:
     return plt
 
 
+def _pyplot_for(out_dir: str | None) -> Any:
+    """pyplot, with ``out_dir`` created, where a plot is to be saved; None without ``out_dir`` or matplotlib."""
+    if not out_dir:
+        return None
+    plt = _pyplot()
+    if plt is not None:
+        os.makedirs(out_dir, exist_ok=True)
+    return plt
+
+
+def _save(plt: Any, fig: Any, out_dir: str, name: str) -> str:
+    """Write ``fig`` to ``<out_dir>/<name>.png``, close it, return the path."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _draw(ax: Any, rows: Sequence[dict[str, Any]], x: str, y: str, series: str, logx: bool, logy: bool,
           hlines: dict[str, float] | None) -> None:
     """One line per value of ``series`` (rows without ``y`` skipped), dashed ``hlines``, log axes."""
@@ -121,12 +140,9 @@ def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, se
     """Save ``<name>.png``: one subplot per value of ``panel`` (side by side, shared y; ``None``: one plot),
     each with ``y`` against ``x``, one line per value of ``series``. None without matplotlib or
     ``out_dir``."""
-    if not out_dir:
-        return None
-    plt = _pyplot()
+    plt = _pyplot_for(out_dir)
     if plt is None:
         return None
-    os.makedirs(out_dir, exist_ok=True)
     panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
     width = 5 * len(panels) if panel else 8
     fig, axes = plt.subplots(1, len(panels), figsize=(width, 5 if panel is None else 4.5), sharey=True,
@@ -142,11 +158,7 @@ def plot_panels(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, se
         axes[0][0].set_title(title or name, fontsize=10)
     else:
         fig.suptitle(title or name, fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, name)
 
 
 def plot_lines(name: str, rows: Sequence[dict[str, Any]], *, x: str, y: str, series: str, **kwargs: Any) -> str | None:
@@ -158,12 +170,9 @@ def plot_stacked_bars(name: str, rows: Sequence[dict[str, Any]], *, label: Seque
                       title: str = "", ylabel: str = "", out_dir: str | None = None) -> str | None:
     """Save ``<name>.png``: one bar per row (named by its ``label`` fields), stacked from its ``parts`` (the
     phases of a start-up, say). None without matplotlib or ``out_dir``."""
-    if not out_dir:
-        return None
-    plt = _pyplot()
+    plt = _pyplot_for(out_dir)
     if plt is None:
         return None
-    os.makedirs(out_dir, exist_ok=True)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 5))
     names = ["\n".join(str(r[k]) for k in label) for r in rows]
     bottom = [0.0] * len(rows)
@@ -175,8 +184,4 @@ def plot_stacked_bars(name: str, rows: Sequence[dict[str, Any]], *, label: Seque
     ax.set_title(title or name, fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir, name)
