@@ -269,10 +269,9 @@ def _shut_down(procs: list[Any], conns: list[Any], state: list[TensorParallelSta
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)
     deadline = time.monotonic() + _CLOSE_S
-    # Rank 0 leaves the group now, while the workers leave theirs: on NCCL, leaving (ncclCommDestroy, in
-    # destroy_process_group since torch 2.6) is an intra-node collective. Left after the workers' exit, each worker
-    # waited in its destroy for rank 0 until terminated, then rank 0's own destroy waited for peers that were gone,
-    # for ever (issue 17: a benchmark's close never returned).
+    # Rank 0 leaves the group now, while the workers leave theirs, not after their exit: a leave that waits on the
+    # other ranks (NCCL's communicator destroy, an intra-node collective) then waited for peers already gone, for
+    # ever (issue 17: a benchmark's close never returned). destroy_tensor_parallel aborts NCCL groups instead.
     leaving = _leave(state[0], all(p.is_alive() for p in procs)) if state[0] is not None else None
     for proc in procs:
         proc.join(max(deadline - time.monotonic(), 0.1))
@@ -299,8 +298,7 @@ def _leave(state: TensorParallelState, peers_alive: bool) -> threading.Thread | 
 
     def leave() -> None:
         with contextlib.suppress(Exception):
-            # NCCL: abort (no collective destroy to wait in); gloo: a plain destroy (a worker that is gone: abort)
-            destroy_tensor_parallel(state, abort=not peers_alive or state.backend == "nccl")
+            destroy_tensor_parallel(state, abort=not peers_alive)
 
     thread = threading.Thread(target=leave, name="dynamo-once-tp-leave", daemon=True)
     try:

@@ -105,24 +105,25 @@ def init_tensor_parallel(rank: int, world_size: int, backend: str, store: dist.S
 
 
 def destroy_tensor_parallel(state: TensorParallelState, abort: bool = False) -> None:
-    """Leave ``state``'s group (its models' collectives fail from then on, naming it). ``abort``: abort the group
-    first (``ProcessGroup.abort``, torch >= 2.6), which waits for no other rank: on NCCL a plain destroy is a
-    collective of every rank of the node, and it was seen to hang at close on two H200s with the model's CUDA
-    graphs (holding NCCL kernels) alive; a rank that is gone cannot take part in it either."""
+    """Leave ``state``'s group (its models' collectives fail from then on, naming it), waiting for no other rank.
+
+    On NCCL every group of the process is aborted (:func:`dispatcher.compat.abort_process_groups`) once this
+    rank's work is done: a plain destroy is a collective of every rank of the node, which a closing rank 0 and its
+    workers cannot be relied on to enter together. On gloo the group is destroyed; ``abort``: a rank is gone, abort
+    it first (``ProcessGroup.abort``, torch >= 2.6)."""
     if state.group_name is None:
         return
     group = _groups.pop(state.group_name, None)
-    if group is None:
+    if group is None or not dist.is_initialized():
         return
-    if abort and state.backend == "nccl" and dist.is_initialized():
+    if state.backend == "nccl":
         torch.cuda.synchronize()  # the last step's collectives done: nothing is in flight when it aborts
         compat.abort_process_groups()  # every group (symmetric memory's too): a shutdown of one left would wait
         return
     if abort and hasattr(group, "abort"):
         with contextlib.suppress(Exception):
             group.abort()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def divide(value: int, field: str, size: int | None = None) -> int:

@@ -86,8 +86,7 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
         finally:
             sys.stderr.flush()
             os._exit(1)  # at once: no teardown that could wait on the group's other ranks
-    # Asked to stop: a normal exit (the compile workers' pools shut down); NCCL aborts, as rank 0 does
-    destroy_tensor_parallel(state, abort=state.backend == "nccl")
+    destroy_tensor_parallel(state)  # asked to stop: a normal exit (the compile workers' pools shut down)
 
 
 def _exit_with_parent() -> None:
