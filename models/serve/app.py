@@ -5,8 +5,9 @@ a path). ``stream: true`` answers server-sent events, ``data: {chunk}\\n\\n`` ..
 A body that is not streamed is returned as a :class:`JSONResponse` of plain ``dict``/``list``/``str``/number
 values: the same bytes FastAPI writes for a returned ``dict`` (``json.dumps``, compact, UTF-8), without
 its ``jsonable_encoder`` walk of every value first (~20 us a completion, on the event loop, whose time
-during a step can delay the engine thread's next one: both take the GIL). Every refusal is OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``: a bad field
-400, an unknown model 404, a missing or wrong API key 401, a body over ``max_body_bytes`` 413.
+during a step can delay the engine thread's next one: both take the GIL). Every refusal is OpenAI's error
+shape ``{"error": {"message", "type", "param", "code"}}``: a bad field 400, an unknown model 404, a missing
+or wrong API key 401, a body over ``max_body_bytes`` 413.
 """
 
 from __future__ import annotations
