@@ -355,12 +355,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--step-profile", action="store_true",
                    help="per engine step at each concurrency > 1: wall, engine and event-loop CPU, gaps, by phase, "
                         "served against offline (benchmarks/serve_steps.py; serve_steps*.csv and .png with --out)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval in the server's process (seconds; default: the interpreter's, 0.005): "
+                        "how long the engine thread may wait for the GIL held by the event loop's thread")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.client:
         client_main()
         return []
+    if a.switch_interval is not None:
+        if not a.switch_interval > 0:
+            p.error(f"--switch-interval: expected seconds > 0, got {a.switch_interval}")
+        sys.setswitchinterval(a.switch_interval)
     if a.quick:
         quick_defaults(a, p)
     a.concurrency = sorted({1, *(int(c) for c in a.concurrency.split(","))})

@@ -187,8 +187,21 @@ def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     and bools by type only. Two argument lists with equal keys (and equal constexprs and options) get
     the same compiled kernel, so the key may be finer than Triton's but never coarser.
     """
+    found = key_and_launch_args(args)
+    return None if found is None else found[0]
+
+
+def key_and_launch_args(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """:func:`specialization_key` of ``args``, and ``args`` with every tensor replaced by its address.
+
+    Triton's C launcher takes a pointer argument as an int as it is; a tensor costs it a Python method call
+    (``data_ptr``) and a driver query (``cuPointerGetAttribute``, to validate the address) per argument per
+    launch. The key reads each tensor's address anyway, so the launch gets the int.
+    """
     key: list[Any] = []
     put = key.append
+    launch_args: list[Any] = []
+    arg = launch_args.append
     for a in args:
         t = type(a)
         if t is int:
@@ -196,16 +209,21 @@ def specialization_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
                 put(1)
             else:
                 put((3 if a % 16 == 0 else 2) + (0 if _I32_MIN <= a <= _I32_MAX else 2 if a < 2**63 else 4))
+            arg(a)
         elif t is float:
             put(0)
+            arg(a)
         elif isinstance(a, torch.Tensor):
+            ptr = a.data_ptr()
             put(a.dtype)
-            put(a.data_ptr() % 16 == 0)
+            put(ptr % 16 == 0)
+            arg(ptr)
         elif t is bool or a is None:
             put(a)
+            arg(a)
         else:
             return None
-    return tuple(key)
+    return tuple(key), launch_args
 
 
 class FastLaunch:
@@ -218,7 +236,8 @@ class FastLaunch:
     the H200's host, three launches per attention layer per step on the piecewise path. Here the first
     launch of a specialization (:func:`specialization_key` of the arguments, the keywords, the device)
     goes through ``kernel.run`` as usual, which compiles (or loads) the kernel and returns it; later ones
-    call that compiled kernel's C launcher directly with the same arguments.
+    call that compiled kernel's C launcher directly with the same arguments, each tensor as its address
+    (:func:`key_and_launch_args`).
 
     The normal launch serves every call the fast path cannot: Triton's interpreter (``TRITON_INTERPRET=1``:
     the kernel is no ``JITFunction``), launch or pre-run hooks set (a profiler such as proton), an argument
@@ -252,8 +271,8 @@ class FastLaunch:
         if self._device is None:
             self._resolve()
         device = self._device()
-        spec = specialization_key(args)
-        key = (device, spec, tuple(kwargs.items())) if spec is not None else None
+        found = key_and_launch_args(args)
+        key = (device, found[0], tuple(kwargs.items())) if found is not None else None
         try:
             entry = self._entries.get(key, False) if key is not None and not _hooks_set(self._runtime) else None
         except TypeError:  # an unhashable constexpr
@@ -265,7 +284,7 @@ class FastLaunch:
             return
         launch, fixed, tail = entry
         n = len(grid)
-        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), *fixed, *args, *tail)
+        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), *fixed, *found[1], *tail)
         self.fast_launches += 1
 
     def _resolve(self) -> None:
