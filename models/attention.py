@@ -28,9 +28,11 @@ Host time matters here: on the piecewise path (a step that mixes prefill and
 decode) the op runs eagerly between CUDA-graph replays, once per layer, and a
 slow op leaves the GPU idle. So the CUDA path computes nothing per layer that
 is the same for every layer of a step (the metadata's decode plan: slices,
-split count, grids, persistent split-KV scratch), launches through
-``FastLaunch`` (the compiled kernels' launchers, not ``kernel[grid](...)``),
-and allocates only its output.
+split count, grids, persistent split-KV scratch, and each kernel's
+``ops.triton_utils.BoundLaunch``: the metadata's ``write_launch`` and
+``prefill_launch``, the plan's ``launches``), launches through ``FastLaunch``
+(the compiled kernels' launchers, not ``kernel[grid](...)``) passing only what
+may differ between layers, and allocates only its output.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from torch.nn.attention.bias import causal_lower_right
 from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
 from dispatcher.cuda_graph import thread_state as graph_state
-from ops.paged_attention import paged_decode_launch
-from ops.paged_prefill import paged_prefill_triton
+from ops.paged_attention import paged_decode_launch, write_kv_cache_launch
+from ops.paged_prefill import prefill_launch
 from ops.triton_utils import cdiv
 
 from .forward_context import AttentionMetadata, get_forward_context
@@ -141,14 +143,18 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     them all, as one launch.
     """
     nd = md.num_decodes
-    plan = md.decode_plan(num_heads, kv_cache.shape[3], head_size, kv_cache.shape[2], q.device) if nd else None
-    fused_write = plan is not None and plan.fused_write and kv_cache.is_contiguous()
-    if not kv_cache.is_contiguous():
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    contiguous = kv_cache.is_contiguous()
+    plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, q.device) if nd else None
+    fused_write = plan is not None and plan.fused_write and contiguous
+    if not contiguous:
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    elif not fused_write:
-        write_kv_cache_triton(kv_cache, k, v, md.slot_mapping)
-    elif k.shape[0] > nd:  # the decodes' rows go with the decode kernel (paged_decode_launch's new_kv)
-        write_kv_cache_triton(kv_cache, k[nd:], v[nd:], md.slot_mapping[nd:])
+    else:  # write_kv_cache_triton's launch, bound once a step; under fused_write the decodes' rows go with the
+        # decode kernel (paged_decode_launch's new_kv)
+        first = nd if fused_write else 0
+        launch = md.write_launch(k.shape[0] - first, num_kv_heads * kv_cache.shape[4], first)
+        if launch is not None:
+            write_kv_cache_launch(launch, kv_cache, k[first:] if first else k, v[first:] if first else v)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -158,9 +164,10 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
         if nd == md.num_seqs:
             return out
-    block_table, seq_lens, query_start_loc, max_query_len = md.prefill_args
-    paged_prefill_triton(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, num_heads, head_size,
-                         scale, sliding_window, logits_soft_cap, out=out)
+    launch = md.prefill_launch(num_heads, num_kv_heads, head_size, page, q.dtype, logits_soft_cap is not None,
+                               sliding_window is not None)
+    if launch is not None:  # the sequences after the decodes (paged_prefill_triton's launch, bound once a step)
+        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
     return out
 
 

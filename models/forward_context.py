@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ops.paged_attention import DecodePlan, DecodeWorkspace
+from ops.paged_attention import DecodePlan, DecodeWorkspace, bind_write_kv_cache
+from ops.paged_prefill import bind_prefill
+from ops.triton_utils import BoundLaunch
 
 if TYPE_CHECKING:
     from .attention import Attention
@@ -80,6 +82,10 @@ class AttentionMetadata:
     max_seq_len: int
     workspace: DecodeWorkspace | None = None
     _plans: dict[tuple, DecodePlan] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _writes: dict[tuple, BoundLaunch | None] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                  compare=False)
+    _prefills: dict[tuple, BoundLaunch | None] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                    compare=False)
 
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
                     device: torch.device) -> DecodePlan:
@@ -113,6 +119,33 @@ class AttentionMetadata:
         nd, starts = self.num_decodes, self.query_start_loc_cpu
         longest = max((starts[i + 1] - starts[i] for i in range(nd, self.num_seqs)), default=0)
         return self.block_table[nd:], self.seq_lens[nd:], self.query_start_loc[nd:], longest
+
+    def write_launch(self, num_tokens: int, row: int, first: int) -> BoundLaunch | None:
+        """The cache-write kernel (``ops.paged_attention.bind_write_kv_cache``) bound to ``num_tokens`` slots of
+        :attr:`slot_mapping` from token ``first`` on, for cache rows of ``row`` elements, built at its first call in
+        this step; None: no token."""
+        key = (num_tokens, row, first)
+        try:
+            return self._writes[key]
+        except KeyError:
+            slots = self.slot_mapping[first:] if first else self.slot_mapping
+            launch = self._writes[key] = bind_write_kv_cache(slots, num_tokens, row)
+            return launch
+
+    def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,
+                       use_softcap: bool, use_window: bool) -> BoundLaunch | None:
+        """The prefill kernel bound to :attr:`prefill_args` (``ops.paged_prefill.bind_prefill``) for a layer shape,
+        q's dtype and the soft cap's and window's presence, built at its first call in this step; None: no
+        sequence to launch for."""
+        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window)
+        try:
+            return self._prefills[key]
+        except KeyError:
+            block_table, seq_lens, query_start_loc, max_query_len = self.prefill_args
+            launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
+                                                        num_heads, num_kv_heads, head_size, page, dtype,
+                                                        use_softcap, use_window)
+            return launch
 
     @functools.cached_property
     def seq_spans(self) -> list[tuple[int, int, int]]:

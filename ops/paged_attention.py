@@ -52,12 +52,14 @@ import functools
 import torch
 
 from .paged_decode_config import DecodeConfig, decode_config
-from .triton_utils import FastLaunch, next_power_of_2, tl, triton, use_triton
+from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "write_kv_cache",
     "paged_decode",
     "write_kv_cache_triton",
+    "bind_write_kv_cache",
+    "write_kv_cache_launch",
     "paged_decode_triton",
     "decode_num_splits",
     "decode_workspace_numel",
@@ -96,14 +98,34 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    row = kv_cache.shape[-2] * kv_cache.shape[-1]
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kv_cache_launch((num_tokens,), k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                           **_write_constexprs(kv_cache.shape[-2] * kv_cache.shape[-1]))
+
+
+def _write_constexprs(row: int) -> dict[str, int]:
     block = next_power_of_2(row)
-    _write_kv_cache_launch(
-        (num_tokens,), k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-        ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)),
-    )
+    return dict(ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)))
+
+
+def bind_write_kv_cache(slot_mapping: torch.Tensor, num_tokens: int, row: int) -> BoundLaunch | None:
+    """The cache-write kernel bound to ``num_tokens`` slots of ``slot_mapping`` and rows of ``row`` (Hkv * D)
+    elements (None: no token): :func:`write_kv_cache_triton`'s launch, less what may differ between layers (see
+    :func:`write_kv_cache_launch`). The attention op binds it once a step (``models.AttentionMetadata``)."""
+    if num_tokens == 0:
+        return None
+    t, s = Slot.tensor, Slot.scalar  # the arguments as write_kv_cache_triton passes them
+    return _write_kv_cache_launch.bind((num_tokens,), (t(0), t(1), t(2), slot_mapping, s(0), s(1), s(2)),
+                                      **_write_constexprs(row))
+
+
+def write_kv_cache_launch(launch: BoundLaunch, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One launch of a :func:`bind_write_kv_cache`: ``k``, ``v`` (rows as its slots, ``[T, Hkv * D]``) into the
+    contiguous ``kv_cache``."""
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    launch((k, v, kv_cache), (k.stride(0), v.stride(0), kv_cache.stride(0)))
 
 
 # The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
@@ -471,6 +493,19 @@ class DecodePlan:
                 workspace = torch.empty(n_o + n_lse, dtype=torch.float32, device=device)
             self.mid_o = workspace[:n_o].view(b, num_heads, splits, head_size)
             self.mid_lse = workspace[n_o:n_o + n_lse].view(b, num_heads, splits)
+        self._launches: dict[tuple[bool, bool, bool, bool], tuple[BoundLaunch, BoundLaunch | None]] = {}
+
+    def launches(self, use_softcap: bool, use_window: bool, ieee: bool,
+                 fused_write: bool) -> tuple[BoundLaunch, BoundLaunch | None]:
+        """The split kernel's and (None when it merges itself or there is one split) the merge kernel's
+        :class:`~ops.triton_utils.BoundLaunch` for these constexprs, bound at their first call: what is the same
+        for every layer of the step (grids, constexprs, table, scratch) is not re-read per layer."""
+        key = (use_softcap, use_window, ieee, fused_write)
+        found = self._launches.get(key)
+        if found is None:
+            merge = _bind_merge(self) if self.num_splits > 1 and not self.fused_merge else None
+            found = self._launches[key] = (_bind_split(self, *key), merge)
+        return found
 
 
 def _warmup(kernel: object) -> object:
@@ -493,37 +528,67 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
     ``compile_only`` (CUDA only): compile the kernels for these arguments (Triton's ``warmup``), launch
     nothing; under Triton's ``AsyncCompileMode`` the compiles run on its executor (``benchmarks.attention``
     compiles its sweep's configs so, in parallel).
+
+    The launches are the plan's bound ones (:meth:`DecodePlan.launches`): per layer, only the tensors and the
+    scalars that may differ between layers are passed.
     """
-    split, merge = (_warmup(_decode_split_kernel), _warmup(_decode_merge_kernel)) if compile_only \
-        else (_decode_split_launch, _decode_merge_launch)
-    d, b = plan.head_size, plan.num_seqs
-    sc = kv_cache.stride()
-    bt = plan.block_table
+    b = plan.num_seqs
     if new_kv is not None and not plan.fused_write:
         k, v, slots = new_kv
         if not compile_only:
             write_kv_cache_triton(kv_cache, k[:b] if k.shape[0] > b else k, v[:b] if v.shape[0] > b else v, slots)
         new_kv = None
-    if new_kv is None:
-        k, v, slots, kv_strides = q, q, bt, (0, 0)
-    else:
+    sc = kv_cache.stride()
+    split, merge = plan.launches(logits_soft_cap is not None, sliding_window is not None, q.dtype == torch.float32,
+                                 new_kv is not None)
+    tensors = (q, kv_cache, out)
+    scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out.stride(0), scale, logits_soft_cap or 1.0,
+               sliding_window or 0)
+    if new_kv is not None:
         k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
-        kv_strides = (k.stride(0), v.stride(0))
-    if plan.num_splits == 1:
-        mid_o, mid_lse, mo_strides, ml_strides = out, out, (out.stride(0), d, 0), (0, 0)
+        tensors += (k, v, slots)
+        scalars += (k.stride(0), v.stride(0))
+    if compile_only:
+        _warmup(_decode_split_kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
+        if merge is not None:
+            _warmup(_decode_merge_kernel)(merge.grid, *merge.full_args((out,), (out.stride(0),)), **merge.kwargs)
+        return
+    split(tensors, scalars)
+    if merge is not None:
+        merge((out,), (out.stride(0),))
+
+
+def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: bool, fused_write: bool) -> BoundLaunch:
+    """The split kernel bound to ``plan`` (:func:`paged_decode_launch`'s arguments, in the kernel's order).
+
+    Per call: tensors ``(q, kv_cache, out[, k_new, v_new, slots])``; scalars ``(q.stride(0), the cache's four
+    leading strides, out.stride(0), scale, soft cap, window[, k_new.stride(0), v_new.stride(0)])``."""
+    t, s = Slot.tensor, Slot.scalar
+    d, bt = plan.head_size, plan.block_table
+    out = t(2)
+    if plan.num_splits == 1:  # the split kernel writes the output: no partial results
+        mid_o, mid_lse, mo_strides, ml_strides = out, out, (s(5), d, 0), (0, 0)
     else:
         mid_o, mid_lse = plan.mid_o, plan.mid_lse
-        mo_strides, ml_strides = mid_o.stride()[:3], mid_lse.stride()[:2]
+        mo_strides, ml_strides = plan.mid_o.stride()[:3], plan.mid_lse.stride()[:2]
     counters = plan.counters if plan.fused_merge else out
-    split(
-        plan.split_grid, q, kv_cache, bt, plan.seq_lens, mid_o, mid_lse, out, counters, k, v, slots,
-        q.stride(0), d, sc[0], sc[1], sc[2], sc[3], bt.stride(0), *mo_strides, *ml_strides, out.stride(0),
-        *kv_strides, scale, logits_soft_cap or 1.0, sliding_window or 0, plan.num_splits, plan.heads_first,
-        **plan.split_constexprs, USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, FUSED_WRITE=new_kv is not None,
-    )
-    if plan.num_splits > 1 and not plan.fused_merge:
-        merge(plan.merge_grid, mid_o, mid_lse, out, *mo_strides, *ml_strides, out.stride(0), d, **plan.merge_constexprs)
+    if fused_write:
+        k, v, slots, kv_strides = t(3), t(4), t(5), (s(9), s(10))
+    else:  # unused by the kernel: any tensor of the right kind
+        k, v, slots, kv_strides = t(0), t(0), bt, (0, 0)
+    args = (t(0), t(1), bt, plan.seq_lens, mid_o, mid_lse, out, counters, k, v, slots,
+            s(0), d, s(1), s(2), s(3), s(4), bt.stride(0), *mo_strides, *ml_strides, s(5),
+            *kv_strides, s(6), s(7), s(8), plan.num_splits, plan.heads_first)
+    return _decode_split_launch.bind(plan.split_grid, args, **plan.split_constexprs, USE_SOFTCAP=use_softcap,
+                                     USE_WINDOW=use_window, IEEE=ieee, FUSED_WRITE=fused_write)
+
+
+def _bind_merge(plan: DecodePlan) -> BoundLaunch:
+    """The merge kernel bound to ``plan``; per call: tensors ``(out,)``, scalars ``(out.stride(0),)``."""
+    mid_o, mid_lse = plan.mid_o, plan.mid_lse
+    args = (mid_o, mid_lse, Slot.tensor(0), *mid_o.stride()[:3], *mid_lse.stride()[:2], Slot.scalar(0),
+            plan.head_size)
+    return _decode_merge_launch.bind(plan.merge_grid, args, **plan.merge_constexprs)
 
 
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -30,13 +30,15 @@ import functools
 
 import torch
 
-from .triton_utils import FastLaunch, cdiv, next_power_of_2, tl, triton, use_triton
+from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "PrefillConfig",
     "prefill_config",
     "paged_prefill",
     "paged_prefill_triton",
+    "bind_prefill",
+    "prefill_launch",
     "paged_prefill_ref",
 ]
 
@@ -218,29 +220,54 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         raise ValueError(f"paged_prefill_triton: the cache needs unit stride in D, got strides {kv_cache.stride()}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    num_seqs = seq_lens.shape[0]
-    if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
+    if q.shape[0] == 0:
         return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     _, _, page, num_kv_heads, _ = kv_cache.shape
+    launch = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len, num_heads, num_kv_heads, head_size,
+                          page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config)
+    if launch is not None:
+        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+    return out
+
+
+def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                 num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype, use_softcap: bool,
+                 use_window: bool, config: PrefillConfig | None = None) -> BoundLaunch | None:
+    """The prefill kernel bound to a batch's sequences and a layer shape (None: nothing to launch): what
+    :func:`paged_prefill_triton` launches, less what may differ between layers (see :func:`prefill_launch`).
+    The attention op binds it once a step (``models.AttentionMetadata.prefill_launch``)."""
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len <= 0:
+        return None
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
-    cfg = config or prefill_config(head_size, group, max_query_len, q.dtype)
+    cfg = config or prefill_config(head_size, group, max_query_len, dtype)
     block_q = max(cfg.BLOCK_M // group_pad, 1)
     block_n = max(cfg.BLOCK_N, page)
-    # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
-    qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
-    _prefill_launch(
-        (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), q, kv_cache, block_table, seq_lens, query_start_loc,
-        out, q.stride(0), out.stride(0), *kv_cache.stride()[:4], block_table.stride(0),
-        qk_scale, logits_soft_cap or 1.0, sliding_window or 0,
+    t, s = Slot.tensor, Slot.scalar
+    args = (t(0), t(1), block_table, seq_lens, query_start_loc, t(2), s(0), s(1), s(2), s(3), s(4), s(5),
+            block_table.stride(0), s(6), s(7), s(8))
+    return _prefill_launch.bind(
+        (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), args,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
         BLOCK_D=max(16, next_power_of_2(head_size)), PAGE=page, BLOCK_N=block_n,
-        USE_SOFTCAP=logits_soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_SOFTCAP=use_softcap, USE_WINDOW=use_window,
+        IEEE=dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+
+
+def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
+                   sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """One launch of a :func:`bind_prefill` (bound for q's dtype and this soft cap's and window's presence): q's
+    and out's rows ``query_start_loc[0]..`` (unit stride last, out like q), the cache's four leading strides, the
+    scale and the options are per call."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    sc = kv_cache.stride()
+    # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
+    qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
+    launch((q, kv_cache, out), (q.stride(0), out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale,
+                                logits_soft_cap or 1.0, sliding_window or 0))
 
 
 # An opaque custom op, as paged_decode (ops/paged_attention.py says why not triton_op): Triton on CUDA, the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,6 +39,8 @@ __all__ = [
     "pdl_available",
     "pdl_args",
     "FastLaunch",
+    "BoundLaunch",
+    "Slot",
     "specialization_key",
 ]
 
@@ -268,6 +271,12 @@ class FastLaunch:
         if not (self._usable and FastLaunch.enabled and type(grid) is tuple):  # a callable grid: run() calls it
             self.kernel[grid](*args, **kwargs)
             return
+        self.launch_entry(grid, args, kwargs)
+
+    def launch_entry(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
+        """Launch (as ``__call__``, the grid a tuple) and return the entry that served it: ``(launch, fixed,
+        tail)`` (the fast path, for these arguments' specialization) or None (the normal launch served it, and
+        serves this specialization while no hook is set). :class:`BoundLaunch` keeps it."""
         if self._device is None:
             self._resolve()
         device = self._device()
@@ -280,12 +289,19 @@ class FastLaunch:
         if not entry:  # unseen (False), or served by the normal launch (None)
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if entry is False:
-                self._entries[key] = self._entry(compiled, len(args), kwargs)
-            return
+                entry = self._entries[key] = self._entry(compiled, len(args), kwargs)
+                return entry
+            return None
         launch, fixed, tail = entry
         n = len(grid)
         launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._stream(device), *fixed, *found[1], *tail)
         self.fast_launches += 1
+        return entry
+
+    def bind(self, grid: tuple[int, ...], args: Iterable[Any], **kwargs: Any) -> BoundLaunch:
+        """A :class:`BoundLaunch` of this kernel: ``grid``, ``kwargs`` and the arguments that are not
+        :class:`Slot` fixed; the slots given at each call."""
+        return BoundLaunch(self, grid, tuple(args), kwargs)
 
     def _resolve(self) -> None:
         from triton import knobs
@@ -337,3 +353,89 @@ def _hooks_set(runtime: Any) -> bool:
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     # Triton 3.6: HookChain objects, empty unless a hook was added; earlier: None or a callable.
     return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
+
+
+class Slot:
+    """A placeholder in :meth:`FastLaunch.bind`'s arguments: per-call tensor ``index`` (``Slot.tensor(i)``) or
+    scalar ``index`` (``Slot.scalar(i)``) of :meth:`BoundLaunch.__call__`; one may fill several positions."""
+
+    __slots__ = ("is_tensor", "index")
+
+    def __init__(self, is_tensor: bool, index: int) -> None:
+        self.is_tensor, self.index = is_tensor, index
+
+    @classmethod
+    def tensor(cls, index: int) -> Slot:
+        return cls(True, index)
+
+    @classmethod
+    def scalar(cls, index: int) -> Slot:
+        return cls(False, index)
+
+
+class BoundLaunch:
+    """One kernel launched many times with the same grid, constexprs and most arguments, the others per call.
+
+    A caller that launches a kernel once per layer of a step with arguments that mostly do not change between
+    layers (a decode plan's block table, grids, scratch, constexprs) binds them once (:meth:`FastLaunch.bind`) and
+    passes only the per-layer ones: ``bound(tensors, scalars)``, two tuples, filling the :class:`Slot` positions.
+    A call then computes the specialization of its per-call values only: each tensor's dtype and 16-byte
+    alignment, as :func:`specialization_key` (the fixed arguments' part was taken at the bind), and each scalar's
+    value and type (finer than Triton's key, never coarser; the scalars a caller passes, strides, scale, window,
+    are the same for every layer in practice). Its first call of a specialization goes through
+    :meth:`FastLaunch.launch_entry` with the whole argument list (compiling, or the normal launch wherever
+    ``FastLaunch`` would take it, which then serves that specialization); later ones call the compiled launcher
+    with the fixed arguments' addresses and the per-call ones put in the kernel's order by one ``itemgetter``.
+    Launch hooks set, or ``FastLaunch.enabled`` False: every call goes through ``FastLaunch`` whole.
+    """
+
+    _MAX_ENTRIES = 64  # per-call values that keep changing (none should): start over rather than grow
+
+    def __init__(self, fast: FastLaunch, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fast, self.grid, self.args, self.kwargs = fast, grid, args, kwargs
+        n_fixed = sum(not isinstance(a, Slot) for a in args)
+        n_tensors = max((a.index + 1 for a in args if isinstance(a, Slot) and a.is_tensor), default=0)
+        # The launcher's arguments are itemgetter(order) of (fixed launch values, tensor addresses, scalars).
+        order = []
+        fixed_vals = []
+        for a in args:
+            if isinstance(a, Slot):
+                order.append(n_fixed + a.index + (0 if a.is_tensor else n_tensors))
+            else:
+                order.append(len(fixed_vals))
+                fixed_vals.append(a)
+        found = key_and_launch_args(tuple(fixed_vals))
+        self._fixed = tuple(found[1]) if found is not None else None  # None: an argument FastLaunch never serves
+        self._order = operator.itemgetter(*order) if len(order) > 1 else (lambda v: (v[order[0]],))
+        self._fast_path = fast._usable and self._fixed is not None
+        n = len(grid)
+        self._grid3 = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        self._entries: dict[tuple, tuple | None] = {}
+
+    def full_args(self, tensors: tuple[Any, ...], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The kernel's whole positional argument list for these per-call values."""
+        return tuple((tensors if a.is_tensor else scalars)[a.index] if isinstance(a, Slot) else a for a in self.args)
+
+    def __call__(self, tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...] = ()) -> None:
+        fast = self.fast
+        if not (self._fast_path and FastLaunch.enabled) or fast._runtime is None or _hooks_set(fast._runtime):
+            fast(self.grid, *self.full_args(tensors, scalars), **self.kwargs)  # resolves fast._runtime
+            return
+        device = fast._device()
+        ptrs = tuple([t.data_ptr() for t in tensors])
+        key = (device, scalars, tuple([t.dtype for t in tensors]), tuple([p % 16 for p in ptrs]),
+               tuple(map(type, scalars)))
+        entry = self._entries.get(key, False)
+        if not entry:
+            if entry is None:  # the normal launch serves this specialization
+                fast(self.grid, *self.full_args(tensors, scalars), **self.kwargs)
+                return
+            # unseen: the whole launch, which tells how this specialization is served
+            if len(self._entries) >= self._MAX_ENTRIES:
+                self._entries.clear()
+            self._entries[key] = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
+            return
+        launch, fixed, tail = entry
+        gx, gy, gz = self._grid3
+        launch(gx, gy, gz, fast._stream(device), *fixed, *self._order(self._fixed + ptrs + scalars), *tail)
+        fast.fast_launches += 1

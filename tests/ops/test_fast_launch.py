@@ -168,3 +168,37 @@ def test_callable_grids_and_unhashable_constexprs_take_the_normal_launch(monkeyp
     for _ in range(2):
         fast((4,), x, 32, BLOCK=[128])
     assert len(runs) == 2 and launcher.calls == []
+
+
+def test_bound_launch_keys_only_the_per_call_values(monkeypatch):
+    from ops.triton_utils import Slot
+
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x = torch.zeros(64)
+    bound = fast.bind((4, 2), (Slot.tensor(0), Slot.scalar(0)), BLOCK=128, num_warps=4)
+    bound((x,), (32,))  # compiles through run, as the unbound launch would
+    assert len(runs) == 1 and runs[0] == ((4, 2), (x, 32), {"BLOCK": 128, "num_warps": 4}) and launcher.calls == []
+    direct = (4, 2, 1, 777, 1234, False, True, None, None, (4, 1, 0), None, None, None, x.data_ptr(), 48, 128)
+    bound((x,), (48,))  # a new scalar value: the whole launch once (fast: 48 specializes as 32), then the bound path
+    bound((x,), (48,))
+    assert len(runs) == 1 and launcher.calls == [direct, direct] and fast.fast_launches == 2
+    bound((x[1:],), (48,))  # misaligned: another specialization, compiled by run
+    bound((x.double(),), (48,))  # another dtype
+    assert len(runs) == 3 and fast.fast_launches == 2
+    fixed = fast.bind((4, 2), (x, Slot.scalar(0)), BLOCK=128, num_warps=4)  # a fixed tensor goes as its address
+    for _ in range(2):
+        fixed((), (48,))
+    assert launcher.calls[-2:] == [direct, direct] and len(runs) == 3
+
+    class Hooked:
+        launch_enter_hook, launch_exit_hook = type("Chain", (), {"calls": [print]})(), None
+
+    fast._runtime = Hooked()  # a profiler's hook: every launch through run
+    bound((x,), (48,))
+    assert len(runs) == 4 and len(launcher.calls) == 4
+    fast._runtime = _NoHooks()
+    monkeypatch.setattr(FastLaunch, "enabled", False)
+    calls = []
+    monkeypatch.setattr(type(fast.kernel), "__getitem__", lambda self, grid: lambda *a, **k: calls.append((grid, a)))
+    bound((x,), (48,))
+    assert calls == [((4, 2), (x, 48))]

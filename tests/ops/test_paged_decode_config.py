@@ -16,6 +16,7 @@ from test_paged_attention import HEAD, HEADS, KV_HEADS, SCALE, TOLERANCES, decod
 import ops
 from ops.paged_attention import DecodePlan, decode_num_splits, decode_workspace_numel
 from ops.paged_decode_config import DECODE_TABLE, DecodeConfig, decode_config
+from ops.triton_utils import BoundLaunch
 
 CPU = torch.device("cpu")  # 8 SMs for the split rule off CUDA (ops.paged_attention._num_sms)
 
@@ -117,8 +118,13 @@ def test_compile_only_passes_the_launch_arguments_to_warmup(monkeypatch):
         def __init__(self, name):
             self.name = name
 
+        _usable = False  # a FastLaunch whose bound launches (the plan's) go through __call__ whole
+
         def __call__(self, grid, *args, **kwargs):  # a FastLaunch
             calls.append(("launch", self.name, grid, args, kwargs))
+
+        def bind(self, grid, args, **kwargs):
+            return BoundLaunch(self, grid, tuple(args), kwargs)
 
         def warmup(self, *args, grid, **kwargs):  # a JITFunction's warmup
             calls.append(("warmup", self.name, grid, args, kwargs))
