@@ -87,13 +87,15 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
     return kinds, top
 
 
-def decode_graphs(name: str, batches: list[int], context: int) -> dict[int, Callable[[], Any]]:
-    """``name``'s level-3 decode step at each batch as one whole-step CUDA graph replay (benchmarks.decode's)."""
+def decode_graphs(name: str, batches: list[int], context: int, mode: str = "level 3"
+                  ) -> dict[int, Callable[[], Any]]:
+    """``name``'s decode step in ``mode`` (a level-3 mode of benchmarks.decode: ``level 3``, ``level 3 +ops``,
+    ``level 3 +ops +passes``) at each batch as one whole-step CUDA graph replay (benchmarks.decode's)."""
     from benchmarks.decode import Harness, mode_config
     from dispatcher import CUDAGraphMode, CUDAGraphs
 
     device = torch.device("cuda")
-    h = Harness(name, mode_config("level 3", True, batches), max(batches), context, 0, device, torch.bfloat16)
+    h = Harness(name, mode_config(mode, True, batches), max(batches), context, 0, device, torch.bfloat16)
     h.first_call(max(max(batches), 2))
     graphs = CUDAGraphs()
     runs = {}
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-ours", action="store_true", help="fp8 GEMMs up to SMALL_M_MAX on the small-M kernel "
                                                            "everywhere (int8's rows where the table says cuBLAS)")
     p.add_argument("--prefetch", type=int, default=None, help="every small-M config's PREFETCH")
+    p.add_argument("--mode", default="level 3", choices=("level 3", "level 3 +ops", "level 3 +ops +passes"),
+                   help="the decode graphs' mode (benchmarks.decode's): native code, the Triton ops, ops + graph passes")
     p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = common.int_list(p, "--batches", a.batches)
     for name in [m for m in a.models.split(",") if m]:
         builders.append(lambda name=name: {f"{name} decode b{b}{tag}": run for b, run
-                                           in decode_graphs(name, batches, a.context).items()})
+                                           in decode_graphs(name, batches, a.context, a.mode).items()})
     kinds, tops = [], []
     with gemm_table(a.fp8_ours, a.prefetch):
         for build in builders:
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                 tops += t
             torch.cuda.empty_cache()
         notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
-                 f"decode: level 3 whole-step graph, context {a.context}; stack: benchmarks.gemm's 8B linear stack",
+                 f"decode: {a.mode} whole-step graph, context {a.context}; stack: benchmarks.gemm's 8B linear stack",
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
                  f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, TORCHINDUCTOR_ENABLE_PDL="

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -161,8 +162,30 @@ def client_main() -> None:
     asyncio.run(_client_run(json.loads(sys.stdin.readline())))
 
 
+def split_cpus(server_cpus: int | None) -> tuple[set[int] | None, set[int] | None]:
+    """Pin this (the server's) process to its first ``server_cpus`` CPUs and return ``(server's, clients')``;
+    ``(None, None)``: no split (``server_cpus`` 0, or None with fewer than 4 CPUs to split).
+
+    The load generator must not take the server's cores: at 64 clients the clients' processes parse 64
+    responses at once, and on shared cores the OS preempted the engine thread between and inside the last
+    steps (H200, 64 client processes and the server on 8 cores: the engine thread was off the CPU for 77 ms of
+    the responses' 17 steps while the event loop used 14 ms), a cost of the benchmark's machine that a server
+    whose clients are elsewhere does not pay. Default (None): a quarter of the CPUs, at least 2.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if server_cpus == 0 or (server_cpus is None and len(cpus) < 4):
+        return None, None
+    n = max(2, len(cpus) // 4) if server_cpus is None else server_cpus
+    if not 0 < n < len(cpus):
+        raise ValueError(f"--server-cpus: expected 0 (no split) or 1..{len(cpus) - 1} of this process's "
+                         f"{len(cpus)} CPUs, got {server_cpus}")
+    server, clients = set(cpus[:n]), set(cpus[n:])
+    os.sched_setaffinity(0, server)
+    return server, clients
+
+
 def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens: int, stream: bool,
-                per_proc: int = 0) -> list[tuple[float, float]]:
+                per_proc: int = 0, cpus: set[int] | None = None) -> list[tuple[float, float]]:
     """The requests from other processes, one ``asyncio`` task a request, ``per_proc`` requests a process (0:
     one process for all). Each batch is released to every process at once; per batch: (streamed ms per token
     (one prompt a batch) or output tokens/s, the release time).
@@ -180,6 +203,9 @@ def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens
     procs = 1 if stream or not per_proc else -(-size // per_proc)
     children = [subprocess.Popen([sys.executable, "-m", "benchmarks.serve", "--client"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    if cpus:  # ``cpus``: the clients' own CPUs (split_cpus)
+        for child in children:
+            os.sched_setaffinity(child.pid, cpus)
     results = []
     try:
         for i, child in enumerate(children):
@@ -253,9 +279,10 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     try:
         one = prompts(a.repeats, a.prompt_len, llm.vocab_size, seed=1)
         offline(llm, one[:1], a.max_tokens)  # warm-up, both sides
-        run_clients(url, name, [one[:1]], a.max_tokens, stream=True)
+        run_clients(url, name, [one[:1]], a.max_tokens, stream=True, cpus=a.client_cpu_set)
         off = statistics.median(offline(llm, [p], a.max_tokens)[0] for p in one)
-        srv = statistics.median(t for t, _ in run_clients(url, name, [[p] for p in one], a.max_tokens, stream=True))
+        srv = statistics.median(t for t, _ in run_clients(url, name, [[p] for p in one], a.max_tokens, stream=True,
+                                                          cpus=a.client_cpu_set))
         rows.append(row(name, 1, "ms/token", srv, off))
         for c in a.concurrency:
             if c == 1:
@@ -284,7 +311,8 @@ def concurrent(llm: Any, name: str, url: str, c: int, a: argparse.Namespace, arr
     off_stats = llm.stats
     off_steps = profile.take() if profile is not None else []
     loop_cpu = profile.loop_cpu() if profile is not None else 0.0
-    runs = run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens, False, a.clients_per_proc)
+    runs = run_clients(url, name, [batch] * (a.batch_repeats + 1), a.max_tokens, False, a.clients_per_proc,
+                       a.client_cpu_set)
     release = runs[-1][1]
     where = breakdown(llm.stats, off_stats, [t - release for t in arrivals[-c:]], c * a.max_tokens / runs[-1][0])
     if profile is not None:
@@ -315,7 +343,8 @@ def save(rows: list[dict[str, Any]], a: argparse.Namespace, device: torch.device
         out_dir=a.out,
         notes=[f"prompts of {a.prompt_len} random token ids, {a.max_tokens} output tokens each (ignore_eos), "
                f"greedy; level {a.level}; server in the LLM's process on 127.0.0.1, the clients in others "
-               f"(openai.AsyncOpenAI, one asyncio task a request, {a.clients_per_proc or 'all'} a process)",
+               f"(openai.AsyncOpenAI, one asyncio task a request, {a.clients_per_proc or 'all'} a process); "
+               f"{a.cpu_note}; GIL switch interval {sys.getswitchinterval() * 1e3:g} ms",
                "ms/token (concurrency 1): served = streamed (last token - first token) / tokens after the first "
                "(the whole output in one chunk: from the request's start); "
                f"offline = LLM.generate's median decode step; median of {a.repeats} requests; target ratio <= 1.05",
@@ -358,6 +387,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval in the server's process (seconds; default: the interpreter's, 0.005): "
                         "how long the engine thread may wait for the GIL held by the event loop's thread")
+    p.add_argument("--server-cpus", type=int, default=None,
+                   help="CPUs the server's process keeps, the clients' processes taking the others (default: a quarter, "
+                        "at least 2; 0: no split, as on a machine with fewer than 4)")
     p.add_argument("--out", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -368,6 +400,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if not a.switch_interval > 0:
             p.error(f"--switch-interval: expected seconds > 0, got {a.switch_interval}")
         sys.setswitchinterval(a.switch_interval)
+    try:
+        server_cpus, a.client_cpu_set = split_cpus(a.server_cpus)
+    except ValueError as e:
+        p.error(str(e))
+    a.cpu_note = ("server and clients on the same CPUs" if server_cpus is None else
+                  f"server on {len(server_cpus)} CPUs, the clients' processes on the other {len(a.client_cpu_set)}")
     if a.quick:
         quick_defaults(a, p)
     a.concurrency = sorted({1, *(int(c) for c in a.concurrency.split(","))})
