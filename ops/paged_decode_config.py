@@ -43,9 +43,10 @@ class DecodeConfig:
             caller's separate cache-write launch then covers the other tokens only; none in a decode-only step),
             when the caller passes them (``paged_decode_launch``'s ``new_kv``).
 
-    Both fusions are off by default: measured on the H200 (llama-3-8b, level-3 whole-step graph, context 512,
-    ``benchmarks.kernel_profile``) the fused write made the split kernel 112 µs a layer at batch 128 against 72
-    without it, and alone (``benchmarks.attention``) the fused forms took 14.0 µs at batch 1 against 7.8.
+    Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
+    of the current kernels measured them fastest; not above: measured on the H200 (llama-3-8b, level-3 whole-step
+    graph, context 512, ``benchmarks.kernel_profile``) an earlier fused write made the split kernel 112 µs a layer
+    at batch 128 against 72 without it.
     """
 
     num_splits: int | None = None
@@ -95,8 +96,13 @@ _C, _R = DecodeConfig, DecodeRule
 #: steps, 4 warps, 3 stages). Batches 9-32 and above 32 take one wave (one split from 17 sequences on), as the
 #: sweep's 1-split picks at 32 and 128 do. Larger heads (Gemma 2's 256): the rule before the table, untuned.
 DECODE_TABLE: tuple[DecodeRule, ...] = (
-    _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=8, num_stages=2)),  # 6.55 / 7.84, 14.13 / 12.51
-    _R(8, 128, _C(num_splits=8, BLOCK_N=64, num_warps=2, num_stages=3, heads_first=True)),  # 11.33 / 11.74, 41.95 / 42.05
+    # Batches up to 8: one launch a layer (fused merge and write). The sweep with the fused forms
+    # (results/attention_sweep_fused_best.md) found a fused form fastest at every batch-1 and batch-8 shape, 1.02-1.31x
+    # the unfused row's time; these rows are its picks at 1024 tokens (batch 1: 7.57 µs against 8.58) and 512 (batch 8,
+    # with 64-token steps). One launch instead of three also saves two kernel nodes a layer in a whole-step graph and two
+    # launches' host time a layer on the piecewise path.
+    _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
+    _R(8, 128, _C(num_splits=8, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True)),  # 22.58 / 24.92, 132.86 / 135.17
     _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
