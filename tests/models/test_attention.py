@@ -3,6 +3,8 @@
 The kernels themselves (cache write, split-KV decode) are ops.paged_attention's: tests/ops/test_paged_attention.py.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import ops
 from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
 from models.attention import attention_native, write_kv_cache
+from ops.paged_attention import DecodeWorkspace
 
 HEADS, KV_HEADS, HEAD = 4, 2, 16  # Llama 3 8B: 32, 8, 128
 BLOCK = 4  # small blocks: sequences span several, with a partial last one
@@ -188,8 +191,12 @@ def test_cuda_mixed_batch_matches_native():
 
 @pytest.mark.cuda
 def test_cuda_decode_captures_in_a_cuda_graph():
+    """A replay equals the eager call bit for bit with the step's scratch in a persistent workspace, as the
+    engine keeps it (without one, a capture cannot allocate the fused merge's counters and takes the merge
+    kernel: the same values up to rounding)."""
     layer = new_layer(device="cuda", num_blocks=256)
     q, k, v, md = make_batch(layer, [(40, 1), (3, 1), (100, 1)], device="cuda")
+    md = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=3))
     ctx = ForwardContext({"l0": layer}, md)
     with set_forward_context(ctx):
         expected = torch.ops.dynamo_once.attention(q, k, v, "l0")
