@@ -41,6 +41,7 @@ from dispatcher import CompilationConfig, CUDAGraphMode, CUDAGraphs, set_compila
 from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from models import KVCache, attention_layers
 from models.loader import load_model
+from ops.paged_attention import DecodeWorkspace
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class Harness:
                                        device=device)
         self.logits: torch.Tensor | None = None
         self.md: AttentionMetadata | None = None
+        # The split-KV decode scratch and the fused merge's counters, persistent as the engine's InputBatch keeps
+        # them: without it a step's plan allocates its own (per step, eagerly; in the graph's pool under capture,
+        # where the fused merge's counters cannot be zeroed, so a captured step took the merge kernel).
+        self.workspace = DecodeWorkspace(max(max_batch, 1))
 
     def first_call(self, tokens: int = 2) -> float:
         """The trace + compile (warm-up with no cache, as the runner does) on ``tokens`` tokens; seconds.
@@ -100,7 +105,8 @@ class Harness:
         self.md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[: batch + 1],
             seq_lens=self.seq_lens[:batch], block_table=self.block_table[:batch], num_decodes=batch,
-            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[pos + 1] * batch, max_seq_len=pos + 1)
+            query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[pos + 1] * batch, max_seq_len=pos + 1,
+            workspace=self.workspace)
         self.batch = batch
 
     def set_prefill(self, tokens: int) -> None:
@@ -114,7 +120,7 @@ class Harness:
         self.md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], query_start_loc=self.query_start_loc[:2],
             seq_lens=self.seq_lens[:1], block_table=self.block_table[:1], num_decodes=0,
-            query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens], max_seq_len=tokens)
+            query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens], max_seq_len=tokens, workspace=self.workspace)
         self.batch = tokens
 
     def step(self, model: Callable[..., Any] | None = None) -> torch.Tensor:
