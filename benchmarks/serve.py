@@ -168,9 +168,10 @@ def split_cpus(server_cpus: int | None) -> tuple[set[int] | None, set[int] | Non
 
     The load generator must not take the server's cores: at 64 clients the clients' processes parse 64
     responses at once, and on shared cores the OS preempted the engine thread between and inside the last
-    steps (H200, 64 client processes and the server on 8 cores: the engine thread was off the CPU for 77 ms of
-    the responses' 17 steps while the event loop used 14 ms), a cost of the benchmark's machine that a server
-    whose clients are elsewhere does not pay. Default (None): a quarter of the CPUs, at least 2.
+    steps (H200, 64 client processes and the server on 8 cores: the responses' 17 steps took 77 ms against 35
+    offline, 38 ms of it with the engine thread off the CPU, and 62 ms of gaps between them, while the event loop
+    used 14 ms), a cost of the benchmark's machine that a server whose clients are elsewhere does not pay.
+    Default (None): a quarter of the CPUs, at least 2.
     """
     cpus = sorted(os.sched_getaffinity(0))
     if server_cpus == 0 or (server_cpus is None and len(cpus) < 4):

@@ -98,10 +98,11 @@ _C, _R = DecodeConfig, DecodeRule
 DECODE_TABLE: tuple[DecodeRule, ...] = (
     # Batches up to 8: one launch a layer (fused merge and write). The sweep with the fused forms
     # (results/attention_sweep_fused_best.md) found a fused form fastest at every batch-1 and batch-8 shape, 1.02-1.31x
-    # the unfused row's time; these rows are its picks at 1024 tokens (batch 1: 7.57 µs against 8.58; measured after,
-    # results/attention.md: 6.65 / 14.23 at 512 / 4096 tokens against 8.01 / 15.87) and 512 (batch 8: 11.38 against
-    # 12.91; with 64-token steps instead it measured 13.88). One launch instead of three also saves two kernel nodes
-    # a layer in a whole-step graph and two launches' host time a layer on the piecewise path.
+    # the unfused row's time; these rows are its picks at 1024 tokens (batch 1: 7.57 µs against 8.58) and 512 (batch 8:
+    # 11.38 against 12.91). Measured after (results/attention.md against attention_before_fused_rows.md): batch 1
+    # 6.72 / 14.27 µs at 512 / 4096 tokens against 8.01 / 15.87; batch 8 11.47 / 45.5 against 12.93 / 43.3. One launch
+    # instead of three also saves two kernel nodes a layer in a whole-step graph and two launches' host time a layer
+    # on the piecewise path.
     _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     _R(8, 128, _C(num_splits=8, BLOCK_N=32, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True)),  # 22.58 / 24.92, 132.86 / 135.17
