@@ -14,7 +14,8 @@ runner builds one: the first call builds the step's decode plan, the others reus
 - ``launch``: ``fast`` (``ops.triton_utils.FastLaunch``, the default) or ``triton`` (every kernel through
   ``kernel[grid](...)``, ``FastLaunch.enabled = False``), to see what the launch path costs.
 
-Usage: ``python -m benchmarks.attention_host [--models llama-3-8b,llama-3.2-1b] [--out DIR]``;
+Usage: ``python -m benchmarks.attention_host [--models llama-3-8b,llama-3.2-1b] [--out DIR]``; ``--cprofile``
+profiles the first shape given instead (``--models llama-3-8b --batches 1 --prefill 512 --cprofile``);
 ``--quick`` runs tiny-llama's shape on the CPU (the native path) to check the harness.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any
@@ -119,6 +121,34 @@ def time_step(s: MixedStep, device: torch.device, steps: int) -> tuple[float, fl
     return statistics.median(host), (statistics.median(gpu) if gpu else None)
 
 
+def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str | None, rows: int = 40) -> str:
+    """cProfile over ``steps`` steps of ``s`` (the fast launch path): the functions by their own time, as text
+    (``attention_host_profile.txt`` under ``out_dir``). Where a call's host µs go on the GPU's host: Python, the
+    bound launches, the C launcher."""
+    import cProfile
+    import io
+    import pstats
+
+    with torch.inference_mode():
+        for _ in range(3):
+            s.step()
+        _sync(device)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            s.step()
+        prof.disable()
+        _sync(device)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    text = f"{steps} steps x {s.num_layers} calls\n" + buf.getvalue()
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "attention_host_profile.txt"), "w") as f:
+            f.write(text)
+    return text
+
+
 def measure(names: list[str], batches: list[int], prefills: list[int], context: int, device: torch.device,
             dtype: torch.dtype, steps: int, launches: list[str]) -> list[dict[str, Any]]:
     rows = []
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--launches", default="fast,triton", help="fast (FastLaunch) and/or triton (kernel[grid])")
     p.add_argument("--quick", action="store_true", help="tiny-llama's shape on the CPU, to check the harness")
+    p.add_argument("--cprofile", action="store_true",
+                   help="instead of the table: cProfile the first model, batch and prefill given (the fast path), "
+                        "functions by own time (attention_host_profile.txt with --out)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.quick:
@@ -177,6 +210,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         except ValueError:
             p.error(f"--batches, --prefill: expected comma-separated integers; got {a.batches!r}, {a.prefill!r}")
         context, steps, launches = a.context, a.steps, a.launches.split(",")
+    if a.cprofile:
+        print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out))
+        return []
     rows = measure(names, batches, prefills, context, device, dtype, steps, launches)
     stem = "attention_host" + ("_quick" if a.quick else "")
     common.write_results(stem, rows, device=device, out_dir=a.out,

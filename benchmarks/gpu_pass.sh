@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -147,6 +147,11 @@ for step in $steps; do
               # -x -v: the first failure's traceback is printed at once (a timeout would cut the summary)
               timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -x -v -p no:cacheprovider -m cuda --tb=short -rf \
                 tests/models/test_tensor_parallel.py tests/models/test_sequence_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
+    attnprof) # issue 18: where one attention call's host µs go (cProfile, fast path): 8B, 1 decode + a 512-token prompt, and 32 decodes
+              for shape in "1 512" "32 0"; do set -- $shape
+                timeout 60 python3 -m benchmarks.attention_host --models llama-3-8b --batches $1 --prefill $2 --cprofile \
+                  --out "$R/attnprof_b$1_p$2" > "$R/attnprof_b$1_p$2.log" 2>&1; head -30 "$R/attnprof_b$1_p$2.log"
+              done ;;
     allreduce) # issue 17 (two GPUs): all-reduce latency inside CUDA graphs, NCCL against symmetric memory
               timeout ${ALLREDUCE_TIMEOUT:-90} python3 -m benchmarks.all_reduce --out "$R/all_reduce" 2>&1 \
                 | tee "$R/all_reduce.log" | grep -E "^\{|Error" ;;

@@ -295,6 +295,14 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
     assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
 
+def test_attention_host_cprofile_writes_where_the_calls_time_goes(tmp_path):
+    from benchmarks import attention_host
+
+    assert attention_host.main(["--quick", "--cprofile", "--out", str(tmp_path)]) == []
+    text = (tmp_path / "attention_host_profile.txt").read_text()
+    assert "3 steps x 2 calls" in text and "attention" in text
+
+
 def test_attention_host_shapes_are_the_models():
     from benchmarks import attention_host
 
