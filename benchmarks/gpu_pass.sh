@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|chunked ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -147,6 +147,13 @@ for step in $steps; do
               # -x -v: the first failure's traceback is printed at once (a timeout would cut the summary)
               timeout ${TPTESTS_TIMEOUT:-150} python3 -m pytest -x -v -p no:cacheprovider -m cuda --tb=short -rf \
                 tests/models/test_tensor_parallel.py tests/models/test_sequence_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
+    chunked)  # issue 18: LLM.generate with chunked prefill, the mixed steps' share and cost; this tree, then $BEFORE if given
+              # (an earlier checkout, e.g. `git archive <rev> | tar -x -C before`; its LLM.stats need not time mixed steps apart)
+              for v in after ${BEFORE:+before}; do
+                d=$PWD; [ $v = before ] && d=$(cd "$BEFORE" && pwd)
+                PYTHONPATH=/tmp/site:$d timeout ${CHUNKED_TIMEOUT:-240} python3 benchmarks/chunked_prefill.py \
+                  --models ${CHUNKED_MODELS:-llama-3.2-1b,llama-3-8b} --tag $v --out "$R/chunked" 2>&1 | tee "$R/chunked_$v.log" | grep -E "^\{|Error"
+              done ;;
     attnprof) # issue 18: where one attention call's host µs go (cProfile, fast path): 8B, 1 decode + a 512-token prompt, and 32 decodes
               for shape in "1 512" "32 0"; do set -- $shape
                 timeout 60 python3 -m benchmarks.attention_host --models llama-3-8b --batches $1 --prefill $2 --cprofile \

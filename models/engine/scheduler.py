@@ -126,6 +126,7 @@ class Scheduler:
             stats.max_decode_batch = max(stats.max_decode_batch, num_decodes)
         elif num_decodes:
             stats.num_mixed_steps += 1
+            stats.mixed_step_times_s.append(dt)
         for seq, n in batch:
             seq.num_computed += n
         stats.num_generated += len(ready_seqs)

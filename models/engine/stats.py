@@ -17,6 +17,8 @@ class GenerateStats:
     step_times_s: list[float] = dataclasses.field(default_factory=list)
     decode_step_times_s: list[float] = dataclasses.field(default_factory=list)
     """Steps with decode sequences only."""
+    mixed_step_times_s: list[float] = dataclasses.field(default_factory=list)
+    """Steps holding both decode and prefill sequences (the piecewise path at level 3)."""
     num_generated: int = 0
     max_decode_batch: int = 0
     """The most sequences in one decode-only step (all requests in flight together reach it)."""

@@ -295,6 +295,18 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
     assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
 
+def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_path):
+    from benchmarks import chunked_prefill
+
+    (r,) = chunked_prefill.main(["--quick", "--out", str(tmp_path)])
+    # 6 prompts of 40 tokens, 32 tokens a step, 4 in flight: prompts go in chunks beside running decodes
+    assert r["decode_steps"] + r["prefill_steps"] + r["mixed_steps"] == r["steps"]
+    assert r["mixed_steps"] > 0 and r["median_mixed_ms"] > 0 and r["median_decode_ms"] > 0
+    assert r["tokens_per_s"] > 0
+    assert len(read_csv(tmp_path / "chunked_prefill_quick.csv")) == 1
+    assert_png(tmp_path / "chunked_prefill_quick.png")
+
+
 def test_attention_host_cprofile_writes_where_the_calls_time_goes(tmp_path):
     from benchmarks import attention_host
 

@@ -1,0 +1,137 @@
+"""``LLM.generate`` with chunked prefill over many prompts: how many steps mix prefill and decode, and what
+they cost (issue 18).
+
+A step that holds a prompt chunk and decodes cannot replay a whole-step CUDA graph: it takes the piecewise
+path (pieces replayed, attention eager between them), whose host time issue 18 is about. With more prompt
+tokens than ``--max-num-tokens`` a step takes, the scheduler splits prompts into chunks and fills each step
+with the decodes running plus a chunk: a large share of the run's steps and time is then mixed. For each
+model (built-in random weights, level 3) this runs ``LLM.generate`` on ``--prompts`` prompts of
+``--prompt-len`` random token ids, ``--max-tokens`` each (``ignore_eos``, greedy), with at most
+``--max-num-seqs`` sequences in flight, and reports from the engine's step statistics (``LLM.stats``):
+
+- steps: all, decode-only, with a prompt chunk (prefill-only and mixed), mixed;
+- the share of the steps and of the summed step time that is mixed (or, on a tree whose statistics do not
+  time the mixed steps apart, that holds a prompt chunk);
+- the median decode-only and mixed step, output tokens/s of the whole call.
+
+A step's time is its forward, sampling and the read of its tokens (a mixed step is read when it ends; decode
+steps may overlap the next launch). ``--tag`` labels the rows: run the script against another checkout
+(``PYTHONPATH=<checkout>``) for a before/after pair (``gpu_pass.sh chunked``).
+
+Usage: ``python -m benchmarks.chunked_prefill [--models llama-3.2-1b,llama-3-8b] [--out DIR]``; ``--quick``
+runs tiny-llama on the CPU to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import common
+
+COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
+           "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
+           "total_s", "tokens_per_s"]
+
+
+def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
+    """``LLM.generate`` of ``prompts``: its statistics and wall seconds."""
+    from models import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - t0
+    got = sum(len(o.token_ids) for o in outs)
+    if got != max_tokens * len(prompts):
+        raise RuntimeError(f"LLM.generate gave {got} tokens, not {max_tokens * len(prompts)}")
+    return llm.stats, wall
+
+
+def summarize(stats: Any, wall: float, num_tokens: int) -> dict[str, Any]:
+    """The step counts, the mixed steps' share of steps and time, medians and tokens/s of one call.
+
+    ``mixed_step_times_s`` where the statistics have it; else the mixed share of time is that of every step
+    with a prompt chunk (the steps that are not decode-only), marked ``prefill+mixed``."""
+    total = sum(stats.step_times_s)
+    decode = stats.decode_step_times_s
+    mixed = getattr(stats, "mixed_step_times_s", None)
+    with_prompt = stats.num_steps - len(decode)
+    if mixed is not None:
+        share_time = f"{100 * sum(mixed) / total:.1f}%"
+        median_mixed = round(statistics.median(mixed) * 1e3, 3) if mixed else ""
+    else:
+        share_time = f"{100 * (total - sum(decode)) / total:.1f}% (prefill+mixed)"
+        median_mixed = ""
+    return dict(steps=stats.num_steps, decode_steps=len(decode), prefill_steps=with_prompt - stats.num_mixed_steps,
+                mixed_steps=stats.num_mixed_steps,
+                mixed_share_steps=f"{100 * stats.num_mixed_steps / max(stats.num_steps, 1):.1f}%",
+                mixed_share_time=share_time,
+                median_decode_ms=round(statistics.median(decode) * 1e3, 3) if decode else "",
+                median_mixed_ms=median_mixed, total_s=round(wall, 3), tokens_per_s=round(num_tokens / wall, 1))
+
+
+def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from models import LLM
+
+    llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
+              device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+    run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
+    stats, wall = run(llm, prompts, a.max_tokens)
+    r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
+             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens))
+    print(r, flush=True)
+    return r
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-tokens", type=int, default=512, help="tokens a step takes (the prefill chunk)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight")
+    p.add_argument("--level", type=int, default=3)
+    p.add_argument("--tag", default="", help="a label for the rows (e.g. after, before)")
+    p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, a few short prompts")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    for flag in ("prompts", "prompt_len", "max_tokens", "max_num_tokens", "max_num_seqs"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(a, flag)}")
+    if a.quick:
+        device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]
+        a.prompts, a.prompt_len, a.max_tokens, a.max_num_tokens, a.max_num_seqs = 6, 40, 6, 32, 4
+    else:
+        if not torch.cuda.is_available():
+            p.error("the chunked-prefill benchmark runs on a CUDA GPU (torch.cuda.is_available() is False); "
+                    "--quick checks the harness on the CPU")
+        device, dtype, names = torch.device("cuda"), torch.bfloat16, a.models.split(",")
+    rows = []
+    stem = "chunked_prefill" + ("_quick" if a.quick else "") + (f"_{a.tag}" if a.tag else "")
+    for name in names:
+        rows.append(bench_model(name, a, device, dtype))
+        common.write_results(stem, rows, COLUMNS, device=device, out_dir=a.out,
+                             title="LLM.generate with chunked prefill: the mixed steps' share and cost",
+                             notes=[f"{a.prompts} prompts of {a.prompt_len} random token ids, {a.max_tokens} output "
+                                    f"tokens each (ignore_eos), greedy; level {a.level}; at most {a.max_num_tokens} "
+                                    f"tokens a step (longer prompts in chunks), {a.max_num_seqs} sequences in flight",
+                                    "steps from LLM.stats: decode-only, prefill-only (prompt chunks alone), mixed "
+                                    "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
+                                    "summed time; a step = forward + sampling + reading its tokens"])
+    common.plot_stacked_bars(stem, [dict(r, decode=r["decode_steps"], prefill=r["prefill_steps"], mixed=r["mixed_steps"])
+                                    for r in rows], label=["model", "tag"], parts=["decode", "prefill", "mixed"],
+                             title="Steps of LLM.generate with chunked prefill, by kind", ylabel="steps", out_dir=a.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
