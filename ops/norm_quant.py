@@ -82,6 +82,10 @@ def _rms_norm_quant_kernel(
     col_mask = cols < n_cols
     row_ok = rows < n_rows
     mask = row_ok[:, None] & col_mask[None, :]
+    if not DYNAMIC:
+        # Issued with the row's loads, not after the reduction (and, with the fused add, after the residual's
+        # store, past which the compiler may not move a load): at one token its latency is the kernel's tail.
+        static_scale = tl.load(scale_ptr).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     x_offs = rows[:, None] * x_row_stride + cols[None, :]
     out_offs = rows[:, None] * n_cols + cols[None, :]
@@ -113,7 +117,7 @@ def _rms_norm_quant_kernel(
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         y = tl.div_rn(y, scale[:, None])
     else:
-        y = tl.div_rn(y, tl.load(scale_ptr).to(tl.float32))
+        y = tl.div_rn(y, static_scale)
     if INT8:
         y = tl.minimum(tl.maximum(y, -128.0), 127.0)
         q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
