@@ -128,6 +128,13 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 
 
 # ------------------------------------------------------------------ CUDA
+#: Opt-in, off by default: on the CUDA path, the prefill kernel writes the prompt sequences' new keys and values
+#: into the cache itself (``ops.paged_prefill_triton``'s ``new_kv``) instead of the separate cache-write launch
+#: (see :func:`attention_cuda`). Read at every call; set ``models.attention.PREFILL_WRITES_KV = True``. Not yet
+#: measured on the GPU, hence off.
+PREFILL_WRITES_KV = False
+
+
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -141,20 +148,31 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     decodes' new keys and values go to the decode launch, which writes them itself (a decode-only step is then one
     launch a layer with ``fused_merge``), and the cache-write launch takes the other tokens only; else it takes
     them all, as one launch.
+
+    Launches a layer with a prompt in the step (host time on the piecewise path is mostly these): cache write,
+    decode (plus its merge unless ``fused_merge``) and prefill, 3 (2 with no decode). With :data:`PREFILL_WRITES_KV`
+    (off by default) the prefill kernel writes the prompts' keys and values itself (reading its own chunk's from
+    k and v, so no program reads a slot the launch writes) and the cache write takes the decodes' rows only, none
+    under ``fused_write``: 2 then (decode, prefill), 1 with no decode, still 3 with decodes but no ``fused_write``.
+    Padding tokens of no sequence (after the last one's rows) are then not written: their slots are the pad
+    block's, which no sequence reads.
     """
     nd = md.num_decodes
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     contiguous = kv_cache.is_contiguous()
     plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, q.device) if nd else None
     fused_write = plan is not None and plan.fused_write and contiguous
+    prefill_writes = PREFILL_WRITES_KV and contiguous and nd < md.num_seqs
     if not contiguous:
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     else:  # write_kv_cache_triton's launch, bound once a step; under fused_write the decodes' rows go with the
-        # decode kernel (paged_decode_launch's new_kv)
+        # decode kernel (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel
         first = nd if fused_write else 0
-        launch = md.write_launch(k.shape[0] - first, num_kv_heads * kv_cache.shape[4], first)
+        end = nd if prefill_writes else k.shape[0]
+        launch = md.write_launch(end - first, num_kv_heads * kv_cache.shape[4], first)
         if launch is not None:
-            write_kv_cache_launch(launch, kv_cache, k[first:] if first else k, v[first:] if first else v)
+            whole = first == 0 and end == k.shape[0]
+            write_kv_cache_launch(launch, kv_cache, k if whole else k[first:end], v if whole else v[first:end])
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -165,9 +183,10 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         if nd == md.num_seqs:
             return out
     launch = md.prefill_launch(num_heads, num_kv_heads, head_size, page, q.dtype, logits_soft_cap is not None,
-                               sliding_window is not None)
+                               sliding_window is not None, new_kv=prefill_writes)
     if launch is not None:  # the sequences after the decodes (paged_prefill_triton's launch, bound once a step)
-        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
+                       new_kv=(k, v) if prefill_writes else None)
     return out
 
 

@@ -133,18 +133,18 @@ class AttentionMetadata:
             return launch
 
     def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,
-                       use_softcap: bool, use_window: bool) -> BoundLaunch | None:
+                       use_softcap: bool, use_window: bool, new_kv: bool = False) -> BoundLaunch | None:
         """The prefill kernel bound to :attr:`prefill_args` (``ops.paged_prefill.bind_prefill``) for a layer shape,
         q's dtype and the soft cap's and window's presence, built at its first call in this step; None: no
-        sequence to launch for."""
-        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window)
+        sequence to launch for. ``new_kv``: the form that writes the sequences' new keys and values itself."""
+        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv)
         try:
             return self._prefills[key]
         except KeyError:
             block_table, seq_lens, query_start_loc, max_query_len = self.prefill_args
             launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
                                                         num_heads, num_kv_heads, head_size, page, dtype,
-                                                        use_softcap, use_window)
+                                                        use_softcap, use_window, new_kv=new_kv)
             return launch
 
     @functools.cached_property

@@ -21,6 +21,14 @@ graph can hold it. Programs past their sequence's query length return at once; t
 longest-context first, so the heavy programs do not form the tail. All tile sizes come from
 ``prefill_config``, the one place to tune them. The launcher goes through ``FastLaunch`` and passes the cache
 whole (no per-half views): the attention layer calls it eagerly once per layer and step.
+
+The form that writes the cache (``new_kv=(k, v)``, the kernel's ``NEW_KV``; opt-in, off by default): the new
+tokens' keys and values are not yet in the cache but in k and v (rows as q's). Each program stores ITS query
+block's tokens for ITS KV head to their slots, and takes every position ``>= ctx_len = seq_len - query_len``
+from k and v (cast to the cache's dtype, the bits the cache would hold) and only the earlier ones from the cache:
+no program reads a slot that another writes, and the separate cache-write launch before this one goes (one launch
+fewer a layer on the piecewise path, where host time is the launches'). Same tiles, same order of the sums: the
+output is bit for bit that of the write then the plain form.
 """
 
 from __future__ import annotations
@@ -46,11 +54,35 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the softmax runs on ex
 
 
 @triton.jit
+def _load_kv(cache_ptr, off, kv_mask, new_ptr, stride_new, k_pos, ctx_len, offs_d, SRC: tl.constexpr):
+    """One half's tile at positions ``k_pos``. SRC 0: from the cache (every position ``< ctx_len``, or the plain
+    form). 1: every position ``>= ctx_len``: this step's, which this launch writes, from the input rows
+    ``new_ptr + (pos - ctx_len) * stride_new``. 2: each position from its source (a tile across ctx_len). The
+    input is cast to the cache's dtype as the write does, so that the tile holds the bits the cache would."""
+    if SRC == 0:
+        x = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)
+    elif SRC == 1:
+        rows = (k_pos - ctx_len).to(tl.int64)
+        x = tl.load(new_ptr + rows[:, None] * stride_new + offs_d[None, :], mask=kv_mask, other=0.0)
+        x = x.to(cache_ptr.dtype.element_ty)
+    else:
+        in_cache = k_pos < ctx_len
+        old = tl.load(cache_ptr + off, mask=kv_mask & in_cache[:, None], other=0.0)
+        rows = tl.maximum(k_pos - ctx_len, 0).to(tl.int64)  # clamped: the cache's lanes load nothing here
+        new = tl.load(new_ptr + rows[:, None] * stride_new + offs_d[None, :], mask=kv_mask & ~in_cache[:, None],
+                      other=0.0)
+        x = tl.where(in_cache[:, None], old, new.to(cache_ptr.dtype.element_ty))
+    return x
+
+
+@triton.jit
 def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, q_pos, kv_off,
                   stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d, d_mask,
+                  k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
                   PAGE: tl.constexpr, MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                  USE_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                  USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SRC: tl.constexpr):
     # One tile of BLOCK_N keys at positions start_n...; MASKED: past some row's diagonal or the sequence's end.
+    # SRC: where its keys and values come from, the cache or (positions >= ctx_len) k_new / v_new (see _load_kv).
     k_pos = start_n + offs_n
     if MASKED:
         n_mask = k_pos < kv_end
@@ -60,7 +92,8 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
         block = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :]
     off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kv_off + offs_d[None, :]
-    k = tl.load(k_cache_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    k = _load_kv(k_cache_ptr, off, kv_mask, k_new_ptr, stride_k_t, k_pos, ctx_len, offs_d, SRC)
+    k = k.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -79,7 +112,7 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + off, mask=kv_mask, other=0.0)
+    v = _load_kv(v_cache_ptr, off, kv_mask, v_new_ptr, stride_v_t, k_pos, ctx_len, offs_d, SRC)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -88,15 +121,88 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
 
 
 @triton.jit
+def _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_off,
+                    stride_c_b, stride_c_s, t0, q_len, ctx_len, offs_d, d_mask,
+                    BLOCK_Q: tl.constexpr, PAGE: tl.constexpr):
+    """This program's tokens ``t0..t0 + BLOCK_Q - 1`` (those ``< q_len``), its KV head only, from the input rows
+    to their slots (``block_table[s, pos // PAGE] * PAGE + pos % PAGE``, at ``pos = ctx_len + t``) in the cache's
+    dtype: each (token, KV head) is one program's, so written once; no program reads a position >= ctx_len
+    from the cache, so the order of the writes and the reads does not matter."""
+    t = t0 + tl.arange(0, BLOCK_Q)
+    t_mask = t < q_len
+    mask = t_mask[:, None] & d_mask[None, :]
+    pos = ctx_len + t
+    block = tl.load(bt_row_ptr + pos // PAGE, mask=t_mask, other=0).to(tl.int64)
+    dst = block[:, None] * stride_c_b + (pos % PAGE)[:, None] * stride_c_s + kv_off + offs_d[None, :]
+    rows = t.to(tl.int64)
+    k = tl.load(k_new_ptr + rows[:, None] * stride_k_t + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_new_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                  k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
+                  qk_scale, soft_cap, window, offs_n, offs_d, d_mask, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr):
+    """The block's attention output (fp32, normalized): the keys' tiles from the first one a row may see, first
+    those every row sees whole (no mask), then the diagonal ones (masked). NEW_KV: the unmasked tiles read the
+    cache below ctx_len (the context), k and v from it on (this step's tokens; a whole prompt's are all there),
+    each position from its source in the one tile across it and in the masked ones (_load_kv's SRC 0, 1, 2); the
+    tiles, and so the order of the sums, are the same as the plain form's."""
+    kv_end = tl.minimum(seq_len, q_lo + BLOCK_Q)  # keys past the block's last token are no row's
+    k_lo = 0
+    if USE_WINDOW:
+        k_lo = tl.maximum(q_lo - window + 1, 0)
+    full_end = k_lo + (q_lo + 1 - k_lo) // BLOCK_N * BLOCK_N  # keys <= q_lo: every row sees them
+    cache_end = full_end
+    new_start = full_end
+    if NEW_KV:  # the unmasked tiles wholly before ctx_len, and from the first wholly at or after it
+        ctx_tiles = tl.maximum(ctx_len - k_lo, 0)
+        cache_end = tl.minimum(full_end, k_lo + ctx_tiles // BLOCK_N * BLOCK_N)
+        new_start = tl.minimum(full_end, k_lo + (ctx_tiles + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(k_lo, cache_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
+                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
+                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                      PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 0)
+    if NEW_KV:
+        for start_n in range(cache_end, new_start, BLOCK_N):  # at most one tile
+            acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end,
+                                          q_pos, kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n,
+                                          offs_d, d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                          PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 2)
+        for start_n in range(new_start, full_end, BLOCK_N):
+            acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end,
+                                          q_pos, kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n,
+                                          offs_d, d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                          PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 1)
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
+                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
+                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                      PAGE, True, USE_SOFTCAP, USE_WINDOW, IEEE, 2 if NEW_KV else 0)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    stride_q_t, stride_o_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
+    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_ptr, v_ptr,
+    stride_q_t, stride_o_t, stride_k_t, stride_v_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     qk_scale, soft_cap, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr,
 ):
     # One program: query block mb of sequence s, KV head kvh with its GROUP query heads.
+    # NEW_KV: the sequences' new keys and values are k / v's rows (as q's), not yet in the cache: the program writes
+    # its own tokens' (_write_block_kv) and reads positions >= ctx_len from k / v, the cache below (written by
+    # earlier steps): no program reads a slot of this launch's. Off: k_ptr, v_ptr and their strides are unused.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks (most keys) first
     s = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -105,7 +211,8 @@ def _prefill_kernel(
     if mb * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s)
-    q_lo = seq_len - q_len + mb * BLOCK_Q  # position of the block's first token
+    ctx_len = seq_len - q_len  # positions before this step's tokens
+    q_lo = ctx_len + mb * BLOCK_Q  # position of the block's first token
 
     offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -120,27 +227,20 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
                 other=0.0)  # [BLOCK_M, BLOCK_D]
 
-    kv_end = tl.minimum(seq_len, q_lo + BLOCK_Q)  # keys past the block's last token are no row's
-    k_lo = 0
-    if USE_WINDOW:
-        k_lo = tl.maximum(q_lo - window + 1, 0)
-    full_end = k_lo + (q_lo + 1 - k_lo) // BLOCK_N * BLOCK_N  # keys <= q_lo: every row sees them
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + s.to(tl.int64) * stride_bt
     kv_off = kvh * stride_c_h
     k_cache_ptr = kv_cache_ptr
     v_cache_ptr = kv_cache_ptr + stride_c_kv  # the values' half (an int64 argument past 2**31 elements)
-    for start_n in range(k_lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
-                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
-                                      d_mask, PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE)
-    for start_n in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
-                                      kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
-                                      d_mask, PAGE, True, USE_SOFTCAP, USE_WINDOW, IEEE)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
+    # The sequence's first new row, head kvh, of k and v (used under NEW_KV only)
+    k_new_ptr = k_ptr + q_start.to(tl.int64) * stride_k_t + kvh * HEAD_D
+    v_new_ptr = v_ptr + q_start.to(tl.int64) * stride_v_t + kvh * HEAD_D
+    if NEW_KV:
+        _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                        stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, BLOCK_Q, PAGE)
+    out = _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                        k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
+                        qk_scale, soft_cap, window, offs_n, offs_d, d_mask, BLOCK_Q * GROUP_PAD, BLOCK_D, PAGE,
+                        BLOCK_Q, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
     tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -209,33 +309,50 @@ def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, head_si
 def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                          query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
                          scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                         out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, config: PrefillConfig | None = None,
+                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`paged_prefill` in one Triton launch; writes ``out`` (rows of the sequences only) when given.
 
     ``max_query_len`` bounds every sequence's query length (a larger bound only adds programs that return at
     once); ``config`` overrides :func:`prefill_config`. The cache must have unit stride in its last dimension.
+    ``new_kv``: ``(k, v)``, ``[T, Hkv * D]`` rows as q's, the sequences' new keys and values, NOT yet in the cache:
+    the launch writes them to their slots (from the block table, as ``write_kv_cache`` would) and attends to them
+    from k and v, so that no separate cache-write launch is needed (the module's ``PREFILL_WRITES_KV``).
     """
     _check_args(q, kv_cache, num_heads, head_size, out)
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"paged_prefill_triton: the cache needs unit stride in D, got strides {kv_cache.stride()}")
+    if new_kv is not None:
+        _check_new_kv(q, kv_cache, new_kv)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0:
         return out
     _, _, page, num_kv_heads, _ = kv_cache.shape
     launch = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len, num_heads, num_kv_heads, head_size,
-                          page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config)
+                          page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config,
+                          new_kv=new_kv is not None)
     if launch is not None:
-        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
     return out
+
+
+def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """k and v must be rows of ``Hkv * D`` as the cache's, at least as many as q's (the kernel indexes them as q)."""
+    row = kv_cache.shape[-2] * kv_cache.shape[-1]
+    for name, x in zip("kv", new_kv):
+        if x.dim() != 2 or x.shape[1] != row or x.shape[0] < q.shape[0]:
+            raise ValueError(f"paged_prefill_triton: new_kv's {name} must be [>= {q.shape[0]}, {row}] (q's rows, "
+                             f"Hkv * D), got {tuple(x.shape)}")
 
 
 def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                  num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype, use_softcap: bool,
-                 use_window: bool, config: PrefillConfig | None = None) -> BoundLaunch | None:
+                 use_window: bool, config: PrefillConfig | None = None, new_kv: bool = False) -> BoundLaunch | None:
     """The prefill kernel bound to a batch's sequences and a layer shape (None: nothing to launch): what
     :func:`paged_prefill_triton` launches, less what may differ between layers (see :func:`prefill_launch`).
-    The attention op binds it once a step (``models.AttentionMetadata.prefill_launch``)."""
+    The attention op binds it once a step (``models.AttentionMetadata.prefill_launch``). ``new_kv``: the form that
+    writes the new keys and values itself (``NEW_KV``); its launches take k and v (:func:`prefill_launch`)."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return None
@@ -245,29 +362,38 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
     block_q = max(cfg.BLOCK_M // group_pad, 1)
     block_n = max(cfg.BLOCK_N, page)
     t, s = Slot.tensor, Slot.scalar
-    args = (t(0), t(1), block_table, seq_lens, query_start_loc, t(2), s(0), s(1), s(2), s(3), s(4), s(5),
-            block_table.stride(0), s(6), s(7), s(8))
+    # Off, k and v are unused by the kernel: q stands for them, with zero strides (one specialization).
+    k, v, kv_strides = (t(3), t(4), (s(9), s(10))) if new_kv else (t(0), t(0), (0, 0))
+    args = (t(0), t(1), block_table, seq_lens, query_start_loc, t(2), k, v, s(0), s(1), *kv_strides,
+            s(2), s(3), s(4), s(5), block_table.stride(0), s(6), s(7), s(8))
     return _prefill_launch.bind(
         (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), args,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
         BLOCK_D=max(16, next_power_of_2(head_size)), PAGE=page, BLOCK_N=block_n,
         USE_SOFTCAP=use_softcap, USE_WINDOW=use_window,
-        IEEE=dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=dtype == torch.float32, NEW_KV=new_kv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
-                   sliding_window: int | None, logits_soft_cap: float | None) -> None:
+                   sliding_window: int | None, logits_soft_cap: float | None,
+                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch of a :func:`bind_prefill` (bound for q's dtype and this soft cap's and window's presence): q's
     and out's rows ``query_start_loc[0]..`` (unit stride last, out like q), the cache's four leading strides, the
-    scale and the options are per call."""
+    scale and the options are per call. ``new_kv`` ``(k, v)`` (rows as q's, any row stride) exactly when the launch
+    was bound with ``new_kv=True``."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     sc = kv_cache.stride()
     # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
     qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
-    launch((q, kv_cache, out), (q.stride(0), out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale,
-                                logits_soft_cap or 1.0, sliding_window or 0))
+    scalars = (q.stride(0), out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale, logits_soft_cap or 1.0,
+               sliding_window or 0)
+    if new_kv is None:
+        launch((q, kv_cache, out), scalars)
+        return
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new_kv)
+    launch((q, kv_cache, out, k, v), scalars + (k.stride(0), v.stride(0)))
 
 
 # An opaque custom op, as paged_decode (ops/paged_attention.py says why not triton_op): Triton on CUDA, the

@@ -290,3 +290,41 @@ def test_piecewise_steps_write_the_output_into_the_layers_persistent_buffer(monk
     with set_forward_context(ForwardContext({"l0": layer}, None)):  # the pieces' capture: zeros, in the buffer
         out = torch.ops.dynamo_once.attention(q, k, v, "l0")
     assert out.data_ptr() == buf.data_ptr() and not out.any()
+
+
+@pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
+@pytest.mark.parametrize("on", [False, True], ids=["off", "prefill_writes_kv"])
+def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
+    """attention_cuda's launches, recorded (no kernel runs): off (the default), the cache write takes every token
+    (the prompts' at least); with models.attention.PREFILL_WRITES_KV the decodes' only (none under fused_write) and
+    the prefill launch, bound in its NEW_KV form, gets k and v; a decode-only step is the same either way."""
+    import models.attention as attention_module
+    import ops.paged_attention as pa
+    from ops.paged_decode_config import DecodeConfig
+
+    assert attention_module.PREFILL_WRITES_KV is False  # off by default
+    monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
+                                                                        fused_write=fused_write))
+    calls = []
+    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, cache, k, v: calls.append(
+        ("write", launch.grid[0], k.data_ptr(), v.data_ptr(), k.shape[0])))
+    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv: calls.append(
+        ("decode", new_kv is not None)))
+    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv: calls.append(
+        ("prefill", launch.kwargs["NEW_KV"], new_kv)))
+    for specs in (SPECS, [(0, 6), (5, 3)], [(9, 1), (3, 1)]):
+        layer = new_layer()
+        q, k, v, md = make_batch(layer, specs)
+        nd, t = md.num_decodes, q.shape[0]
+        calls.clear()
+        attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
+        first = nd if fused_write else 0
+        end = nd if on and nd < md.num_seqs else t
+        expected = [("write", end - first, k[first].data_ptr(), v[first].data_ptr(), end - first)] if end > first \
+            else []
+        if nd:
+            expected.append(("decode", fused_write))
+        if nd < md.num_seqs:
+            expected.append(("prefill", on, (k, v) if on else None))
+        assert calls == expected, specs

@@ -117,3 +117,45 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         (plan,) = md._plans.values()
         assert plan.fused_write and plan.fused_merge == (splits > 1)
+
+
+def poison_new_slots(cache, md):
+    """NaN in the step's slots of both halves: a read of one before its write shows in the output."""
+    cache.view(2, -1, *cache.shape[-2:])[:, md.slot_mapping] = float("nan")
+
+
+@pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, monkeypatch):
+    """models.attention.PREFILL_WRITES_KV on: the prompts' keys and values written by the prefill kernel (the
+    decodes' by the cache-write kernel, or by the decode kernel under fused_write): the output and the cache bit for
+    bit those of the switch off, on a mixed step (decodes, whole prompts, a chunk after cached context), a
+    prompts-only one, with k, v column slices of a qkv tensor as the models pass them; GQA 2:1."""
+    import dataclasses
+
+    import models.attention as attention_module
+    import ops.paged_attention as pa
+    from ops.paged_decode_config import DecodeConfig
+
+    if fused_write:
+        monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=2, BLOCK_N=16,
+                                                                            fused_merge=True, fused_write=True))
+    for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
+        layer = new_layer(num_blocks=len(specs) * 20, **kw)
+        q, k, v, md = make_batch(layer, specs)
+        qkv = torch.cat([q, k, v], 1)
+        q, k, v = qkv.split([q.shape[1], k.shape[1], v.shape[1]], 1)
+        poison_new_slots(layer.kv_cache, md)
+        start = layer.kv_cache.clone()
+        outs, caches = [], []
+        for on in (False, True):
+            monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
+            layer.kv_cache.copy_(start)
+            outs.append(attention_cuda(q, k, v, layer.kv_cache, dataclasses.replace(md), HEADS, HEAD, SCALE,
+                                       kw.get("sliding_window"), kw.get("logits_soft_cap")))
+            caches.append(layer.kv_cache.clone())
+        assert torch.equal(outs[1], outs[0]) and not outs[1].isnan().any()
+        assert torch.equal(caches[1], caches[0])
+        ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, SCALE, kw.get("sliding_window"),
+                               kw.get("logits_soft_cap"))
+        torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)

@@ -270,3 +270,95 @@ def test_cuda_sequence_slice_into_out_and_cuda_graph():
     args = (q[first:], cache, md.block_table[nd:], md.seq_lens[nd:], md.query_start_loc[nd:] - first, 64, 8, 128,
             128**-0.5)
     assert_matches_reference(out[first:], ref[first:], args, {}, "cuda")
+
+
+# ------------------------------------------------------- the form that writes the cache (new_kv)
+def poisoned(cache, md):
+    """``cache`` with the new tokens' slots of both halves NaN: what the new_kv form must write and never read."""
+    c = cache.clone()
+    c.view(2, -1, *c.shape[-2:])[:, md.slot_mapping] = float("nan")
+    return c
+
+
+def write_then_plain(q, k, v, cache, md, args, kw, config=None):
+    """What the new_kv form stands for: the cache-write kernel, then the plain form (``cache`` is written)."""
+    ops.write_kv_cache_triton(cache, k, v, md.slot_mapping)
+    return ops.paged_prefill_triton(q, cache, *args[2:], **kw, config=config)
+
+
+@pytest.mark.interpret
+@pytest.mark.usefixtures("bf16_dot_in_the_interpreter")
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kw", KWS, ids=KW_IDS)
+@pytest.mark.parametrize("heads", HEADS + [(16, 1)], ids=HEAD_IDS + ["gqa16"])
+def test_interpreted_new_kv_form_equals_the_write_then_the_plain_form(heads, kw, dtype, config):
+    """Bit for bit, output and cache, on SPECS (decode rows, whole prompts, chunks after cached context over
+    several blocks). The cache starts with NaN in the new slots: a read of one before its write would show.
+    gqa16 with the small tiles: one token a query block (BLOCK_Q = 1)."""
+    num_heads, num_kv_heads = heads
+    q, k, v, cache, md = prefill_batch(SPECS, num_heads, num_kv_heads, 64, dtype)
+    args = op_args(q, cache, md, num_heads, 64)
+    start = poisoned(cache, md)
+    expected_cache = start.clone()
+    expected = write_then_plain(q, k, v, expected_cache, md, args, kw, config)
+    assert torch.equal(expected_cache, cache)  # the write kernel is the reference's write
+    got_cache = start.clone()
+    out = ops.paged_prefill_triton(q, got_cache, *args[2:], **kw, config=config, new_kv=(k, v))
+    assert torch.equal(out, expected)
+    assert torch.equal(got_cache, expected_cache)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
+def test_interpreted_new_kv_form_as_the_attention_op_calls_it(config):
+    """The sequences after the decodes only (their rows indexed absolutely, into a preset ``out``), k and v column
+    slices of a qkv tensor (row strides), and a cache of another dtype (bf16 for fp32 k, v: the kernel casts as
+    the write does): the same output and cache as the write of those rows, then the plain form."""
+    num_heads, num_kv_heads, head_size = 6, 2, 80
+    q, k, v, cache, md = prefill_batch(SPECS, num_heads, num_kv_heads, head_size, seed=2)
+    qkv = torch.cat([q, k, v], 1)
+    k_s, v_s = qkv[:, q.shape[1]: q.shape[1] + k.shape[1]], qkv[:, q.shape[1] + k.shape[1]:]
+    nd = md.num_decodes
+    first = md.query_start_loc_cpu[nd]
+    part = (md.block_table[nd:], md.seq_lens[nd:], md.query_start_loc[nd:], 64, num_heads, head_size,
+            head_size**-0.5)
+    kw = {"sliding_window": 21, "logits_soft_cap": 5.0}
+    start = poisoned(cache.to(torch.bfloat16), md)
+    expected_cache, expected = start.clone(), torch.full_like(q, 7.0)
+    ops.write_kv_cache_triton(expected_cache, k[first:], v[first:], md.slot_mapping[first:])
+    ops.paged_prefill_triton(q, expected_cache, *part, **kw, out=expected, config=config)
+    got_cache, out = start.clone(), torch.full_like(q, 7.0)
+    ops.paged_prefill_triton(q, got_cache, *part, **kw, out=out, config=config, new_kv=(k_s, v_s))
+    assert torch.equal(out, expected) and (out[:first] == 7.0).all()
+    assert torch.equal(got_cache.view(torch.int16), expected_cache.view(torch.int16))  # bits: NaN left in both
+    assert got_cache.view(2, -1, num_kv_heads, head_size)[:, md.slot_mapping[:first]].isnan().all()  # decodes': not
+
+
+def test_new_kv_form_binds_k_v_and_their_strides_in_the_kernels_order():
+    """bind_prefill's argument list against the kernel's parameters: with new_kv, k, v and their row strides from
+    the call; without, q and zero strides in their places (unused), and NEW_KV off."""
+    from ops.paged_prefill import _prefill_kernel, bind_prefill
+
+    q, k, v, cache, md = prefill_batch(SPECS, 8, 2, 64)
+    out = torch.empty_like(q)
+    names = [p.name for p in _prefill_kernel.params if not p.is_constexpr]
+    scalars = tuple(range(100, 111))
+    for new_kv in (False, True):
+        launch = bind_prefill(md.block_table, md.seq_lens, md.query_start_loc, 40, 8, 2, 64, BLOCK, q.dtype, False,
+                              False, new_kv=new_kv)
+        assert launch.kwargs["NEW_KV"] is new_kv
+        bound = dict(zip(names, launch.full_args((q, cache, out, k, v), scalars), strict=True))
+        assert bound["q_ptr"] is q and bound["kv_cache_ptr"] is cache and bound["out_ptr"] is out
+        assert (bound["stride_q_t"], bound["stride_o_t"], bound["window"]) == (100, 101, 108)
+        if new_kv:
+            assert bound["k_ptr"] is k and bound["v_ptr"] is v
+            assert (bound["stride_k_t"], bound["stride_v_t"]) == (109, 110)
+        else:
+            assert bound["k_ptr"] is q and bound["v_ptr"] is q and bound["stride_k_t"] == bound["stride_v_t"] == 0
+
+
+def test_new_kv_must_be_rows_of_the_caches_width():
+    q, k, v, cache, md = prefill_batch(SPECS, 8, 2, 64)
+    with pytest.raises(ValueError, match="new_kv's v must be"):
+        ops.paged_prefill_triton(*op_args(q, cache, md, 8, 64), new_kv=(k, v[:, :64]))
