@@ -47,6 +47,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
+from dispatcher import envs
 from dispatcher.cuda_graph import thread_state as graph_state
 from ops.paged_attention import paged_decode_launch, write_kv_cache_launch
 from ops.paged_prefill import prefill_launch
@@ -130,9 +131,9 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 # ------------------------------------------------------------------ CUDA
 #: Opt-in, off by default: on the CUDA path, the prefill kernel writes the prompt sequences' new keys and values
 #: into the cache itself (``ops.paged_prefill_triton``'s ``new_kv``) instead of the separate cache-write launch
-#: (see :func:`attention_cuda`). Read at every call; set ``models.attention.PREFILL_WRITES_KV = True``. Not yet
-#: measured on the GPU, hence off.
-PREFILL_WRITES_KV = False
+#: (see :func:`attention_cuda`). Read at every call; its default comes from ``DYNAMO_ONCE_PREFILL_WRITES_KV`` (1/0)
+#: at import, or set ``models.attention.PREFILL_WRITES_KV = True``. Not yet measured on the GPU, hence off.
+PREFILL_WRITES_KV = envs.prefill_writes_kv()
 
 
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -328,3 +328,18 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
         if nd < md.num_seqs:
             expected.append(("prefill", on, (k, v) if on else None))
         assert calls == expected, specs
+
+
+@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", "DYNAMO_ONCE_PREFILL_WRITES_KV")])
+def test_prefill_writes_kv_default_comes_from_the_environment(value, expected):
+    """``DYNAMO_ONCE_PREFILL_WRITES_KV`` sets ``models.attention.PREFILL_WRITES_KV`` at import; a bad value is an
+    error naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DYNAMO_ONCE_PREFILL_WRITES_KV=value)
+    proc = subprocess.run([sys.executable, "-c", "import models.attention as a; print(a.PREFILL_WRITES_KV)"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert expected in (proc.stdout if proc.returncode == 0 else proc.stderr)
+    assert (proc.returncode == 0) == (value != "maybe")
