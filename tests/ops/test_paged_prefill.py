@@ -362,3 +362,20 @@ def test_new_kv_must_be_rows_of_the_caches_width():
     q, k, v, cache, md = prefill_batch(SPECS, 8, 2, 64)
     with pytest.raises(ValueError, match="new_kv's v must be"):
         ops.paged_prefill_triton(*op_args(q, cache, md, 8, 64), new_kv=(k, v[:, :64]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 1024, "logits_soft_cap": 50.0}], ids=["plain", "gemma2"])
+def test_cuda_new_kv_form_equals_the_write_then_the_plain_form_llama3_8b(kw):
+    """The opt-in form (``models.attention.PREFILL_WRITES_KV``) on the GPU, Llama 3 8B's heads in bf16, prompt chunks
+    after cached context: output and cache bit for bit those of the cache write, then the plain form (the same tiles
+    and values: only where the chunk's own keys are read from changes). The new slots start NaN."""
+    q, k, v, cache, md = prefill_batch(LARGE_SPECS, 32, 8, 128, torch.bfloat16, "cuda")
+    args = op_args(q, cache, md, 32, 128)
+    start = poisoned(cache, md)
+    expected_cache = start.clone()
+    expected = write_then_plain(q, k, v, expected_cache, md, args, kw)
+    got_cache = start.clone()
+    out = ops.paged_prefill_triton(q, got_cache, *args[2:], **kw, new_kv=(k, v))
+    assert torch.equal(out, expected)
+    assert torch.equal(got_cache, expected_cache)
