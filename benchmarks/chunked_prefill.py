@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -41,15 +40,7 @@ COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "step
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
     """``LLM.generate`` of ``prompts``: its statistics and wall seconds."""
-    from models import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    wall = time.perf_counter() - t0
-    got = sum(len(o.token_ids) for o in outs)
-    if got != max_tokens * len(prompts):
-        raise RuntimeError(f"LLM.generate gave {got} tokens, not {max_tokens * len(prompts)}")
+    wall = common.generate_exactly(llm, prompts, max_tokens)
     return llm.stats, wall
 
 

@@ -155,3 +155,18 @@ def int_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
     if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
         p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
     return [int(v) for v in vals]
+
+
+def generate_exactly(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """``llm.generate`` of token-id ``prompts``, greedy, ``max_tokens`` each (``ignore_eos``); its wall seconds.
+    Raises when it gave another number of tokens (a benchmark's tokens/s would be wrong)."""
+    from models import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - t0
+    got = sum(len(o.token_ids) for o in outs)
+    if got != max_tokens * len(prompts):
+        raise RuntimeError(f"LLM.generate gave {got} tokens, not {max_tokens * len(prompts)}")
+    return wall

@@ -239,16 +239,8 @@ def run_clients(url: str, model: str, batches: list[list[list[int]]], max_tokens
 
 def offline(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
     """``LLM.generate`` of ``batch``: (median decode step in ms, output tokens/s over the call's wall time)."""
-    from models import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    if tokens != max_tokens * len(batch):
-        raise RuntimeError(f"LLM.generate gave {tokens} tokens, not {max_tokens * len(batch)}")
-    return llm.stats.median_decode_step_s * 1e3, tokens / wall
+    wall = common.generate_exactly(llm, batch, max_tokens)
+    return llm.stats.median_decode_step_s * 1e3, max_tokens * len(batch) / wall
 
 
 COLUMNS = ["model", "concurrency", "metric", "served", "offline", "ratio", "target", "arrive_ms", "engine_ms",

@@ -345,28 +345,35 @@ def test_prefill_writes_kv_default_comes_from_the_environment(value, expected):
     assert (proc.returncode == 0) == (value != "maybe")
 
 
+def prefill_write_off_and_on(layer, specs, kw, monkeypatch, device="cpu", dtype=torch.float32):
+    """``attention_cuda`` on a batch of ``specs`` with models.attention.PREFILL_WRITES_KV off, then on, from the same
+    cache (the step's slots NaN: a read of one before its write shows), k and v column slices of a qkv tensor as the
+    models pass them: ``(outputs, caches after, q, k, v, md, the cache before)``."""
+    import models.attention as attention_module
+    from models.attention import attention_cuda
+
+    q, k, v, md = make_batch(layer, specs, device=device, dtype=dtype)
+    q, k, v = torch.cat([q, k, v], 1).split([q.shape[1], k.shape[1], v.shape[1]], 1)
+    layer.kv_cache.view(2, -1, *layer.kv_cache.shape[-2:])[:, md.slot_mapping] = float("nan")
+    start = layer.kv_cache.clone()
+    outs, caches = [], []
+    for on in (False, True):
+        monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
+        layer.kv_cache.copy_(start)
+        outs.append(attention_cuda(q, k, v, layer.kv_cache, dataclasses.replace(md), HEADS, HEAD, HEAD**-0.5,
+                                   kw.get("sliding_window"), kw.get("logits_soft_cap")))
+        caches.append(layer.kv_cache.clone())
+    return outs, caches, q, k, v, md, start
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_cuda_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, monkeypatch):
     """models.attention.PREFILL_WRITES_KV on the GPU in bf16, the table's decode configs (the fused write at these
     few decodes): a mixed step and a prompts-only one give the output and the cache of the switch off, bit for bit,
     with k, v column slices of a qkv tensor as the models pass them."""
-    import models.attention as attention_module
-    from models.attention import attention_cuda
-
-    scale = HEAD**-0.5
     for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
         layer = new_layer(device="cuda", dtype=torch.bfloat16, num_blocks=len(specs) * 20, **kw)
-        q, k, v, md = make_batch(layer, specs, device="cuda", dtype=torch.bfloat16)
-        q, k, v = torch.cat([q, k, v], 1).split([q.shape[1], k.shape[1], v.shape[1]], 1)
-        layer.kv_cache.view(2, -1, *layer.kv_cache.shape[-2:])[:, md.slot_mapping] = float("nan")
-        start = layer.kv_cache.clone()
-        outs, caches = [], []
-        for on in (False, True):
-            monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
-            layer.kv_cache.copy_(start)
-            outs.append(attention_cuda(q, k, v, layer.kv_cache, dataclasses.replace(md), HEADS, HEAD, scale,
-                                       kw.get("sliding_window"), kw.get("logits_soft_cap")))
-            caches.append(layer.kv_cache.clone())
+        outs, caches, *_ = prefill_write_off_and_on(layer, specs, kw, monkeypatch, "cuda", torch.bfloat16)
         assert torch.equal(outs[1], outs[0]) and not outs[1].isnan().any()
         assert torch.equal(caches[1].view(torch.int16), caches[0].view(torch.int16))  # bits (NaN left alike)

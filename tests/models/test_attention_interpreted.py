@@ -4,7 +4,7 @@ The kernels alone, against their references: tests/ops/test_kernels_interpreted.
 
 import pytest
 import torch
-from test_attention import BLOCK, HEAD, HEADS, SPECS, make_batch, new_layer
+from test_attention import BLOCK, HEAD, HEADS, SPECS, make_batch, new_layer, prefill_write_off_and_on
 
 from models.attention import attention_cuda, attention_native
 
@@ -119,11 +119,6 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
         assert plan.fused_write and plan.fused_merge == (splits > 1)
 
 
-def poison_new_slots(cache, md):
-    """NaN in the step's slots of both halves: a read of one before its write shows in the output."""
-    cache.view(2, -1, *cache.shape[-2:])[:, md.slot_mapping] = float("nan")
-
-
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, monkeypatch):
@@ -131,9 +126,6 @@ def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, 
     decodes' by the cache-write kernel, or by the decode kernel under fused_write): the output and the cache bit for
     bit those of the switch off, on a mixed step (decodes, whole prompts, a chunk after cached context), a
     prompts-only one, with k, v column slices of a qkv tensor as the models pass them; GQA 2:1."""
-    import dataclasses
-
-    import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
 
@@ -142,18 +134,7 @@ def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, 
                                                                             fused_merge=True, fused_write=True))
     for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
         layer = new_layer(num_blocks=len(specs) * 20, **kw)
-        q, k, v, md = make_batch(layer, specs)
-        qkv = torch.cat([q, k, v], 1)
-        q, k, v = qkv.split([q.shape[1], k.shape[1], v.shape[1]], 1)
-        poison_new_slots(layer.kv_cache, md)
-        start = layer.kv_cache.clone()
-        outs, caches = [], []
-        for on in (False, True):
-            monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
-            layer.kv_cache.copy_(start)
-            outs.append(attention_cuda(q, k, v, layer.kv_cache, dataclasses.replace(md), HEADS, HEAD, SCALE,
-                                       kw.get("sliding_window"), kw.get("logits_soft_cap")))
-            caches.append(layer.kv_cache.clone())
+        outs, caches, q, k, v, md, start = prefill_write_off_and_on(layer, specs, kw, monkeypatch)
         assert torch.equal(outs[1], outs[0]) and not outs[1].isnan().any()
         assert torch.equal(caches[1], caches[0])
         ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, SCALE, kw.get("sliding_window"),
