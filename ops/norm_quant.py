@@ -49,71 +49,72 @@ __all__ = [
     "QUANT_DTYPES",
 ]
 
+#: ``norm_quant_col_split``'s split of a few tokens' (or a symbolic count's) rows of >= 2048 columns.
+NORM_QUANT_COL_SPLIT = 4
 #: The ``quant_dtype`` the fused ops take.
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 
 
 @triton.jit
 def _rms_norm_quant_kernel(
-    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr, res_out_ptr,
-    n_rows, n_cols, x_row_stride, res_row_stride, eps,
-    MIN_S: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    GEMMA: tl.constexpr,
-    INT8: tl.constexpr,
-    DYNAMIC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    INT64: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr, res_out_ptr, n_rows, n_cols, x_row_stride, res_row_stride, eps,
+    MIN_S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, INT8: tl.constexpr, DYNAMIC: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COL_SPLIT: tl.constexpr, INT64: tl.constexpr,
+    EVICT_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     # ops.rms_norm's kernel statement for statement up to the normed row (the same values), then the quant
     # kernels' arithmetic. Self-contained: Inductor re-emits a user kernel's source and fails to compile one
     # that calls another jitted function (torch 2.11 + Triton 3.6). DYNAMIC: scale_ptr is the [T, 1] output.
+    # COL_SPLIT > 1 (static scale only): COL_SPLIT adjacent programs share a block of rows; each sums the squares
+    # of the whole rows (the same tile, so the same sums) and normalizes and quantizes its 1/COL_SPLIT of the
+    # columns, loaded again (from cache): a few tokens' rows spread over COL_SPLIT SMs instead of one.
     if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if INT64:
         pid = pid.to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
+    rows = (pid // COL_SPLIT) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    mask = row_ok[:, None] & col_mask[None, :]
     if not DYNAMIC:
         # Issued with the row's loads, not after the reduction (and, with the fused add, after the residual's
         # store, past which the compiler may not move a load): at one token its latency is the kernel's tail.
         static_scale = tl.load(scale_ptr).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    x_offs = rows[:, None] * x_row_stride + cols[None, :]
-    out_offs = rows[:, None] * n_cols + cols[None, :]
-    if EVICT_FIRST:
-        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    # This program's columns: all of them, or its share (loaded now, with the rows, not after the reduction).
+    pcols = cols if COL_SPLIT == 1 else (pid % COL_SPLIT) * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
+    pmask = mask if COL_SPLIT == 1 else row_ok[:, None] & (pcols < n_cols)[None, :]
+    w = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if EVICT_FIRST:  # activations are read once: keep the weight (read by every program) in L2
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first")
     else:
-        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    if COL_SPLIT > 1:
+        xp = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
     if HAS_RESIDUAL:
-        r_offs = rows[:, None] * res_row_stride + cols[None, :]
-        if EVICT_FIRST:
-            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            r = tl.load(res_ptr + r_offs, mask=mask, other=0.0)
+        r = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
         s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + out_offs, s, mask=mask)
         xf = s.to(tl.float32)
+        if COL_SPLIT > 1:
+            rp = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
+            s = (xp.to(tl.float32) + rp.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
     else:
         xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    if COL_SPLIT > 1:  # the share's values, bit for bit the whole rows' at those columns
+        xf = s.to(tl.float32) if HAS_RESIDUAL else xp.to(tl.float32)
+    out_offs = rows[:, None] * n_cols + pcols[None, :]
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + out_offs, s, mask=pmask)
     if GEMMA:
         w = 1.0 + w
     # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
     y = (xf * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
     if DYNAMIC:
-        if INT8:
-            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0), tl.full([ROWS], MIN_S, tl.float32))
-        else:
-            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 448.0), tl.full([ROWS], MIN_S, tl.float32))
+        qmax = 127.0 if INT8 else 448.0
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), qmax), tl.full([ROWS], MIN_S, tl.float32))
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         y = tl.div_rn(y, scale[:, None])
     else:
@@ -123,12 +124,24 @@ def _rms_norm_quant_kernel(
         q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
     else:
         q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + out_offs, q, mask=mask)
+    tl.store(q_ptr + out_offs, q, mask=pmask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[rows, H]`` with a dense last dim; a 2-D tensor with strided rows is read in place."""
     return t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) -> int:
+    """Programs a row block of the static-scale kernel (``COL_SPLIT``) for ``BLOCK_N``-wide rows and a token count
+    (None: symbolic, as in a compiled graph that serves decode and prefill alike); per token: 1.
+
+    A quantized row's divisions (``div_rn``, correctly rounded as the reference's) are the kernel's longest
+    stretch at a few tokens, where one program a row leaves all but a few SMs idle: splitting the columns
+    spreads them. At a known large size, one program a row (no second read)."""
+    if dynamic or block_n < 2048 or (known_rows is not None and known_rows * block_n > SMALL_ELEMENTS):
+        return 1
+    return NORM_QUANT_COL_SPLIT
 
 
 def _launch_rms_norm_quant(
@@ -141,10 +154,12 @@ def _launch_rms_norm_quant(
     gemma: bool,
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
+    col_split: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(q, scale_out, residual_out)``: ``scale`` None quantizes per token (``scale_out``: ``x.shape[:-1] +
     (1,)``), else with that per-tensor scale (``scale_out`` None); ``residual_out`` None without a residual.
-    ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``rms_norm``'s; ``pdl``: default ``pdl_launch``."""
+    ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``rms_norm``'s; ``pdl``: default ``pdl_launch``;
+    ``col_split``: programs a row block (static scale only), default ``norm_quant_col_split``'s."""
     n_cols = x.shape[-1]
     weight = weight.contiguous()
     x2 = _rows(x)
@@ -158,7 +173,11 @@ def _launch_rms_norm_quant(
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
     pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     int8 = quant_dtype == torch.int8
-    wrap_triton(_rms_norm_quant_kernel)[(cdiv(n_rows, rows),)](
+    if col_split is None:
+        col_split = norm_quant_col_split(block_n, known_rows, dynamic=scale is None)
+    if col_split < 1 or block_n % col_split or (col_split > 1 and scale is None):
+        raise ValueError(f"col_split must divide BLOCK_N {block_n} (and be 1 per token); got {col_split}")
+    wrap_triton(_rms_norm_quant_kernel)[(cdiv(n_rows, rows) * col_split,)](
         x2, r2, weight, scale if scale_out is None else scale_out, q, q if res_out is None else res_out,
         n_rows, n_cols, x2.stride(0), r2.stride(0), eps,
         MIN_S=INT8_MIN_SCALE if int8 else MIN_SCALE,
@@ -168,8 +187,9 @@ def _launch_rms_norm_quant(
         DYNAMIC=scale is None,
         BLOCK_N=block_n,
         ROWS=rows,
+        COL_SPLIT=col_split,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
-        EVICT_FIRST=not small,
+        EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,
         **pdl_args(pdl),
     )

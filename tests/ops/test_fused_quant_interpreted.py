@@ -117,6 +117,25 @@ def test_norm_quant_configs_and_strided_rows(config, quant_dtype):
                                       quant_dtype, False, config))
 
 
+@pytest.mark.parametrize("col_split", [2, 4, 8])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=Q_IDS.get)
+def test_norm_quant_column_split_is_bit_for_bit_one_program_a_row(col_split, quant_dtype):
+    """Static scale, the columns of a row block split over programs (a few tokens spread over SMs): the same
+    values as one program a row, for partial slices (a width not a multiple of the split) and strided rows."""
+    wide = randn((5, 2500), torch.bfloat16, "cpu")
+    x, r = wide[:, :2049], randn((5, 2049), torch.bfloat16, "cpu", seed=1)
+    w, scale = randn((2049,), torch.bfloat16, "cpu", seed=2), torch.tensor([STATIC_SCALE])
+    for rr in (None, r):
+        for gemma in (False, True):
+            one = norm_quant._launch_rms_norm_quant(x, rr, w, EPS, scale, quant_dtype, gemma, (4096, 2, 8),
+                                                    col_split=1)
+            split = norm_quant._launch_rms_norm_quant(x, rr, w, EPS, scale, quant_dtype, gemma, (4096, 2, 8),
+                                                      col_split=col_split)
+            assert_same(split, one)
+    with pytest.raises(ValueError, match="col_split"):
+        norm_quant._launch_rms_norm_quant(x, None, w, EPS, None, quant_dtype, False, col_split=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 def test_zero_rows_and_int8_ties(dtype):
     """All-zero rows: the min scale, zeros. Ties (x = 1, eps = 0: the normed row is the weight, k + 0.5 exactly;

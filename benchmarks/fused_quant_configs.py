@@ -1,0 +1,175 @@
+"""Launch configs of the quant kernels as a compiled graph runs them: a symbolic token count, no PDL (issue 13).
+
+At level 3 one graph serves every token count, so a Triton op's launch config is chosen without knowing it
+(``known_int`` None: the bandwidth config), and Inductor launches the kernel without programmatic dependent
+launch. At one decode token that config may put a whole row on one SM. For each kernel the graph passes put
+in (RMSNorm + static quant, with and without the residual add; SiLU-and-mul + static quant) and the plain static
+quant, at 1 / 8 / 32 / 2048 tokens (hidden 4096, intermediate 14336, bf16 in, fp8 out), this times:
+
+- each candidate config, launched eagerly without PDL (the graph's launch);
+- ``compiled op``: the op itself in a ``torch.compile`` graph with the token dim dynamic (first call at 2048
+  tokens, as the model's), to check that the eager launch of the default config stands for it;
+- ``inductor``: ``torch.compile`` of the reference, token dim dynamic: the native code the passes replace.
+
+All of one cell timed together (``common.bench_gpu_interleaved``: CUDA graphs of many calls, replayed in turn),
+inputs rotated over copies larger than the L2. ``vs_inductor``: inductor's µs / this row's (> 1: faster).
+
+Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,2048] [--out DIR]`` (CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+import torch
+
+import ops
+from benchmarks import bench_ops, common
+
+HIDDEN, INTERMEDIATE, EPS = 4096, 14336, 1e-6
+FP8 = ops.FP8_DTYPE
+norm_quant = importlib.import_module("ops.norm_quant")
+act_quant = importlib.import_module("ops.act_quant")
+quant_fp8 = importlib.import_module("ops.quant_fp8")
+rms = importlib.import_module("ops.rms_norm")
+act_mod = importlib.import_module("ops.silu_and_mul")
+
+
+def _norm_candidates() -> list[tuple]:
+    """``((BLOCK_N, ROWS, num_warps), col_split)``: one row a program, warps and column splits swept."""
+    return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in (1, 2, 4, 8)]
+
+
+def _act_candidates() -> list[tuple]:
+    return [(b, 1, w) for b in (512, 1024, 2048, 4096) for w in (2, 4, 8, 16) if 2 <= b // (32 * w) <= 32]
+
+
+def _quant_candidates() -> list[tuple]:
+    return [(b, w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8) if 1 <= b // (32 * w) <= 16]
+
+
+def _cases(t: int, device: str) -> dict[str, tuple]:
+    """name -> (args, reference, eager launch of a candidate, candidates, the symbolic default, bytes moved)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(t, HIDDEN, generator=g, device=device, dtype=torch.bfloat16)
+    r = torch.randn(t, HIDDEN, generator=g, device=device, dtype=torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(HIDDEN, generator=g, device=device, dtype=torch.bfloat16)
+    gu = torch.randn(t, 2 * INTERMEDIATE, generator=g, device=device, dtype=torch.bfloat16)
+    s = torch.tensor([0.05], device=device)
+    norm_default = (rms.rms_norm_config(HIDDEN, 2, None), norm_quant.norm_quant_col_split(HIDDEN, None, False))
+
+    def norm(residual: bool) -> Callable:
+        return lambda c, *a: norm_quant._launch_rms_norm_quant(
+            a[0], a[1] if residual else None, a[-2], EPS, a[-1], FP8, False, c[0], False, col_split=c[1])
+
+    return {
+        "rms_norm_static_quant": ((x, w, s), lambda x, w, s: ops.rms_norm_static_quant_ref(x, w, EPS, s, FP8),
+                                  lambda x, w, s: ops.rms_norm_static_quant(x, w, EPS, s, FP8), norm(False),
+                                  _norm_candidates(), norm_default, t * HIDDEN * 3),
+        "fused_add_rms_norm_static_quant": (
+            (x, r, w, s), lambda x, r, w, s: ops.fused_add_rms_norm_static_quant_ref(x, r, w, EPS, s, FP8),
+            lambda x, r, w, s: ops.fused_add_rms_norm_static_quant(x, r, w, EPS, s, FP8), norm(True),
+            _norm_candidates(), norm_default, t * HIDDEN * 7),
+        "silu_and_mul_static_quant": (
+            (gu, s), lambda gu, s: ops.act_and_mul_static_quant_ref(gu, s, "silu", FP8),
+            lambda gu, s: ops.act_and_mul_static_quant(gu, s, "silu", FP8),
+            lambda c, gu, s: act_quant._launch_act_and_mul_quant(gu, s, "silu", FP8, c, False),
+            _act_candidates(), act_mod.act_and_mul_config(INTERMEDIATE, 2, None), t * INTERMEDIATE * 5),
+        "static_scaled_fp8_quant": (
+            (x, s), ops.static_scaled_fp8_quant_ref, ops.static_scaled_fp8_quant,
+            lambda c, x, s: quant_fp8._launch_static_fp8_quant(x, s, c, False),
+            _quant_candidates(), quant_fp8.static_fp8_quant_config(None, 2), t * HIDDEN * 3),
+    }
+
+
+def _dynamic_compile(fn: Callable, args_at: Callable[[int], tuple]) -> Callable:
+    """``torch.compile(fn)`` with the token dim dynamic, first called at 2048 tokens (as the model's first call)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    big = args_at(2048)
+    torch._dynamo.mark_dynamic(big[0], 0)
+    if len(big) > 2 and big[1].dim() == 2:
+        torch._dynamo.mark_dynamic(big[1], 0)
+    compiled(*big)
+    return compiled
+
+
+def _same(a, b) -> bool:
+    outs, exps = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return all(torch.equal(o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == FP8 else torch.equal(o, e)
+               for o, e in zip(outs, exps, strict=True))
+
+
+def measure(tokens: list[int], device: str) -> list[dict]:
+    rows = []
+    for name in _cases(1, device):
+        case_at = lambda t, name=name: _cases(t, device)[name]  # noqa: E731
+        _, ref, op, _, _, _, _ = case_at(1)
+        inductor = _dynamic_compile(ref, lambda t: case_at(t)[0])
+        compiled_op = _dynamic_compile(op, lambda t: case_at(t)[0])
+        for t in tokens:
+            args, ref, _, launch, candidates, default, nbytes = case_at(t)
+            expected = ref(*args)
+            fns: dict[str, Callable] = {"inductor": inductor, "compiled op": compiled_op}
+            correct = {"inductor": "", "compiled op": _same(compiled_op(*args), expected)}
+            for cfg in dict.fromkeys([default, *candidates]):
+                correct[str(cfg)] = _same(launch(cfg, *args), expected)
+                fns[str(cfg)] = lambda *a, cfg=cfg, launch=launch: launch(cfg, *a)
+            arg_sets = bench_ops._arg_sets(args, nbytes)
+            times = common.bench_gpu_interleaved({k: common.rotating(f, arg_sets) for k, f in fns.items()},
+                                                 graph_iters=64 if t <= 32 else 8, rounds=30 if t <= 32 else 10)
+            for label, us in times.items():
+                rows.append({"op": name, "tokens": t, "config": label, "us": round(us, 3),
+                             "vs_inductor": round(times["inductor"] / us, 3), "default": label == str(default),
+                             "correct": correct[label]})
+                print(rows[-1], flush=True)
+    return rows
+
+
+def _plot(rows: list[dict], out_dir: str) -> None:
+    """µs against tokens per op: inductor, the compiled op (today's default), and the candidate fastest on
+    average at <= 32 tokens (relative to inductor)."""
+    keep = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        small = {}
+        for r in mine:
+            if r["tokens"] <= 32 and r["config"] not in ("inductor", "compiled op"):
+                small.setdefault(r["config"], []).append(r["vs_inductor"])
+        best = max(small, key=lambda c: sum(small[c]) / len(small[c])) if small else None
+        keep += [dict(r, series="best " + r["config"] if r["config"] == best else r["config"]) for r in mine
+                 if r["config"] in ("inductor", "compiled op", best)]
+    common.plot_panels("fused_quant_configs", keep, x="tokens", y="us", series="series", panel="op", logx=True,
+                       logy=True, title="quant kernels at a symbolic token count", ylabel="us a call",
+                       out_dir=out_dir)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1,8,32,2048")
+    p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_quant_configs: needs a CUDA GPU (the configs are GPU launch configs)")
+    # One compile serves every token count, 1 included (Dynamo would specialize size 1), as at level 3.
+    import torch.fx.experimental._config as fx_config
+
+    if hasattr(fx_config, "backed_size_oblivious"):
+        fx_config.backed_size_oblivious = True
+    print(common.env_header("cuda"), flush=True)
+    rows = measure([int(t) for t in args.tokens.split(",")], "cuda")
+    if args.out:
+        _plot(rows, args.out)
+        common.write_results("fused_quant_configs", rows, out_dir=args.out,
+                             title="Quant kernels' launch configs at a symbolic token count (no PDL)",
+                             notes=["config: norm ((BLOCK_N, ROWS, warps), col_split); act (BLOCK_D, ROWS, warps); "
+                                    "quant (BLOCK, warps); default: the config a compiled graph launches today",
+                                    "compiled op: the op in a dynamic-shape torch.compile graph; inductor: "
+                                    "torch.compile of the reference (native code), dynamic",
+                                    "vs_inductor: inductor us / this row's us; correct: bit for bit the reference"])
+
+
+if __name__ == "__main__":
+    main()
