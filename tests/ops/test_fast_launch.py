@@ -202,3 +202,38 @@ def test_bound_launch_keys_only_the_per_call_values(monkeypatch):
     monkeypatch.setattr(type(fast.kernel), "__getitem__", lambda self, grid: lambda *a, **k: calls.append((grid, a)))
     bound((x,), (48,))
     assert calls == [((4, 2), (x, 48))]
+
+
+def test_bound_launches_take_the_target_their_caller_read_once(monkeypatch):
+    """The attention op reads the device and stream once a call (``FastLaunch.target``) and passes them to its two
+    or three bound launches: they launch there, read no device themselves, and key their kernels by that device;
+    without a target each launch reads its own; hooks set or the fast path off: no target (the normal launch)."""
+    from ops.triton_utils import Slot
+
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x = torch.zeros(64)
+    assert fast.target() == (0, 777)  # the current device and its current stream
+    bound = fast.bind((4,), (Slot.tensor(0), Slot.scalar(0)), BLOCK=128)
+    bound((x,), (32,), (0, 777))  # compiles through run
+    reads = []
+    monkeypatch.setattr(fast, "_device", lambda: reads.append(1) or 0)
+    bound((x,), (32,), (0, 555))  # a stream the caller read: another CUDA graph capture's, say
+    assert len(runs) == 1 and launcher.calls[-1][3] == 555 and reads == []
+    bound((x,), (32,))  # no target: read here
+    assert launcher.calls[-1][3] == 777 and reads == [1] and fast.fast_launches == 2
+    monkeypatch.setattr(fast, "_device", lambda: 1)  # another current device: its own kernel, compiled through run
+    bound((x,), (32,), fast.target())
+    assert len(runs) == 2 and fast.fast_launches == 2
+    bound((x,), (32,), fast.target())
+    assert len(runs) == 2 and fast.fast_launches == 3
+
+    class Hooked:
+        launch_enter_hook, launch_exit_hook = type("Chain", (), {"calls": [print]})(), None
+
+    fast._runtime = Hooked()
+    assert fast.target() is None
+    bound((x,), (32,))  # the target read here is None: through run, which calls the hook
+    assert len(runs) == 3
+    fast._runtime = _NoHooks()
+    monkeypatch.setattr(FastLaunch, "enabled", False)
+    assert fast.target() is None
