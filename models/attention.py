@@ -30,9 +30,11 @@ slow op leaves the GPU idle. So the CUDA path computes nothing per layer that
 is the same for every layer of a step (the metadata's decode plan: slices,
 split count, grids, persistent split-KV scratch, and each kernel's
 ``ops.triton_utils.BoundLaunch``: the metadata's ``write_launch`` and
-``prefill_launch``, the plan's ``launches``), launches through ``FastLaunch``
-(the compiled kernels' launchers, not ``kernel[grid](...)``) passing only what
-may differ between layers, and allocates only its output.
+``prefill_launch``, the plan's ``launches``; gathered per layer configuration
+for one lookup a layer), launches through ``FastLaunch`` (the compiled kernels'
+launchers, not ``kernel[grid](...)``) passing only what may differ between
+layers, reads the current device, stream and launch hooks once a call (not
+once a launch) and each tensor's strides once, and allocates only its output.
 """
 
 from __future__ import annotations
@@ -158,37 +160,92 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     Padding tokens of no sequence (after the last one's rows) are then not written: their slots are the pad
     block's, which no sequence reads.
     """
-    nd = md.num_decodes
-    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    shape = kv_cache.shape
     contiguous = kv_cache.is_contiguous()
-    plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, q.device) if nd else None
-    fused_write = plan is not None and plan.fused_write and contiguous
-    prefill_writes = PREFILL_WRITES_KV and contiguous and nd < md.num_seqs
+    # Every layer of a step calls with the same key (only the tensors' addresses differ): one lookup, not one per
+    # plan and bound launch. A key is everything the step call is built from, so a miss builds anew, never a stale
+    # one; under CUDA-graph capture a plan without the persistent workspace is the capture's own (decode_plan).
+    key = (num_heads, head_size, shape, contiguous, q.device, q.dtype, k.shape[0], sliding_window is not None,
+           logits_soft_cap is not None, PREFILL_WRITES_KV)
+    if md.workspace is None and md.num_decodes and q.device.type == "cuda":
+        key += (torch.cuda.is_current_stream_capturing(),)
+    call = md.layer_calls.get(key)
+    if call is None:
+        call = md.layer_calls[key] = _StepCall(md, num_heads, head_size, shape, contiguous, q.device, q.dtype,
+                                               k.shape[0], logits_soft_cap is not None, sliding_window is not None)
+    # Read once a call, not per launch: the current device (a Python call into torch.cuda) and stream, and
+    # whether launch hooks are set; the same for the two or three launches below, which switch no stream.
+    target = call.fast.target() if call.fast is not None else None
+    # The launches' strides, one stride() a tensor (ops.paged_attention.LAYER_STRIDES); a contiguous cache's from
+    # its shape, in the key (size-1 dimensions aside, where any stride addresses the same elements).
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    if qs[-1] != 1:
+        q = q.contiguous()
+        qs = q.stride()
+    if ks[-1] != 1 or vs[-1] != 1:
+        k, v = k.contiguous(), v.contiguous()
+        ks, vs = k.stride(), v.stride()
+    if out is None:  # empty_like: ~1 µs less host time than torch.empty(q.shape, dtype=..., device=...)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    strides = (qs[0], ks[0], vs[0], out.stride(0), *(call.cache_strides or kv_cache.stride()[:4]))
     if not contiguous:
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    else:  # write_kv_cache_triton's launch, bound once a step; under fused_write the decodes' rows go with the
-        # decode kernel (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel
-        first = nd if fused_write else 0
-        end = nd if prefill_writes else k.shape[0]
-        launch = md.write_launch(end - first, num_kv_heads * kv_cache.shape[4], first)
-        if launch is not None:
-            whole = first == 0 and end == k.shape[0]
-            write_kv_cache_launch(launch, kv_cache, k if whole else k[first:end], v if whole else v[first:end])
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif call.write is not None:  # the rows of k and v its slots are (bound: k and v are passed whole)
+        write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides)
+    nd = md.num_decodes
     if nd:
-        new_kv = (k, v, md.slot_mapping) if fused_write else None
-        paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
+        new_kv = (k, v, call.slots) if call.fused_write else None
+        paged_decode_launch(call.plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv,
+                            target=target, strides=strides)
         if nd == md.num_seqs:
             return out
-    launch = md.prefill_launch(num_heads, num_kv_heads, head_size, page, q.dtype, logits_soft_cap is not None,
-                               sliding_window is not None, new_kv=prefill_writes)
-    if launch is not None:  # the sequences after the decodes (paged_prefill_triton's launch, bound once a step)
-        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
-                       new_kv=(k, v) if prefill_writes else None)
+    if call.prefill is not None:  # the sequences after the decodes (paged_prefill_triton's launch)
+        prefill_launch(call.prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
+                       new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides)
     return out
+
+
+class _StepCall:
+    """What :func:`attention_cuda` needs for one step and layer configuration besides the layer's tensors, built by
+    the step's first call (``AttentionMetadata.layer_calls``): the decode plan, whether the decode kernel writes
+    the decodes' keys and values (``fused_write``) and the prefill kernel the others' (``prefill_writes``), and the
+    cache-write and prefill kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
+
+    __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots")
+
+    def __init__(self, md: AttentionMetadata, num_heads: int, head_size: int, shape: torch.Size, contiguous: bool,
+                 device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
+                 use_window: bool) -> None:
+        nd = md.num_decodes
+        page, num_kv_heads = shape[2], shape[3]
+        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device) if nd else None
+        self.fused_write = plan is not None and plan.fused_write and contiguous
+        self.prefill_writes = PREFILL_WRITES_KV and contiguous and nd < md.num_seqs
+        # write_kv_cache_triton's launch: under fused_write the decodes' rows go with the decode kernel
+        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel.
+        first = nd if self.fused_write else 0
+        end = nd if self.prefill_writes else num_tokens
+        self.cache_strides = _contiguous_strides(shape)[:4] if contiguous else None
+        self.slots = md.slot_mapping if md.slot_mapping.stride(-1) == 1 else md.slot_mapping.contiguous()
+        self.write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous else None
+        self.prefill = None
+        if nd < md.num_seqs:
+            self.prefill = md.prefill_launch(num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window,
+                                             new_kv=self.prefill_writes)
+        launches = [self.write, self.prefill, *(plan.launches(use_softcap, use_window, dtype == torch.float32,
+                                                              self.fused_write) if plan is not None else ())]
+        # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.
+        self.fast = next((launch.fast for launch in launches if launch is not None), None) \
+            if device.type == "cuda" else None
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 # ---------------------------------------------------------------- the op

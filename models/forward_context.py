@@ -86,6 +86,9 @@ class AttentionMetadata:
                                                                   compare=False)
     _prefills: dict[tuple, BoundLaunch | None] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                     compare=False)
+    #: The attention op's per-step state by layer configuration (``models.attention``'s CUDA path: its plan and
+    #: bound launches, gathered for one lookup a layer); built at the first call, as the caches above.
+    layer_calls: dict[tuple, object] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
                     device: torch.device) -> DecodePlan:
@@ -122,14 +125,13 @@ class AttentionMetadata:
 
     def write_launch(self, num_tokens: int, row: int, first: int) -> BoundLaunch | None:
         """The cache-write kernel (``ops.paged_attention.bind_write_kv_cache``) bound to ``num_tokens`` slots of
-        :attr:`slot_mapping` from token ``first`` on, for cache rows of ``row`` elements, built at its first call in
-        this step; None: no token."""
+        :attr:`slot_mapping` from token ``first`` on (and the same rows of its launches' k and v), for cache rows of
+        ``row`` elements, built at its first call in this step; None: no token."""
         key = (num_tokens, row, first)
         try:
             return self._writes[key]
         except KeyError:
-            slots = self.slot_mapping[first:] if first else self.slot_mapping
-            launch = self._writes[key] = bind_write_kv_cache(slots, num_tokens, row)
+            launch = self._writes[key] = bind_write_kv_cache(self.slot_mapping, num_tokens, row, first)
             return launch
 
     def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,

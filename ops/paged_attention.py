@@ -66,21 +66,24 @@ __all__ = [
     "DecodePlan",
     "DecodeWorkspace",
     "paged_decode_launch",
+    "LAYER_STRIDES",
     "write_kv_cache_ref",
     "paged_decode_ref",
 ]
 
 
-@triton.jit
-def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, half_stride,
+# ``first`` (the first token's row) not specialized: a mixed step's decode count, 1 or any, compiles no kernel apart.
+@triton.jit(do_not_specialize=["first"])
+def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, half_stride, first,
                            ROW: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per new token: its Hkv * D keys and values to its slot in each half of the cache.
-    t = tl.program_id(0)
+    # One program per new token, row first + program id: its Hkv * D keys and values to its slot in each half of
+    # the cache.
+    t = (tl.program_id(0) + first).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
-    k = tl.load(k_ptr + t.to(tl.int64) * stride_k + offs, mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64) * stride_v + offs, mask=mask)
+    k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
     dst = cache_ptr + slot * ROW + offs
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -101,7 +104,7 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _write_kv_cache_launch((num_tokens,), k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                           **_write_constexprs(kv_cache.shape[-2] * kv_cache.shape[-1]))
+                           0, **_write_constexprs(kv_cache.shape[-2] * kv_cache.shape[-1]))
 
 
 def _write_constexprs(row: int) -> dict[str, int]:
@@ -109,23 +112,41 @@ def _write_constexprs(row: int) -> dict[str, int]:
     return dict(ROW=row, BLOCK=block, num_warps=max(1, min(8, block // 256)))
 
 
-def bind_write_kv_cache(slot_mapping: torch.Tensor, num_tokens: int, row: int) -> BoundLaunch | None:
-    """The cache-write kernel bound to ``num_tokens`` slots of ``slot_mapping`` and rows of ``row`` (Hkv * D)
-    elements (None: no token): :func:`write_kv_cache_triton`'s launch, less what may differ between layers (see
-    :func:`write_kv_cache_launch`). The attention op binds it once a step (``models.AttentionMetadata``)."""
+def bind_write_kv_cache(slot_mapping: torch.Tensor, num_tokens: int, row: int, first: int = 0) -> BoundLaunch | None:
+    """The cache-write kernel bound to ``num_tokens`` tokens from row ``first`` on (of ``slot_mapping`` and of the
+    launches' k and v) and cache rows of ``row`` (Hkv * D) elements (None: no token): :func:`write_kv_cache_triton`'s
+    launch, less what may differ between layers (see :func:`write_kv_cache_launch`). The attention op binds it once
+    a step (``models.AttentionMetadata``); ``first`` spares it slicing k and v per layer (~0.8 µs a slice)."""
     if num_tokens == 0:
         return None
     t, s = Slot.tensor, Slot.scalar  # the arguments as write_kv_cache_triton passes them
-    return _write_kv_cache_launch.bind((num_tokens,), (t(0), t(1), t(2), slot_mapping, s(0), s(1), s(2)),
+    return _write_kv_cache_launch.bind((num_tokens,), (t(0), t(1), t(2), slot_mapping, s(0), s(1), s(2), first),
                                       **_write_constexprs(row))
 
 
-def write_kv_cache_launch(launch: BoundLaunch, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """One launch of a :func:`bind_write_kv_cache`: ``k``, ``v`` (rows as its slots, ``[T, Hkv * D]``) into the
-    contiguous ``kv_cache``."""
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    launch((k, v, kv_cache), (k.stride(0), v.stride(0), kv_cache.stride(0)))
+#: What the attention op passes its launch helpers (:func:`write_kv_cache_launch`, :func:`paged_decode_launch`,
+#: ``ops.paged_prefill.prefill_launch``) as ``strides``, read once a call (one ``stride()`` a tensor, not one per
+#: launch): ``(q, k, v, out)``'s row strides and the cache's four leading strides, in this order, every tensor's
+#: last dimension contiguous (the caller's to ensure). None: each helper reads its own.
+LAYER_STRIDES = ("q_row", "k_row", "v_row", "out_row", "cache_half", "cache_block", "cache_slot", "cache_head")
+
+
+def write_kv_cache_launch(launch: BoundLaunch, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
+    """One launch of a :func:`bind_write_kv_cache`: rows ``first..first + num_tokens - 1`` of ``k``, ``v`` (``[T,
+    Hkv * D]``, as its slots) into the contiguous ``kv_cache``. ``target``: see :class:`~ops.triton_utils.BoundLaunch`;
+    ``strides``: see :data:`LAYER_STRIDES`."""
+    if strides is not None:
+        launch((k, v, kv_cache), (strides[1], strides[2], strides[4]), target)
+        return
+    ks, vs = k.stride(), v.stride()
+    if ks[-1] != 1:
+        k = k.contiguous()
+        ks = k.stride()
+    if vs[-1] != 1:
+        v = v.contiguous()
+        vs = v.stride()
+    launch((k, v, kv_cache), (ks[0], vs[0], kv_cache.stride(0)), target)
 
 
 # The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
@@ -516,7 +537,8 @@ def _warmup(kernel: object) -> object:
 def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
                         compile_only: bool = False,
-                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
     """Decode attention of ``plan``'s sequences into ``out`` (rows ``0..B-1`` of ``[>= B, Hq * D]``, any row
     stride): one launch (one split, or ``plan.fused_merge``), else two; nothing allocated.
 
@@ -530,7 +552,8 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
     compiles its sweep's configs so, in parallel).
 
     The launches are the plan's bound ones (:meth:`DecodePlan.launches`): per layer, only the tensors and the
-    scalars that may differ between layers are passed.
+    scalars that may differ between layers are passed. ``target``: see :class:`~ops.triton_utils.BoundLaunch`;
+    ``strides``: see :data:`LAYER_STRIDES` (new_kv's slot mapping then contiguous too).
     """
     b = plan.num_seqs
     if new_kv is not None and not plan.fused_write:
@@ -538,24 +561,38 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
         if not compile_only:
             write_kv_cache_triton(kv_cache, k[:b] if k.shape[0] > b else k, v[:b] if v.shape[0] > b else v, slots)
         new_kv = None
-    sc = kv_cache.stride()
     split, merge = plan.launches(logits_soft_cap is not None, sliding_window is not None, q.dtype == torch.float32,
                                  new_kv is not None)
     tensors = (q, kv_cache, out)
-    scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out.stride(0), scale, logits_soft_cap or 1.0,
-               sliding_window or 0)
+    if strides is not None and not compile_only:
+        q_rows, k_rows, v_rows, out_rows, c0, c1, c2, c3 = strides
+        scalars = (q_rows, c0, c1, c2, c3, out_rows, scale, logits_soft_cap or 1.0, sliding_window or 0)
+        if new_kv is not None:
+            tensors += new_kv
+            scalars += (k_rows, v_rows)
+        split(tensors, scalars, target)
+        if merge is not None:
+            merge((out,), (out_rows,), target)
+        return
+    sc = kv_cache.stride()
+    out_rows = out.stride(0)
+    scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out_rows, scale, logits_soft_cap or 1.0, sliding_window or 0)
     if new_kv is not None:
-        k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
+        k, v, slots = new_kv
+        ks, vs = k.stride(), v.stride()
+        if ks[-1] != 1 or vs[-1] != 1 or slots.stride(-1) != 1:
+            k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
+            ks, vs = k.stride(), v.stride()
         tensors += (k, v, slots)
-        scalars += (k.stride(0), v.stride(0))
+        scalars += (ks[0], vs[0])
     if compile_only:
         _warmup(_decode_split_kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
         if merge is not None:
             _warmup(_decode_merge_kernel)(merge.grid, *merge.full_args((out,), (out.stride(0),)), **merge.kwargs)
         return
-    split(tensors, scalars)
+    split(tensors, scalars, target)
     if merge is not None:
-        merge((out,), (out.stride(0),))
+        merge((out,), (out_rows,), target)
 
 
 def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: bool, fused_write: bool) -> BoundLaunch:

@@ -377,23 +377,35 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
 
 def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
                    sliding_window: int | None, logits_soft_cap: float | None,
-                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
     """One launch of a :func:`bind_prefill` (bound for q's dtype and this soft cap's and window's presence): q's
     and out's rows ``query_start_loc[0]..`` (unit stride last, out like q), the cache's four leading strides, the
     scale and the options are per call. ``new_kv`` ``(k, v)`` (rows as q's, any row stride) exactly when the launch
-    was bound with ``new_kv=True``."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    sc = kv_cache.stride()
+    was bound with ``new_kv=True``. ``target``: see :class:`~ops.triton_utils.BoundLaunch`; ``strides``: see
+    ``ops.paged_attention.LAYER_STRIDES``."""
     # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
     qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
-    scalars = (q.stride(0), out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale, logits_soft_cap or 1.0,
+    if strides is not None:
+        q_rows, k_rows, v_rows, out_rows, c0, c1, c2, c3 = strides
+        scalars = (q_rows, out_rows, c0, c1, c2, c3, qk_scale, logits_soft_cap or 1.0, sliding_window or 0)
+        if new_kv is None:
+            launch((q, kv_cache, out), scalars, target)
+        else:
+            launch((q, kv_cache, out, *new_kv), scalars + (k_rows, v_rows), target)
+        return
+    qs = q.stride()
+    if qs[-1] != 1:
+        q = q.contiguous()
+        qs = q.stride()
+    sc = kv_cache.stride()
+    scalars = (qs[0], out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale, logits_soft_cap or 1.0,
                sliding_window or 0)
     if new_kv is None:
-        launch((q, kv_cache, out), scalars)
+        launch((q, kv_cache, out), scalars, target)
         return
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new_kv)
-    launch((q, kv_cache, out, k, v), scalars + (k.stride(0), v.stride(0)))
+    launch((q, kv_cache, out, k, v), scalars + (k.stride(0), v.stride(0)), target)
 
 
 # An opaque custom op, as paged_decode (ops/paged_attention.py says why not triton_op): Triton on CUDA, the

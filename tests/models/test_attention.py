@@ -213,6 +213,46 @@ def test_cuda_decode_captures_in_a_cuda_graph():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+def test_cuda_layers_of_a_step_follow_the_stream_and_the_launch_hooks_of_their_call():
+    """The attention op reads its launch target (device, stream, hooks) once a call and keeps it no longer: on one
+    step's metadata, a mixed step's calls eagerly, then captured in a CUDA graph (another stream; a target kept from
+    the eager calls would launch on the legacy stream, which capture refuses), then with a launch hook set (every
+    launch through Triton's run, which calls it): each the eager call's output bit for bit, the native one's within
+    tolerance."""
+    from triton import knobs
+
+    layer = new_layer(device="cuda", num_blocks=256)
+    q, k, v, md = make_batch(layer, [(40, 1), (3, 1), (0, 6), (5, 3)], device="cuda")
+    md = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=4))
+    start = layer.kv_cache.clone()
+    ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, HEAD**-0.5)
+    with set_forward_context(ForwardContext({"l0": layer}, md)):
+        expected = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        torch.testing.assert_close(expected, ref, rtol=1e-5, atol=1e-5)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.ops.dynamo_once.attention(q, k, v, "l0")
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        layer.kv_cache.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        seen = []
+        hook = lambda *a, **kw: seen.append(1)  # noqa: E731
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            hooked = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+    torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
+    assert len(seen) >= 2  # the decode and prefill launches at least, each through run
+
+
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_native_decodes_equal_the_paged_decode_reference(kw):
     """The native path on decodes is ops.paged_decode_ref, the reference the decode kernel is tested against."""
@@ -307,11 +347,12 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
                                                                         fused_write=fused_write))
     calls = []
-    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, cache, k, v: calls.append(
-        ("write", launch.grid[0], k.data_ptr(), v.data_ptr(), k.shape[0])))
-    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv: calls.append(
+    # the write: the whole k and v, its first row bound (its last argument), no slice per layer
+    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, cache, k, v, **_: calls.append(
+        ("write", launch.grid[0], k.data_ptr(), v.data_ptr(), launch.args[-1])))
+    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv, **_: calls.append(
         ("decode", new_kv is not None)))
-    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv: calls.append(
+    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(
         ("prefill", launch.kwargs["NEW_KV"], new_kv)))
     for specs in (SPECS, [(0, 6), (5, 3)], [(9, 1), (3, 1)]):
         layer = new_layer()
@@ -321,13 +362,49 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
         attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
         first = nd if fused_write else 0
         end = nd if on and nd < md.num_seqs else t
-        expected = [("write", end - first, k[first].data_ptr(), v[first].data_ptr(), end - first)] if end > first \
-            else []
+        expected = [("write", end - first, k.data_ptr(), v.data_ptr(), first)] if end > first else []
         if nd:
             expected.append(("decode", fused_write))
         if nd < md.num_seqs:
             expected.append(("prefill", on, (k, v) if on else None))
         assert calls == expected, specs
+
+
+def test_layers_of_a_step_share_one_step_call_and_pass_their_own_strides(monkeypatch):
+    """attention_cuda's launches, recorded (no kernel runs): the layers of a step share one ``_StepCall`` per layer
+    configuration (plan and bound launches, one lookup a layer), a new one for another configuration or step; the
+    strides each launch gets are the call's own tensors' (a strided q or output, another cache shape), never a
+    cached layer's, and the cache's derived from its shape equal its stride()."""
+    import models.attention as attention_module
+
+    calls = []
+    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, cache, k, v, **kw: calls.append(
+        ("write", kw["strides"])))
+    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, q, cache, out, *a, **kw: calls.append(
+        ("decode", kw["strides"], plan)))
+    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, q, cache, out, *a, **kw: calls.append(
+        ("prefill", kw["strides"], launch)))
+    layer = new_layer()
+    q, k, v, md = make_batch(layer, SPECS)
+    wide = torch.randn(q.shape[0], 3 * q.shape[1])  # q and out as column slices: row strides 3x theirs
+    other = new_layer("l1", num_blocks=32)  # another layer of the step, a cache of another shape
+
+    def run(q, layer, out=None, **kw):
+        calls.clear()
+        res = attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5, out=out, **kw)
+        expected = (q.stride(0), k.stride(0), v.stride(0), res.stride(0), *layer.kv_cache.stride()[:4])
+        assert [c[0] for c in calls] == ["write", "decode", "prefill"] and all(c[1] == expected for c in calls)
+        return calls[1][2], calls[2][2]
+
+    plan, prefill = run(q, layer)
+    assert len(md.layer_calls) == 1 and run(q, layer) == (plan, prefill)
+    out = torch.empty_like(wide)[:, :q.shape[1]]
+    assert run(wide[:, :q.shape[1]], other, out=out) == (plan, prefill)  # the same configuration's key...
+    assert len(md.layer_calls) == 2  # ...but for the other cache's shape: its own entry, the same plan
+    run(q, layer, sliding_window=5)  # another configuration: its own bound launches
+    assert len(md.layer_calls) == 3
+    fresh = dataclasses.replace(md)  # the next step: its own
+    assert fresh.layer_calls == {}
 
 
 @pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", "DYNAMO_ONCE_PREFILL_WRITES_KV")])

@@ -120,6 +120,34 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
 
 
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
+def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monkeypatch):
+    """Layers of one step share its ``_StepCall`` (plan, bound launches; strides are read per call): two layers
+    with caches of different shapes, q, k, v as column slices of one qkv tensor (strided rows) and an output with
+    another row stride, alternating, each the native path's output and cache. Under fused_write the cache-write
+    launch starts at the prompts' first row (bound, no slice of k, v)."""
+    import ops.paged_attention as pa
+    from ops.paged_decode_config import DecodeConfig
+
+    monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=2, BLOCK_N=16, fused_merge=False,
+                                                                        fused_write=fused_write))
+    layers = [new_layer("l0", num_blocks=len(SPECS) * 20), new_layer("l1", num_blocks=len(SPECS) * 20 + 3)]
+    q, k, v, md = make_batch(layers[0], SPECS)
+    layers[1].kv_cache.copy_(torch.randn(layers[1].kv_cache.shape))
+    qkv = torch.cat([q, k, v], 1)
+    sq, sk, sv = qkv.split([q.shape[1], k.shape[1], v.shape[1]], 1)
+    for layer, args in ((layers[0], (q, k, v)), (layers[1], (sq, sk, sv)), (layers[0], (sq, sk, sv)),
+                        (layers[1], (q, k, v))):
+        cache = layer.kv_cache.clone()
+        out = torch.full((q.shape[0], 2 * q.shape[1]), float("nan"))[:, 1:q.shape[1] + 1]
+        res = attention_cuda(*args, layer.kv_cache, md, HEADS, HEAD, SCALE, out=out)
+        ref = attention_native(*args, cache, md, HEADS, HEAD, SCALE)
+        assert res is out
+        torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert len(md.layer_calls) == 2  # one a cache shape
+
+
+@pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, monkeypatch):
     """models.attention.PREFILL_WRITES_KV on: the prompts' keys and values written by the prefill kernel (the
