@@ -116,9 +116,17 @@ def _rms_norm_quant_kernel(
         qmax = 127.0 if INT8 else 448.0
         scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), qmax), tl.full([ROWS], MIN_S, tl.float32))
         tl.store(scale_ptr + rows, scale, mask=row_ok)
-        y = tl.div_rn(y, scale[:, None])
+        scale = scale[:, None]
     else:
-        y = tl.div_rn(y, static_scale)
+        scale = static_scale
+    # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
+    inv = tl.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    if not DYNAMIC:
+        if (inv > 1.0e27) | (inv < 1.0e-27):
+            q = tl.div_rn(y, scale)
+    y = q
     if INT8:
         y = tl.minimum(tl.maximum(y, -128.0), 127.0)
         q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8

@@ -42,8 +42,31 @@ def _interpreter_int_from_one_element() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_fma_rounds_once() -> None:
+    """Triton's interpreter computes ``tl.fma(x, y, z)`` as NumPy's ``x * y + z`` in the operands' dtype: two
+    roundings, where the GPU's fused multiply-add has one (the quant kernels' correctly rounded quotient, see
+    ops.quant_fp8, relies on it). fp32 operands are computed in float64 instead (the product exact; the sum
+    rounded twice, to float64 then fp32, which differs from one rounding about once in 2**29 results)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_fma, "_dynamo_once_fixed", False):
+        return
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype == np.float32:
+            exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+            return interpreter.TensorHandle(exact.astype(np.float32), z.dtype.scalar)
+        return interpreter.TensorHandle(x.data * y.data + z.data, z.dtype.scalar)
+
+    create_fma._dynamo_once_fixed = True
+    builder.create_fma = create_fma
+
+
 if _interpreting():
     _interpreter_int_from_one_element()
+    _interpreter_fma_rounds_once()
 
 
 def pytest_collection_modifyitems(config, items):

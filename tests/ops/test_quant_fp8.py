@@ -38,6 +38,30 @@ def test_static_and_dynamic(device, num_tokens, hidden, dtype):
     _assert_same(q, q_ref)
 
 
+def _adversarial_quotients(scale: float) -> torch.Tensor:
+    """fp32 inputs whose quotients by ``scale`` probe the kernels' division (see ops.quant_fp8, the quotient):
+    every magnitude from subnormal to beyond the saturation, signed zeros, and values a few ulps around x =
+    q * scale for q on fp8's grid and its rounding midpoints."""
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-140, 40, (4096,), generator=g).float())
+    grid = torch.arange(0, 256, dtype=torch.uint8).view(ops.FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid)]
+    mids = torch.cat([grid, (grid[1:] + grid[:-1]) / 2]) * scale
+    near = (mids.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)).view(torch.float32).flatten()
+    return torch.cat([wide, near, -near, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38])])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [0.0314, 0.03125, 1.9999999 * 2.0**-6, 3.0e-5, 7.0, 1e-30, 1e30],
+                         ids=["0.0314", "pow2", "all-ones", "3e-5", "7", "tiny-div_rn", "huge-div_rn"])
+def test_static_quotient_is_the_correctly_rounded_division(device, scale):
+    """The static kernel's quotient (the rounded reciprocal and a correction, or div_rn for extreme scales) is
+    the reference's correctly rounded division on every input, to the bit of the fp8 code."""
+    x = _adversarial_quotients(scale).to(device)
+    s = torch.tensor([scale], device=device)
+    _assert_same(ops.static_scaled_fp8_quant(x[None], s), ops.static_scaled_fp8_quant_ref(x[None], s))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_saturates_and_round_trips(device):
     x = torch.tensor([[0.0, 1.0, -1.0, 448.0, -448.0, 1000.0, -1e9, 3.0e-3]], device=device)
