@@ -300,6 +300,11 @@ def static_fp8_quant_config(n: int | None, element_size: int) -> tuple[int, int]
         # (the default) 0.69-0.90 us, the best or within 0.002 us of it in each cell.
         block = min(256 if n <= 8192 else 512, max(32, next_power_of_2(n)))
         return block, max(1, min(8, block // 32))
+    if n is None:
+        # A symbolic size (a compiled graph): 1024-element blocks on 4 warps, 4 programs a 4096-wide token. Swept on
+        # the H200 without PDL (benchmarks.fused_quant_configs, hidden 4096): 1.16 / 1.23 / 1.38 / 8.07 us at 1 / 8
+        # / 32 / 2048 tokens, against 1.38 / 1.45 / 1.48 / 7.95 for (4096, 8) and Inductor's 1.14 / 1.22 / 1.38 / 8.31.
+        return 1024, 4
     return _BLOCK, 8
 
 

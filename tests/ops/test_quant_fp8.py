@@ -48,6 +48,7 @@ def _adversarial_quotients(scale: float) -> torch.Tensor:
     grid = grid[torch.isfinite(grid)]
     mids = torch.cat([grid, (grid[1:] + grid[:-1]) / 2]) * scale
     near = (mids.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)).view(torch.float32).flatten()
+    near = near[torch.isfinite(near)]  # the steps below +0 are NaN bit patterns (NaN is not an input the ops define)
     return torch.cat([wide, near, -near, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38])])
 
 

@@ -18,6 +18,7 @@ from ops.triton_utils import known_int, needs_int64
 
 rms = importlib.import_module("ops.rms_norm")
 act = importlib.import_module("ops.silu_and_mul")
+norm_quant = importlib.import_module("ops.norm_quant")
 quant = importlib.import_module("ops.quant_fp8")
 
 BF16 = 2
@@ -32,13 +33,25 @@ def test_known_int_reads_a_symbolic_size_as_unknown_without_a_guard():
 
 
 def test_bandwidth_configs_are_the_swept_ones():
-    """Unknown (symbolic) or large sizes keep the H200 sweep's choices (87-103% of copy)."""
+    """Large known sizes keep the H200 sweep's bandwidth choices (87-103% of copy); a symbolic size (a compiled
+    graph serving one token and thousands) gets the tiles that sweep best at both (benchmarks.fused_quant_configs)."""
     for n_rows in (None, 17, 4096, 32768):
         assert rms.rms_norm_config(4096, BF16, n_rows if n_rows != 17 else None) == (4096, 1, 8)
-        assert act.act_and_mul_config(4096, BF16, n_rows if n_rows != 17 else None) == (4096, 1, 16)
+    for n_rows in (4096, 32768):
+        assert act.act_and_mul_config(4096, BF16, n_rows) == (4096, 1, 16)
     assert rms.rms_norm_config(8192, BF16, 17) == (8192, 1, 8)  # 17 x 8192 > SMALL_ELEMENTS
     assert act.act_and_mul_config(8192, BF16, 17) == (4096, 1, 16)
-    assert quant.static_fp8_quant_config(None, BF16) == quant.static_fp8_quant_config(17 * 8192, BF16) == (4096, 8)
+    assert quant.static_fp8_quant_config(17 * 8192, BF16) == (4096, 8)
+    # Symbolic: 1024-wide tiles on 4 warps (14 programs for one 14336-wide token), and the norm + static quant's
+    # rows split over 4 programs; at a large known size, one program a row.
+    assert act.act_and_mul_config(14336, BF16, None) == (1024, 1, 4)
+    assert act.act_and_mul_config(256, BF16, None) == (256, 4, 4)
+    assert quant.static_fp8_quant_config(None, BF16) == (1024, 4)
+    assert norm_quant.norm_quant_col_split(4096, None, dynamic=False) == 4
+    assert norm_quant.norm_quant_col_split(4096, 1, dynamic=False) == 4
+    assert norm_quant.norm_quant_col_split(4096, 4096, dynamic=False) == 1
+    assert norm_quant.norm_quant_col_split(4096, None, dynamic=True) == 1
+    assert norm_quant.norm_quant_col_split(1024, None, dynamic=False) == 1
 
 
 def test_latency_configs():
