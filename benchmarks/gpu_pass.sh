@@ -149,8 +149,14 @@ for step in $steps; do
                 tests/models/test_tensor_parallel.py tests/models/test_sequence_parallel.py > "$R/tp_tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$R/tp_tests.log" | tail -8 ;;
     chunked)  # issue 18: LLM.generate with chunked prefill, the mixed steps' share and cost; this tree, then $BEFORE if given
               # (an earlier checkout, e.g. `git archive <rev> | tar -x -C before`; its LLM.stats need not time mixed steps apart)
+              # The earlier tree runs with this tree's benchmark helpers (benchmarks/, models/reporting.py) over it:
+              # benchmarks.common may import what an earlier tree lacks.
               for v in after ${BEFORE:+before}; do
-                d=$PWD; [ $v = before ] && d=$(cd "$BEFORE" && pwd)
+                d=$PWD
+                if [ $v = before ]; then
+                  d=/tmp/before_with_helpers; rm -rf $d; cp -r "$BEFORE" $d
+                  cp -r benchmarks/. $d/benchmarks/; cp models/reporting.py $d/models/reporting.py
+                fi
                 PYTHONPATH=/tmp/site:$d timeout ${CHUNKED_TIMEOUT:-240} python3 benchmarks/chunked_prefill.py \
                   --models ${CHUNKED_MODELS:-llama-3.2-1b,llama-3-8b} --tag $v --out "$R/chunked" 2>&1 | tee "$R/chunked_$v.log" | grep -E "^\{|Error"
               done ;;
