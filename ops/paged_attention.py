@@ -570,26 +570,20 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
         if new_kv is not None:
             tensors += new_kv
             scalars += (k_rows, v_rows)
-        split(tensors, scalars, target)
-        if merge is not None:
-            merge((out,), (out_rows,), target)
-        return
-    sc = kv_cache.stride()
-    out_rows = out.stride(0)
-    scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out_rows, scale, logits_soft_cap or 1.0, sliding_window or 0)
-    if new_kv is not None:
-        k, v, slots = new_kv
-        ks, vs = k.stride(), v.stride()
-        if ks[-1] != 1 or vs[-1] != 1 or slots.stride(-1) != 1:
+    else:
+        sc = kv_cache.stride()
+        out_rows = out.stride(0)
+        scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out_rows, scale, logits_soft_cap or 1.0,
+                   sliding_window or 0)
+        if new_kv is not None:
             k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
-            ks, vs = k.stride(), v.stride()
-        tensors += (k, v, slots)
-        scalars += (ks[0], vs[0])
-    if compile_only:
-        _warmup(_decode_split_kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
-        if merge is not None:
-            _warmup(_decode_merge_kernel)(merge.grid, *merge.full_args((out,), (out.stride(0),)), **merge.kwargs)
-        return
+            tensors += (k, v, slots)
+            scalars += (k.stride(0), v.stride(0))
+        if compile_only:
+            _warmup(_decode_split_kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
+            if merge is not None:
+                _warmup(_decode_merge_kernel)(merge.grid, *merge.full_args((out,), (out_rows,)), **merge.kwargs)
+            return
     split(tensors, scalars, target)
     if merge is not None:
         merge((out,), (out_rows,), target)
