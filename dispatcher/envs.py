@@ -43,7 +43,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: the paged prefill kernel writes the prompts' keys and values itself (one launch "
-                                     "fewer a layer with a prompt in the step; not yet measured on a GPU); 0 (default): off",
+                                     "fewer a layer with a prompt in the step; CUDA-tested, its host time not yet A/B-measured); 0 (default): off",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
     "DYNAMO_ONCE_AOT": "1 (default): a warm start rebuilds the traced forward from the compile cache, no Dynamo trace; 0: it traces",

@@ -134,7 +134,7 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 #: Opt-in, off by default: on the CUDA path, the prefill kernel writes the prompt sequences' new keys and values
 #: into the cache itself (``ops.paged_prefill_triton``'s ``new_kv``) instead of the separate cache-write launch
 #: (see :func:`attention_cuda`). Read at every call; its default comes from ``DYNAMO_ONCE_PREFILL_WRITES_KV`` (1/0)
-#: at import, or set ``models.attention.PREFILL_WRITES_KV = True``. Not yet measured on the GPU, hence off.
+#: at import, or set ``models.attention.PREFILL_WRITES_KV = True``. Off until an A/B on the GPU shows it pays.
 PREFILL_WRITES_KV = envs.prefill_writes_kv()
 
 
