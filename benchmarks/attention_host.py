@@ -12,7 +12,9 @@ runner builds one: the first call builds the step's decode plan, the others reus
   host never waits for the GPU); the median over ``--steps`` steps, each started on an idle GPU;
 - ``gpu_us``: GPU time per call (CUDA events around a step), for the ratio;
 - ``launch``: ``fast`` (``ops.triton_utils.FastLaunch``, the default) or ``triton`` (every kernel through
-  ``kernel[grid](...)``, ``FastLaunch.enabled = False``), to see what the launch path costs.
+  ``kernel[grid](...)``, ``FastLaunch.enabled = False``), to see what the launch path costs;
+- ``form``, on a step with a prompt: ``unified`` (``models.attention.UNIFIED_ATTENTION``: one launch a layer where
+  the step fits it) or ``split`` (cache write, split-KV decode, prefill), the A/B of that switch.
 
 Usage: ``python -m benchmarks.attention_host [--models llama-3-8b,llama-3.2-1b] [--out DIR]``; ``--cprofile``
 profiles the first shape given instead (``--models llama-3-8b --batches 1 --prefill 512 --cprofile``);
@@ -31,12 +33,15 @@ from typing import Any
 import torch
 
 from benchmarks import common
+import models.attention as attention_module
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
 from models.registry import BUILTIN_MODELS
 from ops.paged_attention import DecodeWorkspace
 from ops.triton_utils import FastLaunch
 
 BLOCK = 16
+UNIFIED_DEFAULT = attention_module.UNIFIED_ATTENTION  # restored after each measurement
+FORMS = ("unified", "split")
 
 
 def attention_shape(name: str) -> tuple[int, int, int, int]:
@@ -150,20 +155,22 @@ def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str |
 
 
 def measure(names: list[str], batches: list[int], prefills: list[int], context: int, device: torch.device,
-            dtype: torch.dtype, steps: int, launches: list[str]) -> list[dict[str, Any]]:
+            dtype: torch.dtype, steps: int, launches: list[str], forms: list[str]) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         for prefill in prefills:
             for b in batches:
                 s = MixedStep(name, b, prefill, context, device, dtype)
-                for launch in launches:
+                for form, launch in ((f, la) for f in (forms if prefill else forms[:1]) for la in launches):
                     FastLaunch.enabled = launch == "fast"
+                    attention_module.UNIFIED_ATTENTION = form == "unified"
                     try:
                         host, gpu = time_step(s, device, steps)
                     finally:
                         FastLaunch.enabled = True
-                    rows.append(dict(model=name, decodes=b, prefill=prefill, launch=launch,
-                                     host_us=round(host, 1), gpu_us=None if gpu is None else round(gpu, 1),
+                        attention_module.UNIFIED_ATTENTION = UNIFIED_DEFAULT
+                    rows.append(dict(model=name, decodes=b, prefill=prefill, form=form if prefill else "",
+                                     launch=launch, host_us=round(host, 1), gpu_us=None if gpu is None else round(gpu, 1),
                                      host_over_gpu=None if not gpu else round(host / gpu, 2)))
                     print(rows[-1], flush=True)
                 del s
@@ -174,7 +181,7 @@ def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | No
     """``<name>.png``: host and GPU µs per call against the decode batch, a panel per model, a line per launch
     path, prompt and clock (no GPU line on the CPU)."""
     lines = [dict(model=r["model"], decodes=int(r["decodes"]), us=float(r[f"{clock}_us"]),
-                  line=f"{r['launch']}, prefill {r['prefill']}: {clock}")
+                  line=f"{r['launch']}{', ' + r['form'] if r.get('form') else ''}, prefill {r['prefill']}: {clock}")
              for r in rows for clock in ("host", "gpu") if r.get(f"{clock}_us") not in ("", None)]
     return common.plot_panels(name, lines, x="decodes", y="us", series="line", panel="model", logx=True,
                               out_dir=out_dir, title="dynamo_once::attention on a mixed step: host µs against GPU "
@@ -189,7 +196,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--prefill", default="512,0", help="prompt tokens in the step (0: decodes only), comma-separated")
     p.add_argument("--context", type=int, default=512, help="cached tokens per decode sequence")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--launches", default="fast,triton", help="fast (FastLaunch) and/or triton (kernel[grid])")
+    p.add_argument("--launches", default="fast", help="fast (FastLaunch) and/or triton (kernel[grid])")
+    p.add_argument("--forms", default="unified,split",
+                   help="with a prompt: unified (models.attention.UNIFIED_ATTENTION on: one launch a layer where the "
+                        "step fits it) and/or split (off); decode-only steps take the first")
     p.add_argument("--quick", action="store_true", help="tiny-llama's shape on the CPU, to check the harness")
     p.add_argument("--cprofile", action="store_true",
                    help="instead of the table: cProfile the first model, batch and prefill given (the fast path), "
@@ -210,10 +220,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         except ValueError:
             p.error(f"--batches, --prefill: expected comma-separated integers; got {a.batches!r}, {a.prefill!r}")
         context, steps, launches = a.context, a.steps, a.launches.split(",")
+    forms = a.forms.split(",")
+    if not forms or not set(forms) <= set(FORMS) or not set(launches) <= {"fast", "triton"}:
+        p.error(f"--forms: expected unified and/or split, --launches: fast and/or triton; got {a.forms!r}, "
+                f"{a.launches!r}")
     if a.cprofile:
         print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out))
         return []
-    rows = measure(names, batches, prefills, context, device, dtype, steps, launches)
+    rows = measure(names, batches, prefills, context, device, dtype, steps, launches, forms)
     stem = "attention_host" + ("_quick" if a.quick else "")
     common.write_results(stem, rows, device=device, out_dir=a.out,
                          title="Host time of one dynamo_once::attention call (eager, as on the piecewise path)",
@@ -223,7 +237,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
                                 f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
-                                "the prompt goes through ops.paged_prefill_triton (one launch for every non-decode sequence)"])
+                                "form (steps with a prompt): unified = one launch of ops.paged_prefill_triton for "
+                                "every sequence, writing the new keys and values (models.attention.UNIFIED_ATTENTION, "
+                                "where the step fits it: at most UNIFIED_MAX_DECODES decodes); split = cache write, "
+                                "split-KV decode, prefill of the prompt"])
     plot(stem, rows, a.out)
     return rows
 

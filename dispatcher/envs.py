@@ -24,6 +24,7 @@ __all__ = [
     "pdl",
     "small_m_gemm",
     "prefill_writes_kv",
+    "unified_attention",
     "passes",
     "cache_dir",
     "compile_cache_disabled",
@@ -44,6 +45,9 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: the paged prefill kernel writes the prompts' keys and values itself (one launch "
                                      "fewer a layer with a prompt in the step; CUDA-tested, its host time not yet A/B-measured); 0 (default): off",
+    "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 32 decodes, none longer than 2048 tokens or it) "
+                                     "attends in one launch a layer, the prefill kernel over every sequence; 0: "
+                                     "split-KV decode and prefill launched apart",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
     "DYNAMO_ONCE_AOT": "1 (default): a warm start rebuilds the traced forward from the compile cache, no Dynamo trace; 0: it traces",
@@ -124,6 +128,12 @@ def prefill_writes_kv() -> bool:
     """``DYNAMO_ONCE_PREFILL_WRITES_KV``: the default of ``models.attention.PREFILL_WRITES_KV`` (read when that
     module is imported): the prefill kernel writes the prompts' keys and values itself. Off by default."""
     return _bool("DYNAMO_ONCE_PREFILL_WRITES_KV", False)
+
+
+def unified_attention() -> bool:
+    """``DYNAMO_ONCE_UNIFIED_ATTENTION``: the default of ``models.attention.UNIFIED_ATTENTION`` (read when that
+    module is imported): a step with a prompt attends in one launch a layer. On by default."""
+    return _bool("DYNAMO_ONCE_UNIFIED_ATTENTION", True)
 
 
 def api_key() -> str | None:

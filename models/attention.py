@@ -138,6 +138,23 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 PREFILL_WRITES_KV = envs.prefill_writes_kv()
 
 
+#: On the CUDA path, a step with a prompt attends in ONE launch a layer: the prefill kernel over every sequence of the
+#: step, the decodes included (a decode is a sequence with one new token), writing every new key and value itself
+#: (``ops.paged_prefill_triton``'s ``new_kv``), instead of up to three (cache write, split-KV decode, prefill). Taken
+#: by a step with at most :data:`UNIFIED_MAX_DECODES` decodes, none longer than :data:`UNIFIED_DECODE_TOKENS` or its
+#: longest prompt (``AttentionMetadata.decodes_fit_unified``); other steps take the split form. Read at every call;
+#: its default comes from ``DYNAMO_ONCE_UNIFIED_ATTENTION`` (1/0) at import.
+UNIFIED_ATTENTION = envs.unified_attention()
+#: The most decodes a step takes the unified launch with: past it the split-KV decode kernel's 16-row tiles read the
+#: decodes' caches for less GPU time than the prefill kernel's 128-row ones.
+UNIFIED_MAX_DECODES = 32
+#: Decodes up to this long always fit the unified launch; a longer one only up to the step's longest prompt. The
+#: launch reads a decode with one program a KV head, no split: a long decode would be its tail (a program reading
+#: the prompt's last query block takes as long as one reading a decode as long), and up to ~2k tokens that program
+#: takes about the host time the split form's two extra launches cost on the piecewise path.
+UNIFIED_DECODE_TOKENS = 2048
+
+
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
@@ -157,6 +174,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     (off by default) the prefill kernel writes the prompts' keys and values itself (reading its own chunk's from
     k and v, so no program reads a slot the launch writes) and the cache write takes the decodes' rows only, none
     under ``fused_write``: 2 then (decode, prefill), 1 with no decode, still 3 with decodes but no ``fused_write``.
+    Under :data:`UNIFIED_ATTENTION` a step with a prompt that fits it (see there) is one launch a layer: the prefill
+    kernel, bound to every sequence of the step, writes every new key and value and attends for the decodes too.
     Padding tokens of no sequence (after the last one's rows) are then not written: their slots are the pad
     block's, which no sequence reads.
     """
@@ -166,7 +185,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     # plan and bound launch. A key is everything the step call is built from, so a miss builds anew, never a stale
     # one; under CUDA-graph capture a plan without the persistent workspace is the capture's own (decode_plan).
     key = (num_heads, head_size, shape, contiguous, q.device, q.dtype, k.shape[0], sliding_window is not None,
-           logits_soft_cap is not None, PREFILL_WRITES_KV)
+           logits_soft_cap is not None, PREFILL_WRITES_KV, UNIFIED_ATTENTION, UNIFIED_MAX_DECODES,
+           UNIFIED_DECODE_TOKENS)
     if md.workspace is None and md.num_decodes and q.device.type == "cuda":
         key += (torch.cuda.is_current_stream_capturing(),)
     call = md.layer_calls.get(key)
@@ -192,14 +212,11 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     elif call.write is not None:  # the rows of k and v its slots are (bound: k and v are passed whole)
         write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides)
-    nd = md.num_decodes
-    if nd:
+    if call.plan is not None:
         new_kv = (k, v, call.slots) if call.fused_write else None
         paged_decode_launch(call.plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv,
                             target=target, strides=strides)
-        if nd == md.num_seqs:
-            return out
-    if call.prefill is not None:  # the sequences after the decodes (paged_prefill_triton's launch)
+    if call.prefill is not None:  # the sequences after the decodes, or all (unified; paged_prefill_triton's launch)
         prefill_launch(call.prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
                        new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides)
     return out
@@ -207,9 +224,10 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
 
 class _StepCall:
     """What :func:`attention_cuda` needs for one step and layer configuration besides the layer's tensors, built by
-    the step's first call (``AttentionMetadata.layer_calls``): the decode plan, whether the decode kernel writes
-    the decodes' keys and values (``fused_write``) and the prefill kernel the others' (``prefill_writes``), and the
-    cache-write and prefill kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
+    the step's first call (``AttentionMetadata.layer_calls``): the decode plan (None: no decode, or the unified
+    launch attends for them), whether the decode kernel writes the decodes' keys and values (``fused_write``) and the
+    prefill kernel the others' (``prefill_writes``; every sequence's when unified), and the cache-write and prefill
+    kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
 
     __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots")
 
@@ -218,20 +236,24 @@ class _StepCall:
                  use_window: bool) -> None:
         nd = md.num_decodes
         page, num_kv_heads = shape[2], shape[3]
-        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device) if nd else None
+        unified = (UNIFIED_ATTENTION and contiguous and nd <= UNIFIED_MAX_DECODES
+                   and md.decodes_fit_unified(UNIFIED_DECODE_TOKENS))
+        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device) \
+            if nd and not unified else None
         self.fused_write = plan is not None and plan.fused_write and contiguous
-        self.prefill_writes = PREFILL_WRITES_KV and contiguous and nd < md.num_seqs
+        self.prefill_writes = unified or (PREFILL_WRITES_KV and contiguous and nd < md.num_seqs)
         # write_kv_cache_triton's launch: under fused_write the decodes' rows go with the decode kernel
-        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel.
+        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel (all, unified).
         first = nd if self.fused_write else 0
-        end = nd if self.prefill_writes else num_tokens
+        end = (0 if unified else nd) if self.prefill_writes else num_tokens
         self.cache_strides = _contiguous_strides(shape)[:4] if contiguous else None
         self.slots = md.slot_mapping if md.slot_mapping.stride(-1) == 1 else md.slot_mapping.contiguous()
-        self.write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous else None
+        self.write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous and end > first \
+            else None
         self.prefill = None
         if nd < md.num_seqs:
             self.prefill = md.prefill_launch(num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window,
-                                             new_kv=self.prefill_writes)
+                                             new_kv=self.prefill_writes, all_seqs=unified)
         launches = [self.write, self.prefill, *(plan.launches(use_softcap, use_window, dtype == torch.float32,
                                                               self.fused_write) if plan is not None else ())]
         # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.

@@ -119,9 +119,19 @@ class AttentionMetadata:
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """The sequences after the decodes, as ``ops.paged_prefill_triton`` takes them: ``(block_table,
         seq_lens, query_start_loc, max_query_len)``, views made once a step (the first layer's call)."""
-        nd, starts = self.num_decodes, self.query_start_loc_cpu
-        longest = max((starts[i + 1] - starts[i] for i in range(nd, self.num_seqs)), default=0)
-        return self.block_table[nd:], self.seq_lens[nd:], self.query_start_loc[nd:], longest
+        return self._seq_args(self.num_decodes)
+
+    @functools.cached_property
+    def all_seq_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Every sequence of the step, decodes included, as :attr:`prefill_args` (the unified launch's)."""
+        return self._seq_args(0)
+
+    def _seq_args(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        starts = self.query_start_loc_cpu
+        longest = max((starts[i + 1] - starts[i] for i in range(first, self.num_seqs)), default=0)
+        if first == 0:  # the tensors whole (no views), as they hold the step's sequences only
+            return self.block_table, self.seq_lens, self.query_start_loc, longest
+        return self.block_table[first:], self.seq_lens[first:], self.query_start_loc[first:], longest
 
     def write_launch(self, num_tokens: int, row: int, first: int) -> BoundLaunch | None:
         """The cache-write kernel (``ops.paged_attention.bind_write_kv_cache``) bound to ``num_tokens`` slots of
@@ -135,19 +145,33 @@ class AttentionMetadata:
             return launch
 
     def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,
-                       use_softcap: bool, use_window: bool, new_kv: bool = False) -> BoundLaunch | None:
+                       use_softcap: bool, use_window: bool, new_kv: bool = False,
+                       all_seqs: bool = False) -> BoundLaunch | None:
         """The prefill kernel bound to :attr:`prefill_args` (``ops.paged_prefill.bind_prefill``) for a layer shape,
         q's dtype and the soft cap's and window's presence, built at its first call in this step; None: no
-        sequence to launch for. ``new_kv``: the form that writes the sequences' new keys and values itself."""
-        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv)
+        sequence to launch for. ``new_kv``: the form that writes the sequences' new keys and values itself.
+        ``all_seqs``: bound to :attr:`all_seq_args` instead, the decodes too (a decode is a sequence with one new
+        token): the unified launch, one for the whole step's attention."""
+        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv, all_seqs)
         try:
             return self._prefills[key]
         except KeyError:
-            block_table, seq_lens, query_start_loc, max_query_len = self.prefill_args
+            block_table, seq_lens, query_start_loc, max_query_len = self.all_seq_args if all_seqs else self.prefill_args
             launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
                                                         num_heads, num_kv_heads, head_size, page, dtype,
                                                         use_softcap, use_window, new_kv=new_kv)
             return launch
+
+    def decodes_fit_unified(self, short: int = 0) -> bool:
+        """Whether no decode sequence is longer than ``short`` tokens or the step's longest other sequence (True
+        without decodes; False without another sequence). In the unified launch one program reads a decode's whole
+        sequence for a KV head (no split), as one reads the longest prompt's last query block: a decode no longer
+        than that does not outlast the prompts' programs, and one of at most ``short`` tokens takes less GPU time
+        than the separate launches' host time would (the caller's threshold)."""
+        nd, lens = self.num_decodes, self.seq_lens_cpu
+        if nd == len(lens):
+            return False
+        return nd == 0 or max(lens[:nd]) <= max(short, max(lens[nd:]))
 
     @functools.cached_property
     def seq_spans(self) -> list[tuple[int, int, int]]:

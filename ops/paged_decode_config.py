@@ -44,7 +44,7 @@ class DecodeConfig:
             when the caller passes them (``paged_decode_launch``'s ``new_kv``).
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
-    of the current kernels measured them fastest; not above: measured on the H200 (llama-3-8b, level-3 whole-step
+    of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b, level-3 whole-step
     graph, context 512, ``benchmarks.kernel_profile``) an earlier fused write made the split kernel 112 µs a layer
     at batch 128 against 72 without it.
     """
@@ -105,7 +105,10 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     # on the piecewise path.
     _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     _R(8, 128, _C(num_splits=8, BLOCK_N=32, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
-    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True)),  # 22.58 / 24.92, 132.86 / 135.17
+    # Batches 9-32 write the decodes' keys and values in the decode kernel too (fused_write: one launch a layer, two
+    # with a split merge kernel at 9-16): the fused sweep's pick at 512 and 1024 tokens (24.66 / 41.5 µs against the
+    # table's 25.03 / 41.97, results/attention_sweep_fused_best.md).
+    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True, fused_write=True)),
     _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )

@@ -344,6 +344,7 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
 
     assert attention_module.PREFILL_WRITES_KV is False  # off by default
     monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's routes
     monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
                                                                         fused_write=fused_write))
     calls = []
@@ -384,6 +385,7 @@ def test_layers_of_a_step_share_one_step_call_and_pass_their_own_strides(monkeyp
         ("decode", kw["strides"], plan)))
     monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, q, cache, out, *a, **kw: calls.append(
         ("prefill", kw["strides"], launch)))
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # three launches: each one's strides
     layer = new_layer()
     q, k, v, md = make_batch(layer, SPECS)
     wide = torch.randn(q.shape[0], 3 * q.shape[1])  # q and out as column slices: row strides 3x theirs
@@ -434,6 +436,7 @@ def prefill_write_off_and_on(layer, specs, kw, monkeypatch, device="cpu", dtype=
     layer.kv_cache.view(2, -1, *layer.kv_cache.shape[-2:])[:, md.slot_mapping] = float("nan")
     start = layer.kv_cache.clone()
     outs, caches = [], []
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form, with and without the switch
     for on in (False, True):
         monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
         layer.kv_cache.copy_(start)
@@ -454,3 +457,107 @@ def test_cuda_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, monkeypa
         outs, caches, *_ = prefill_write_off_and_on(layer, specs, kw, monkeypatch, "cuda", torch.bfloat16)
         assert torch.equal(outs[1], outs[0]) and not outs[1].isnan().any()
         assert torch.equal(caches[1].view(torch.int16), caches[0].view(torch.int16))  # bits (NaN left alike)
+
+
+# ------------------------------------------------------------------------------------- the unified launch
+UNIFIED_SPECS = [(9, 1), (0, 1), (13, 1), (0, 6), (12, 5), (0, 11)]  # decodes of 10, 1, 14 tokens; prompts to 17
+
+
+@pytest.mark.parametrize("max_decodes, short", [(32, 0), (2, 0), (32, 2048)])
+def test_unified_attention_routes_a_step_with_a_prompt_to_one_launch(max_decodes, short, monkeypatch):
+    """attention_cuda's launches, recorded (no kernel runs), under models.attention.UNIFIED_ATTENTION (the default):
+    a step with a prompt, at most UNIFIED_MAX_DECODES decodes and none longer than UNIFIED_DECODE_TOKENS or its
+    longest prompt is one launch, the prefill kernel bound to every sequence (its grid's second dimension) in its
+    NEW_KV form, given k and v; a step with a longer decode, or more decodes, takes the split form (cache write,
+    decode, prefill of the prompts only); a decode-only step is the same either way; the switch off, always split."""
+    import models.attention as attention_module
+
+    assert attention_module.UNIFIED_ATTENTION is True  # on by default
+    monkeypatch.setattr(attention_module, "UNIFIED_MAX_DECODES", max_decodes)
+    monkeypatch.setattr(attention_module, "UNIFIED_DECODE_TOKENS", short)
+    calls = []
+    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, *a, **_: calls.append("write"))
+    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, **_: calls.append("decode"))
+    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(
+        ("prefill", launch.grid[1], launch.kwargs["NEW_KV"], new_kv is not None)))
+    longer_decode = [(20, 1)] + UNIFIED_SPECS[1:]  # 21 tokens: longer than every prompt
+    cases = [(UNIFIED_SPECS, True), ([(0, 6), (12, 5)], True), (longer_decode, short >= 21),
+             ([(9, 1), (4, 1)], False)]
+    for on in (True, False):
+        monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", on)
+        for specs, fits in cases:
+            layer = new_layer()
+            q, k, v, md = make_batch(layer, specs)
+            nd, n = md.num_decodes, md.num_seqs
+            calls.clear()
+            attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
+            if on and fits and nd <= max_decodes:
+                assert calls == [("prefill", n, True, True)], specs
+            elif nd == n:
+                assert "decode" in calls and not any(isinstance(c, tuple) for c in calls), specs
+            else:
+                assert calls[0] == "write" and calls[-1] == ("prefill", n - nd, False, False), specs
+                assert ("decode" in calls) == (nd > 0), specs
+
+
+def test_decodes_fit_unified_compares_the_longest_decode_with_the_longest_prompt_or_a_threshold():
+    md = make_batch(new_layer(), UNIFIED_SPECS)[3]
+    assert md.decodes_fit_unified()
+    assert md.all_seq_args[0] is md.block_table and md.all_seq_args[3] == 11
+    assert md.prefill_args[0].shape[0] == 3 and md.prefill_args[3] == 11
+    longer = make_batch(new_layer(), [(20, 1)] + UNIFIED_SPECS[1:])[3]  # a decode of 21 tokens, prompts to 17
+    assert not longer.decodes_fit_unified() and not longer.decodes_fit_unified(20) and longer.decodes_fit_unified(21)
+    assert make_batch(new_layer(), [(0, 4)])[3].decodes_fit_unified()  # no decode
+    assert not make_batch(new_layer(), [(3, 1)])[3].decodes_fit_unified(2048)  # no prompt
+
+
+@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", "DYNAMO_ONCE_UNIFIED_ATTENTION")])
+def test_unified_attention_default_comes_from_the_environment(value, expected):
+    """``DYNAMO_ONCE_UNIFIED_ATTENTION`` sets ``models.attention.UNIFIED_ATTENTION`` at import; a bad value is an
+    error naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DYNAMO_ONCE_UNIFIED_ATTENTION=value)
+    proc = subprocess.run([sys.executable, "-c", "import models.attention as a; print(a.UNIFIED_ATTENTION)"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert expected in (proc.stdout if proc.returncode == 0 else proc.stderr)
+    assert (proc.returncode == 0) == (value != "maybe")
+
+
+def unified_and_split(layer, specs, kw, monkeypatch, device="cpu", dtype=torch.float32):
+    """``attention_cuda`` on a step of ``specs``, unified then split, from the same cache (the step's slots NaN: a
+    read of one before its write shows), k and v column slices of a qkv tensor: ``(outputs, caches, q, k, v, md,
+    the cache before)``."""
+    import models.attention as attention_module
+
+    q, k, v, md = make_batch(layer, specs, device=device, dtype=dtype)
+    q, k, v = torch.cat([q, k, v], 1).split([q.shape[1], k.shape[1], v.shape[1]], 1)
+    layer.kv_cache.view(2, -1, *layer.kv_cache.shape[-2:])[:, md.slot_mapping] = float("nan")
+    start = layer.kv_cache.clone()
+    outs, caches = [], []
+    for on in (True, False):
+        monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", on)
+        layer.kv_cache.copy_(start)
+        outs.append(attention_module.attention_cuda(q, k, v, layer.kv_cache, dataclasses.replace(md), HEADS, HEAD,
+                                                    HEAD**-0.5, kw.get("sliding_window"), kw.get("logits_soft_cap")))
+        caches.append(layer.kv_cache.clone())
+    return outs, caches, q, k, v, md, start
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_cuda_unified_attention_matches_native_and_writes_the_split_forms_cache(kw, monkeypatch):
+    """The unified launch on the GPU in bf16: a mixed step (decodes, whole prompts, a chunk after cached context) and
+    a prompts-only one, k, v column slices of a qkv tensor: the native path's output within bf16's tolerance, and
+    the split form's cache bit for bit."""
+    for specs in (UNIFIED_SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
+        layer = new_layer(device="cuda", dtype=torch.bfloat16, num_blocks=len(specs) * 20, **kw)
+        outs, caches, q, k, v, md, start = unified_and_split(layer, specs, kw, monkeypatch, "cuda", torch.bfloat16)
+        assert not outs[0].isnan().any()
+        assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+        ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, HEAD**-0.5, kw.get("sliding_window"),
+                               kw.get("logits_soft_cap"))
+        tol = TOLERANCES[torch.bfloat16]
+        torch.testing.assert_close(outs[0].float(), ref.float(), rtol=tol, atol=tol)

@@ -4,7 +4,8 @@ The kernels alone, against their references: tests/ops/test_kernels_interpreted.
 
 import pytest
 import torch
-from test_attention import BLOCK, HEAD, HEADS, SPECS, make_batch, new_layer, prefill_write_off_and_on
+from test_attention import (BLOCK, HEAD, HEADS, SPECS, UNIFIED_SPECS, make_batch, new_layer, prefill_write_off_and_on,
+                            unified_and_split)
 
 from models.attention import attention_cuda, attention_native
 
@@ -168,3 +169,20 @@ def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, 
         ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, SCALE, kw.get("sliding_window"),
                                kw.get("logits_soft_cap"))
         torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+def test_unified_attention_matches_native_and_the_split_form(kw, monkeypatch):
+    """models.attention.UNIFIED_ATTENTION: a mixed step whose decodes fit (decodes at the first token and after
+    context, whole prompts, a chunk after cached context) and a prompts-only one in one launch of the prefill kernel,
+    k, v column slices of a qkv tensor: the native path's output and the split form's, and the split form's cache,
+    every new key and value written (no NaN left in the step's slots)."""
+    for specs in (UNIFIED_SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
+        layer = new_layer(num_blocks=len(specs) * 20, **kw)
+        outs, caches, q, k, v, md, start = unified_and_split(layer, specs, kw, monkeypatch)
+        assert md.decodes_fit_unified() and not outs[0].isnan().any()
+        assert torch.equal(caches[0], caches[1])
+        ref = attention_native(q, k, v, start.clone(), md, HEADS, HEAD, SCALE, kw.get("sliding_window"),
+                               kw.get("logits_soft_cap"))
+        torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -33,16 +33,17 @@ def test_table_covers_every_batch_and_head_size():
 def test_measured_rows_pick_splits_by_batch():
     """Head sizes <= 128 (Llama's 8 KV heads, an H200's 132 SMs): 16 splits at batch 1, 8 up to batch 8, then one
     wave of programs (2 splits at 9-16 sequences, 1 from 17); larger heads keep the two-wave rule before the table;
-    the fused forms (one launch a layer) up to 8 sequences."""
+    the fused forms (one launch a layer) up to 8 sequences, the fused write up to 32."""
     for b, want in [(1, 16), (2, 8), (8, 8), (9, 2), (16, 2), (17, 1), (32, 1), (128, 1), (256, 1)]:
         assert decode_config(b, 128).splits(b, 8, 132) == want, b
     for b, want in [(1, 32), (32, 2), (128, 1)]:
         assert decode_config(b, 256).splits(b, 8, 132) == want
     assert decode_config(1, 256).BLOCK_N == 32 and decode_config(32, 128).BLOCK_N == 128
-    # one launch a layer up to 8 sequences (fused merge and write), the split and merge kernels above
-    for b, fused in [(1, True), (8, True), (9, False), (128, False)]:
+    # one launch a layer up to 8 sequences (fused merge and write), the write fused up to 32, unfused above
+    for b, merge, write in [(1, True, True), (8, True, True), (9, False, True), (32, False, True),
+                            (33, False, False), (128, False, False)]:
         cfg = decode_config(b, 128)
-        assert cfg.fused_merge == fused and cfg.fused_write == fused, b
+        assert (cfg.fused_merge, cfg.fused_write) == (merge, write), b
     assert not decode_config(1, 256).fused_merge
 
 
