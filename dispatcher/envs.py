@@ -45,7 +45,7 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: the paged prefill kernel writes the prompts' keys and values itself (one launch "
                                      "fewer a layer with a prompt in the step; CUDA-tested, its host time not yet A/B-measured); 0 (default): off",
-    "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 32 decodes, none longer than 2048 tokens or it) "
+    "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 8 decodes, none longer than 1024 tokens or it) "
                                      "attends in one launch a layer, the prefill kernel over every sequence; 0: "
                                      "split-KV decode and prefill launched apart",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",

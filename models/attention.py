@@ -145,14 +145,18 @@ PREFILL_WRITES_KV = envs.prefill_writes_kv()
 #: longest prompt (``AttentionMetadata.decodes_fit_unified``); other steps take the split form. Read at every call;
 #: its default comes from ``DYNAMO_ONCE_UNIFIED_ATTENTION`` (1/0) at import.
 UNIFIED_ATTENTION = envs.unified_attention()
-#: The most decodes a step takes the unified launch with: past it the split-KV decode kernel's 16-row tiles read the
-#: decodes' caches for less GPU time than the prefill kernel's 128-row ones.
-UNIFIED_MAX_DECODES = 32
-#: Decodes up to this long always fit the unified launch; a longer one only up to the step's longest prompt. The
-#: launch reads a decode with one program a KV head, no split: a long decode would be its tail (a program reading
-#: the prompt's last query block takes as long as one reading a decode as long), and up to ~2k tokens that program
-#: takes about the host time the split form's two extra launches cost on the piecewise path.
-UNIFIED_DECODE_TOKENS = 2048
+#: The most decodes a step takes the unified launch with. Its one program a decode and KV head reads the decode's keys
+#: on the prefill kernel's 128-row tile (the split-KV decode kernel: 16 rows, several programs a sequence), ~1.4 µs a
+#: 64-key tile on the H200: measured (results/attention_host_ab_cap32.md, attention_host_unified_past_cap.md;
+#: llama-3-8b, 512-token prompt, decodes of 512
+#: tokens) the unified launch's GPU time is below the split form's host time at 1 and 8 decodes, above its GPU time
+#: at 32.
+UNIFIED_MAX_DECODES = 8
+#: Decodes up to this long always fit the unified launch; a longer one only up to the step's longest prompt (a
+#: program reading the prompt's last query block then takes as long: the decode is not the launch's tail). Measured
+#: as above: at decodes of 2000 tokens the unified launch's GPU time exceeds the split form's host time at 1 and 8
+#: decodes (results/attention_host_ctx2000.md); at 512 it is below.
+UNIFIED_DECODE_TOKENS = 1024
 
 
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

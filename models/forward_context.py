@@ -151,7 +151,7 @@ class AttentionMetadata:
         q's dtype and the soft cap's and window's presence, built at its first call in this step; None: no
         sequence to launch for. ``new_kv``: the form that writes the sequences' new keys and values itself.
         ``all_seqs``: bound to :attr:`all_seq_args` instead, the decodes too (a decode is a sequence with one new
-        token): the unified launch, one for the whole step's attention."""
+        token, on a tile of its own: ``decode_rows``): the unified launch, one for the whole step's attention."""
         key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv, all_seqs)
         try:
             return self._prefills[key]
@@ -159,7 +159,8 @@ class AttentionMetadata:
             block_table, seq_lens, query_start_loc, max_query_len = self.all_seq_args if all_seqs else self.prefill_args
             launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
                                                         num_heads, num_kv_heads, head_size, page, dtype,
-                                                        use_softcap, use_window, new_kv=new_kv)
+                                                        use_softcap, use_window, new_kv=new_kv,
+                                                        decode_rows=all_seqs)
             return launch
 
     def decodes_fit_unified(self, short: int = 0) -> bool:

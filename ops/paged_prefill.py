@@ -22,6 +22,12 @@ longest-context first, so the heavy programs do not form the tail. All tile size
 ``prefill_config``, the one place to tune them. The launcher goes through ``FastLaunch`` and passes the cache
 whole (no per-half views): the attention layer calls it eagerly once per layer and step.
 
+Decode rows (``decode_rows``, the kernel's ``DECODE_ROWS``; the attention op's unified launch, where the decodes of a
+step go in the same launch as its prompts): a sequence with one new token takes a tile of its own, its query heads on
+``max(16, group)`` rows, instead of a block of ``BLOCK_M`` rows of which it would fill ``group``: on the H200 the
+128-row tile made a decode's program ~1.4 µs a 64-key tile, a read the split-KV decode kernel's 16-row tiles do at
+memory speed. Same key tiles, same order of the sums as a one-token block.
+
 The form that writes the cache (``new_kv=(k, v)``, the kernel's ``NEW_KV``; opt-in, off by default): the new
 tokens' keys and values are not yet in the cache but in k and v (rows as q's). Each program stores ITS query
 block's tokens for ITS KV head to their slots, and takes every position ``>= ctx_len = seq_len - query_len``
@@ -191,6 +197,32 @@ def _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt
 
 
 @triton.jit
+def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_len, kvh, k_cache_ptr, v_cache_ptr,
+                bt_row, kv_off, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s, qk_scale,
+                soft_cap, window, offs_d, d_mask, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
+                BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr):
+    """A sequence with one new token (a decode): its GROUP query heads as the first rows of a ROWS-row tile (tl.dot's
+    smallest M, not the prompts' BLOCK_Q x GROUP rows), the same key tiles and order of the sums as a block of one
+    token; NEW_KV: its key and value written first (_write_block_kv), read from k and v."""
+    offs_m = tl.arange(0, ROWS)
+    head = kvh * GROUP + offs_m
+    io_mask = (offs_m < GROUP)[:, None] & d_mask[None, :]
+    row = q_start.to(tl.int64)
+    q = tl.load(q_ptr + row * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0)
+    if NEW_KV:
+        _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                        stride_c_b, stride_c_s, 0, 1, ctx_len, offs_d, d_mask, 2, PAGE)
+    q_pos = ctx_len + offs_m * 0  # every row at the token's position
+    out = _attend_block(q, q_pos, ctx_len, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                        k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
+                        qk_scale, soft_cap, window, tl.arange(0, BLOCK_N), offs_d, d_mask, ROWS, BLOCK_D, PAGE,
+                        1, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
+    tl.store(out_ptr + row * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=io_mask)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_ptr, v_ptr,
     stride_q_t, stride_o_t, stride_k_t, stride_v_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
@@ -198,6 +230,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr,
+    DECODE_ROWS: tl.constexpr,
 ):
     # One program: query block mb of sequence s, KV head kvh with its GROUP query heads.
     # NEW_KV: the sequences' new keys and values are k / v's rows (as q's), not yet in the cache: the program writes
@@ -212,21 +245,8 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + s)
     ctx_len = seq_len - q_len  # positions before this step's tokens
-    q_lo = ctx_len + mb * BLOCK_Q  # position of the block's first token
-
-    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_D
-    t = mb * BLOCK_Q + offs_m // GROUP_PAD  # token within the sequence's new ones
-    head = kvh * GROUP + offs_m % GROUP_PAD
-    row_mask = (t < q_len) & (offs_m % GROUP_PAD < GROUP)
-    q_pos = q_lo + offs_m // GROUP_PAD
-    io_mask = row_mask[:, None] & d_mask[None, :]
-    rows = (q_start + t).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
-                other=0.0)  # [BLOCK_M, BLOCK_D]
-
     bt_row = block_table_ptr + s.to(tl.int64) * stride_bt
     kv_off = kvh * stride_c_h
     k_cache_ptr = kv_cache_ptr
@@ -234,15 +254,31 @@ def _prefill_kernel(
     # The sequence's first new row, head kvh, of k and v (used under NEW_KV only)
     k_new_ptr = k_ptr + q_start.to(tl.int64) * stride_k_t + kvh * HEAD_D
     v_new_ptr = v_ptr + q_start.to(tl.int64) * stride_v_t + kvh * HEAD_D
-    if NEW_KV:
-        _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
-                        stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, BLOCK_Q, PAGE)
-    out = _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
-                        k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
-                        qk_scale, soft_cap, window, offs_n, offs_d, d_mask, BLOCK_Q * GROUP_PAD, BLOCK_D, PAGE,
-                        BLOCK_Q, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
-    tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if DECODE_ROWS > 0 and q_len == 1:  # the unified launch's decodes: a tile of their own
+        _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_len, kvh, k_cache_ptr, v_cache_ptr,
+                    bt_row, kv_off, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s, qk_scale,
+                    soft_cap, window, offs_d, d_mask, GROUP, DECODE_ROWS, HEAD_D, BLOCK_D, PAGE, BLOCK_N,
+                    USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
+    else:
+        q_lo = ctx_len + mb * BLOCK_Q  # position of the block's first token
+        offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        t = mb * BLOCK_Q + offs_m // GROUP_PAD  # token within the sequence's new ones
+        head = kvh * GROUP + offs_m % GROUP_PAD
+        row_mask = (t < q_len) & (offs_m % GROUP_PAD < GROUP)
+        q_pos = q_lo + offs_m // GROUP_PAD
+        io_mask = row_mask[:, None] & d_mask[None, :]
+        rows = (q_start + t).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
+                    other=0.0)  # [BLOCK_M, BLOCK_D]
+        if NEW_KV:
+            _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                            stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, BLOCK_Q, PAGE)
+        out = _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
+                            k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
+                            qk_scale, soft_cap, window, tl.arange(0, BLOCK_N), offs_d, d_mask, BLOCK_Q * GROUP_PAD,
+                            BLOCK_D, PAGE, BLOCK_Q, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
+        tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 # Launched through FastLaunch, as the decode kernels: the attention op calls it eagerly once per layer and step.
@@ -310,7 +346,8 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
                          scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
                          out: torch.Tensor | None = None, config: PrefillConfig | None = None,
-                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         decode_rows: bool = False) -> torch.Tensor:
     """:func:`paged_prefill` in one Triton launch; writes ``out`` (rows of the sequences only) when given.
 
     ``max_query_len`` bounds every sequence's query length (a larger bound only adds programs that return at
@@ -318,6 +355,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     ``new_kv``: ``(k, v)``, ``[T, Hkv * D]`` rows as q's, the sequences' new keys and values, NOT yet in the cache:
     the launch writes them to their slots (from the block table, as ``write_kv_cache`` would) and attends to them
     from k and v, so that no separate cache-write launch is needed (the module's ``PREFILL_WRITES_KV``).
+    ``decode_rows``: sequences with one new token take a tile of their own (see :func:`bind_prefill`).
     """
     _check_args(q, kv_cache, num_heads, head_size, out)
     if kv_cache.stride(-1) != 1:
@@ -331,7 +369,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     _, _, page, num_kv_heads, _ = kv_cache.shape
     launch = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len, num_heads, num_kv_heads, head_size,
                           page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config,
-                          new_kv=new_kv is not None)
+                          new_kv=new_kv is not None, decode_rows=decode_rows)
     if launch is not None:
         prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
     return out
@@ -348,11 +386,14 @@ def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: tuple[torch.T
 
 def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                  num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype, use_softcap: bool,
-                 use_window: bool, config: PrefillConfig | None = None, new_kv: bool = False) -> BoundLaunch | None:
+                 use_window: bool, config: PrefillConfig | None = None, new_kv: bool = False,
+                 decode_rows: bool = False) -> BoundLaunch | None:
     """The prefill kernel bound to a batch's sequences and a layer shape (None: nothing to launch): what
     :func:`paged_prefill_triton` launches, less what may differ between layers (see :func:`prefill_launch`).
     The attention op binds it once a step (``models.AttentionMetadata.prefill_launch``). ``new_kv``: the form that
-    writes the new keys and values itself (``NEW_KV``); its launches take k and v (:func:`prefill_launch`)."""
+    writes the new keys and values itself (``NEW_KV``); its launches take k and v (:func:`prefill_launch`).
+    ``decode_rows``: a sequence with one new token (a decode, in the attention op's unified launch) takes a tile of
+    its own, its query heads on ``max(16, group)`` rows, instead of the prompts' ``BLOCK_M`` (``DECODE_ROWS``)."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return None
@@ -371,7 +412,8 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
         BLOCK_D=max(16, next_power_of_2(head_size)), PAGE=page, BLOCK_N=block_n,
         USE_SOFTCAP=use_softcap, USE_WINDOW=use_window,
-        IEEE=dtype == torch.float32, NEW_KV=new_kv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=dtype == torch.float32, NEW_KV=new_kv, DECODE_ROWS=max(16, group_pad) if decode_rows else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -214,14 +214,18 @@ def test_cuda_decode_captures_in_a_cuda_graph():
 
 
 @pytest.mark.cuda
-def test_cuda_layers_of_a_step_follow_the_stream_and_the_launch_hooks_of_their_call():
+@pytest.mark.parametrize("unified", [False, True], ids=["split", "unified"])
+def test_cuda_layers_of_a_step_follow_the_stream_and_the_launch_hooks_of_their_call(unified, monkeypatch):
     """The attention op reads its launch target (device, stream, hooks) once a call and keeps it no longer: on one
     step's metadata, a mixed step's calls eagerly, then captured in a CUDA graph (another stream; a target kept from
     the eager calls would launch on the legacy stream, which capture refuses), then with a launch hook set (every
     launch through Triton's run, which calls it): each the eager call's output bit for bit, the native one's within
-    tolerance."""
+    tolerance. Split: decode and prefill launches (and the cache write); unified: one launch."""
     from triton import knobs
 
+    import models.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", unified)
     layer = new_layer(device="cuda", num_blocks=256)
     q, k, v, md = make_batch(layer, [(40, 1), (3, 1), (0, 6), (5, 3)], device="cuda")
     md = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=4))
@@ -250,7 +254,7 @@ def test_cuda_layers_of_a_step_follow_the_stream_and_the_launch_hooks_of_their_c
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
     torch.testing.assert_close(hooked, expected, rtol=0, atol=0)
-    assert len(seen) >= 2  # the decode and prefill launches at least, each through run
+    assert len(seen) == 1 if unified else len(seen) >= 2  # each launch through run: the decode and prefill at least
 
 
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 5}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])

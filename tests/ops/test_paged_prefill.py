@@ -188,6 +188,28 @@ def test_interpreted_kernel_matches_reference(heads, kw, dtype, config):
 
 @pytest.mark.interpret
 @pytest.mark.usefixtures("bf16_dot_in_the_interpreter")
+@pytest.mark.parametrize("new_kv", [False, True], ids=["cached", "new_kv"])
+@pytest.mark.parametrize("kw", KWS, ids=KW_IDS)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)], ids=["mha", "gqa4", "gqa3"])
+def test_interpreted_decode_rows_match_reference(heads, kw, new_kv):
+    """``decode_rows`` (the unified launch's): sequences of one new token (first, at position 0, after context, after
+    a whole block) on their own tile, beside prompts and a chunk, with and without the kernel writing the new keys
+    and values: the reference's output, and its cache."""
+    num_heads, num_kv_heads = heads
+    specs = [(9, 1), (0, 1), (BLOCK * 4, 1), (BLOCK * 2 + 3, 1)] + SPECS[1:4]
+    q, k, v, cache, md = prefill_batch(specs, num_heads, num_kv_heads, 64, seed=2)
+    args = op_args(q, cache, md, num_heads, 64)
+    ref = ops.paged_prefill_ref(*args, **kw)
+    start = cache.clone()
+    if new_kv:  # the step's slots NaN: a read before the kernel's write shows
+        cache.view(2, -1, *cache.shape[-2:])[:, md.slot_mapping] = float("nan")
+    out = ops.paged_prefill_triton(*args, **kw, new_kv=(k, v) if new_kv else None, decode_rows=True)
+    assert_matches_reference(out, ref, args, kw, "interpret")
+    assert torch.equal(cache, start)
+
+
+@pytest.mark.interpret
+@pytest.mark.usefixtures("bf16_dot_in_the_interpreter")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("head_size", [128, 256])
