@@ -5,8 +5,8 @@ several blocks and is meant to be run alternately against another checkout (``gp
 On a checkout from before ``dispatcher.CUDAGraphs`` (pieces captured on their second call) it times
 that mechanism instead, which is what makes before/after comparisons possible.
 
-Usage: ``python -m benchmarks.piecewise_step [--model llama-3.2-1b] [--batches 1,8,32,128] [--tag after]``
-(prints one JSON line; GPU only).
+Usage: ``python -m benchmarks.piecewise_step [--model llama-3.2-1b] [--batches 1,8,32,128] [--tag after]
+[--cprofile STEPS]`` (prints one JSON line; GPU only; ``--cprofile``: where the host time of a step goes).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def _step_fn(h: decode.Harness, graphs: object | None, b: int):
     return lambda: graphs.run(CUDAGraphMode.PIECEWISE, b, lambda n: h.step())
 
 
-def measure(model: str, batches: list[int], context: int = 512, blocks: int = 7, per_block: int = 30) -> dict[int, float]:
-    """Median µs per piecewise decode step over ``blocks`` blocks of ``per_block`` steps, per batch size."""
+def measure(model: str, batches: list[int], context: int = 512, blocks: int = 7, per_block: int = 30,
+            cprofile: int = 0) -> dict[int, float]:
+    """Median µs per piecewise decode step over ``blocks`` blocks of ``per_block`` steps, per batch size.
+    ``cprofile``: then that many more steps under cProfile, each batch's top functions by own time printed."""
     cfg = decode.mode_config("level 3 piecewise", True, batches)
     h = decode.Harness(model, cfg, max(batches), context, 0, torch.device("cuda"), torch.bfloat16)
     h.first_call(max(batches))
@@ -59,7 +61,28 @@ def measure(model: str, batches: list[int], context: int = 512, blocks: int = 7,
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) / per_block * 1e6)
         out[b] = round(statistics.median(times), 1)
+        if cprofile:
+            print(f"== cProfile, batch {b}: {cprofile} steps (host time; the GPU is not waited for in between)")
+            print(_profile(step, cprofile), flush=True)
     return out
+
+
+def _profile(step, steps: int, rows: int = 35) -> str:
+    """The functions of ``steps`` back-to-back steps by their own time (cProfile), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--tag", default="", help="a label printed with the result (e.g. after, before)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile STEPS more steps per batch (cProfile, functions by own time)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("the piecewise step needs a CUDA GPU; torch.cuda.is_available() is False")
@@ -74,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         batches = [int(v) for v in a.batches.split(",")]
     except ValueError:
         p.error(f"--batches: expected comma-separated integers; got {a.batches!r}")
-    print(json.dumps({"tag": a.tag, "model": a.model, "piecewise_us": measure(a.model, batches)}), flush=True)
+    if a.cprofile < 0:
+        p.error(f"--cprofile: expected a number of steps >= 0; got {a.cprofile}")
+    times = measure(a.model, batches, cprofile=a.cprofile)
+    print(json.dumps({"tag": a.tag, "model": a.model, "piecewise_us": times}), flush=True)
 
 
 if __name__ == "__main__":
