@@ -79,6 +79,17 @@ class Harness:
         # where the fused merge's counters cannot be zeroed, so a captured step took the merge kernel).
         self.workspace = DecodeWorkspace(max(max_batch, 1))
 
+    def as_the_runner(self, graphs: Any, rows: int) -> None:
+        """Piecewise steps with ``graphs`` (a ``dispatcher.CUDAGraphs``) read their inputs as the engine's do
+        (``models.engine.graphs.StepGraphs``): ``input_ids`` and ``positions`` in place (marked static: no copy into
+        a piece's graph per replay), and each attention layer's output written into a persistent buffer of ``rows``
+        rows that the next piece reads in place."""
+        graphs.mark_static(self.input_ids, self.positions)
+        for layer in self.layers.values():
+            layer.piecewise_out = torch.empty(rows, layer.num_heads * layer.head_size, dtype=layer.kv_cache.dtype,
+                                              device=self.device)
+            graphs.mark_static(layer.piecewise_out)
+
     def first_call(self, tokens: int = 2) -> float:
         """The trace + compile (warm-up with no cache, as the runner does) on ``tokens`` tokens; seconds.
 
@@ -244,10 +255,8 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         pieces = cuda and graph_mode == "piecewise"
         # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
         graphs = CUDAGraphs() if full or pieces else None
-        if pieces:  # attention's outputs read in place by the next piece, as models.engine.graphs.StepGraphs has it
-            for layer in h.layers.values():
-                layer.piecewise_out = torch.empty(max_b, layer.num_heads * layer.head_size, dtype=dtype, device=device)
-                graphs.mark_static(layer.piecewise_out)
+        if pieces:  # inputs and attention's outputs read in place, as models.engine.graphs.StepGraphs has them
+            h.as_the_runner(graphs, max_b)
         floor_graphs = CUDAGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)

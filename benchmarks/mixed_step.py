@@ -116,10 +116,7 @@ def bench_model(name: str, prefills: list[int], decodes: list[int], context: int
     compile_s = time.perf_counter() - t0
     graphs = CUDAGraphs() if cuda else None
     if graphs is not None:
-        graphs.mark_static(m.h.input_ids, m.h.positions)  # read in place, as the runner's
-        for layer in m.h.layers.values():  # attention's outputs too, as models.engine.graphs.StepGraphs gives them
-            layer.piecewise_out = torch.empty(max(sizes), layer.num_heads * layer.head_size, dtype=dtype, device=device)
-            graphs.mark_static(layer.piecewise_out)
+        m.h.as_the_runner(graphs, max(sizes))  # inputs and attention's outputs read in place, as the runner's
     decode_us, decode_logits = {}, {}
     for d in decodes:
         m.set_decode(d)
