@@ -140,7 +140,7 @@ for step in $steps; do
                   --batches ${KVAR_BATCHES:-1,8} --tag $tag $args --out "$R/kvar_$tag" > "$R/kvar_$tag.log" 2>&1
                 grep -E "\| total \||Error" "$R/kvar_$tag.log" | tail -4
               done ;;
-    attnhost) # issue 18: host time of one eager attention call (a mixed step's), FastLaunch against kernel[grid]
+    attnhost) # issue 18: host time of one eager attention call (a mixed step's), the unified launch against the split form
               timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
     tptests)  # issue 17 (two GPUs): the tensor-parallel CUDA tests

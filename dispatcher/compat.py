@@ -345,6 +345,13 @@ def is_real_tensor(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not torch._is_functional_tensor(x)
 
 
+def cuda_device_getter(fallback: Callable[[], int]) -> Callable[[], int]:
+    """A getter of the current CUDA device as an int: torch's C one (``torch.cuda.current_device`` without its Python
+    wrapper and lazy-init check: ~0.5 µs less a call; a kernel launch on a CUDA tensor means CUDA is initialized), or
+    ``fallback`` where this torch lacks it."""
+    return getattr(torch._C, "_cuda_getDevice", None) or fallback
+
+
 def abort_process_groups() -> None:
     """Abort every ``torch.distributed`` group of this process and forget them (the default one too), waiting for
     no other rank: ``distributed_c10d._abort_process_group()`` (torch >= 2.6: the NCCL communicators aborted

@@ -288,7 +288,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_nam
     # into the graph's input before each replay. Decided by facts that are the same at capture and replay.
     buf = layer.piecewise_out
     if buf is not None and graph_state.step is not None and q.shape[0] <= buf.shape[0] and buf.dtype == q.dtype:
-        out = buf[:q.shape[0]]
+        out = layer.piecewise_rows(q.shape[0])
         if md is None:  # profile / warm-up run (or the pieces' capture): no cache yet
             return out.zero_()
         return layer.forward_impl(q, k, v, md, out=out)
@@ -351,10 +351,22 @@ class Attention(nn.Module):
         # Set by the engine's CUDA graphs (models.engine.graphs): ``[max piecewise size, Hq * D]``, where the
         # op writes its output in a PIECEWISE step (see _attention_impl); None: a new tensor each call.
         self.piecewise_out: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor | None, dict[int, torch.Tensor]] = (None, {})  # piecewise_rows' views
         self._impl = attention_cuda if torch.cuda.is_available() and HAS_TRITON else attention_native
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.dynamo_once.attention(q, k, v, self.layer_name)
+
+    def piecewise_rows(self, n: int) -> torch.Tensor:
+        """``piecewise_out[:n]``, one view a row count while the buffer stays the same (a slice costs ~1 µs of host
+        time, once a layer a step on the piecewise path)."""
+        buf, views = self._rows
+        if buf is not self.piecewise_out:
+            buf, views = self._rows = (self.piecewise_out, {})
+        view = views.get(n)
+        if view is None:
+            view = views[n] = buf[:n]
+        return view
 
     def forward_impl(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
                      out: torch.Tensor | None = None) -> torch.Tensor:

@@ -323,7 +323,7 @@ class FastLaunch:
         from triton.runtime import driver
 
         self._runtime = knobs.runtime
-        self._device = driver.active.get_current_device
+        self._device = compat.cuda_device_getter(driver.active.get_current_device)
         self._stream = driver.active.get_current_stream
 
     def _entry(self, compiled: Any, num_args: int, kwargs: dict[str, Any]) -> tuple | None:

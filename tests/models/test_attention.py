@@ -328,6 +328,10 @@ def test_piecewise_steps_write_the_output_into_the_layers_persistent_buffer(monk
         out = torch.ops.dynamo_once.attention(q, k, v, "l0")
         assert out.data_ptr() == buf.data_ptr() and out.shape == q.shape
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        layer.piecewise_out = buf2 = torch.empty_like(buf)  # another buffer: the op's rows follow it
+        layer.kv_cache.copy_(cache)
+        out2 = torch.ops.dynamo_once.attention(q, k, v, "l0")
+        assert out2.data_ptr() == buf2.data_ptr() and torch.equal(out2, expected)
         layer.piecewise_out = buf[:2]  # smaller than the step: a new tensor
         assert torch.ops.dynamo_once.attention(q, k, v, "l0").data_ptr() != buf.data_ptr()
     layer.piecewise_out = buf
