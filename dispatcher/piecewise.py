@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import compat
+from . import compat, plugins
 from .config import CompilationConfig, CompilationLevel
 from .counters import compilation_counter
 from .cuda_graph import thread_state
@@ -240,11 +240,21 @@ def _call_splitting_ops_directly(split_gm: torch.fx.GraphModule, items: list[Spl
     ``__dict__``, which ``self.submod_N`` finds first, as the compiled pieces are), not through ``Module.__call__``
     (hook handling) and ``GraphModule``'s wrapped call: ~2 µs of host time a call on the CPU machine, once a layer
     a step on the piecewise path, where the op runs eagerly. Only the graph's own code calls them so: the module
-    stays a child (``named_children``, dumps)."""
+    stays a child (``named_children``, dumps). An op with an eager function (``plugins.set_splitting_op_eager_impl``)
+    is called as that function, not through torch's dispatcher."""
     for it in items:
-        if it.is_splitting_op:
-            compat.materialize(it.graph)
-            split_gm.__dict__[it.name] = it.graph.forward
+        if not it.is_splitting_op:
+            continue
+        changed = False
+        for node in it.graph.graph.nodes:
+            fn = plugins.get_splitting_op_eager_impl(_op_name(node.target)) if node.op == "call_function" else None
+            if fn is not None:
+                node.target = fn
+                changed = True
+        if changed:
+            it.graph.recompile()
+        compat.materialize(it.graph)
+        split_gm.__dict__[it.name] = it.graph.forward
 
 
 class _CompileInterpreter(torch.fx.Interpreter):

@@ -1,4 +1,5 @@
-"""User-set Dynamo backend (levels 1-2), additional Inductor options and post-grad passes (levels 3-4)."""
+"""User-set Dynamo backend (levels 1-2), additional Inductor options and post-grad passes (levels 3-4), and the
+eager functions the piecewise path calls for splitting ops between the pieces."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ __all__ = [
     "add_post_grad_pass",
     "remove_post_grad_pass",
     "get_post_grad_passes",
+    "set_splitting_op_eager_impl",
+    "get_splitting_op_eager_impl",
 ]
 
 _backend: str | Callable[..., Any] | None = None
@@ -23,6 +26,8 @@ _inductor_configs: dict[str, Any] = {}
 _passes_lock = threading.Lock()
 #: (pass, before, after) in the order added
 _post_grad_passes: list[tuple[GraphPass, str | None, str | None]] = []
+#: "namespace::name" -> the Python function the split graph calls for that splitting op
+_eager_impls: dict[str, Callable[..., Any]] = {}
 
 
 def set_torch_compile_backend(backend: str | Callable[..., Any] | None) -> None:
@@ -120,3 +125,24 @@ def get_post_grad_passes() -> list[tuple[GraphPass, str | None, str | None]]:
     """The added passes as ``(pass, before, after)``, in the order added."""
     with _passes_lock:
         return list(_post_grad_passes)
+
+
+def set_splitting_op_eager_impl(op: str, fn: Callable[..., Any] | None) -> None:
+    """The function levels 3-4 call for splitting op ``op`` (``"namespace::name"``, as in
+    ``CompilationConfig.splitting_ops``) between the compiled pieces, instead of the op through torch's dispatcher:
+    ``fn`` takes the op's arguments as the graph passes them and must do what the op's eager kernel does (usually
+    it is that kernel, the op's Python implementation). A splitting op runs eagerly once a layer a step on the
+    piecewise path, where the dispatcher's ~2-3 µs a call are host time the GPU may wait for. Read when a graph is
+    split (set it before compiling); ``None`` removes it."""
+    if not isinstance(op, str) or op.count("::") != 1:
+        raise ValueError(f"set_splitting_op_eager_impl: op must be a 'namespace::name' string; got {op!r}")
+    if fn is None:
+        _eager_impls.pop(op, None)
+        return
+    if not callable(fn):
+        raise ValueError(f"set_splitting_op_eager_impl: fn must be callable or None; got {fn!r} ({type(fn).__name__})")
+    _eager_impls[op] = fn
+
+
+def get_splitting_op_eager_impl(op: str) -> Callable[..., Any] | None:
+    return _eager_impls.get(op)

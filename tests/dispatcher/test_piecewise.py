@@ -49,6 +49,43 @@ def test_split_and_compile_counters_on_cpu():
     assert pw.num_pieces_replayed == N_LAYERS - 1  # the layers after the first: not run on fake tensors
 
 
+@torch.no_grad()
+def test_a_splitting_ops_eager_impl_is_called_between_the_pieces_instead_of_the_op():
+    """plugins.set_splitting_op_eager_impl: a model compiled after it is set calls the function for each of its
+    splitting op's calls between the pieces (not the op, so not the op's kernel), with the op's arguments; one
+    compiled before, or after it is removed, calls the op. Bad arguments name what was expected."""
+    from dispatcher import plugins
+
+    seen = []
+
+    def fn(x):
+        seen.append(x.shape)
+        return mix(x)  # what the op's kernel does
+
+    x = torch.randn(5, 32)
+    plugins.set_splitting_op_eager_impl("dynamo_once_test::mix", fn)
+    try:
+        with set_compilation_config(config()):
+            m = Toy()
+        torch.testing.assert_close(m(x), eager(m, x), rtol=1e-4, atol=1e-4)
+        seen.clear()
+        with mock.patch.object(torch.ops.dynamo_once_test.mix, "default", side_effect=AssertionError("op called")):
+            out = m(torch.randn(7, 32))
+        assert seen == [torch.Size([7, 32])] * N_LAYERS and out.shape == (7, 32)
+    finally:
+        plugins.set_splitting_op_eager_impl("dynamo_once_test::mix", None)
+    assert plugins.get_splitting_op_eager_impl("dynamo_once_test::mix") is None
+    with set_compilation_config(config()):
+        m2 = Toy()
+    seen.clear()
+    torch.testing.assert_close(m2(x), eager(m2, x), rtol=1e-4, atol=1e-4)
+    assert seen == []
+    with pytest.raises(ValueError, match="'namespace::name' string; got 'mix'"):
+        plugins.set_splitting_op_eager_impl("mix", fn)
+    with pytest.raises(ValueError, match="fn must be callable or None; got 3"):
+        plugins.set_splitting_op_eager_impl("dynamo_once_test::mix", 3)
+
+
 def test_piece_replay_makes_fresh_outputs_of_the_same_description_or_runs():
     """An identical piece's outputs are new fake tensors described as the first one's (a view keeps its offset,
     strides and storage size); outputs that alias an input, or each other, are not replayed."""
