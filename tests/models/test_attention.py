@@ -417,18 +417,20 @@ def test_layers_of_a_step_share_one_step_call_and_pass_their_own_strides(monkeyp
     assert fresh.layer_calls == {}
 
 
-@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", "DYNAMO_ONCE_PREFILL_WRITES_KV")])
-def test_prefill_writes_kv_default_comes_from_the_environment(value, expected):
-    """``DYNAMO_ONCE_PREFILL_WRITES_KV`` sets ``models.attention.PREFILL_WRITES_KV`` at import; a bad value is an
-    error naming the variable."""
+@pytest.mark.parametrize("var, attr", [("DYNAMO_ONCE_PREFILL_WRITES_KV", "PREFILL_WRITES_KV"),
+                                       ("DYNAMO_ONCE_UNIFIED_ATTENTION", "UNIFIED_ATTENTION")])
+@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", None)])
+def test_attention_switch_defaults_come_from_the_environment(var, attr, value, expected):
+    """``DYNAMO_ONCE_PREFILL_WRITES_KV`` and ``DYNAMO_ONCE_UNIFIED_ATTENTION`` set ``models.attention``'s switches at
+    import; a bad value is an error naming the variable."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, DYNAMO_ONCE_PREFILL_WRITES_KV=value)
-    proc = subprocess.run([sys.executable, "-c", "import models.attention as a; print(a.PREFILL_WRITES_KV)"],
+    env = dict(os.environ, **{var: value})
+    proc = subprocess.run([sys.executable, "-c", f"import models.attention as a; print(a.{attr})"],
                           capture_output=True, text=True, env=env, timeout=120)
-    assert expected in (proc.stdout if proc.returncode == 0 else proc.stderr)
+    assert (expected or var) in (proc.stdout if proc.returncode == 0 else proc.stderr)
     assert (proc.returncode == 0) == (value != "maybe")
 
 
@@ -517,21 +519,6 @@ def test_decodes_fit_unified_compares_the_longest_decode_with_the_longest_prompt
     assert not longer.decodes_fit_unified() and not longer.decodes_fit_unified(20) and longer.decodes_fit_unified(21)
     assert make_batch(new_layer(), [(0, 4)])[3].decodes_fit_unified()  # no decode
     assert not make_batch(new_layer(), [(3, 1)])[3].decodes_fit_unified(2048)  # no prompt
-
-
-@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", "DYNAMO_ONCE_UNIFIED_ATTENTION")])
-def test_unified_attention_default_comes_from_the_environment(value, expected):
-    """``DYNAMO_ONCE_UNIFIED_ATTENTION`` sets ``models.attention.UNIFIED_ATTENTION`` at import; a bad value is an
-    error naming the variable."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, DYNAMO_ONCE_UNIFIED_ATTENTION=value)
-    proc = subprocess.run([sys.executable, "-c", "import models.attention as a; print(a.UNIFIED_ATTENTION)"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert expected in (proc.stdout if proc.returncode == 0 else proc.stderr)
-    assert (proc.returncode == 0) == (value != "maybe")
 
 
 def unified_and_split(layer, specs, kw, monkeypatch, device="cpu", dtype=torch.float32):
