@@ -39,8 +39,14 @@ def test_decode_kernel_matches_native(kw, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_mixed_batch_matches_native():
-    """Decodes through the kernel, prompts (whole, and a chunk after cached tokens) through SDPA."""
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "split"])
+def test_mixed_batch_matches_native(unified, monkeypatch):
+    """Decodes and prompts (whole, and a chunk after cached tokens) in one step: in one launch of the prefill kernel
+    (unified, the default for this step), or decodes through the split-KV kernel and prompts through the prefill
+    kernel."""
+    import models.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", unified)
     layer = new_layer()
     q, k, v, md = make_batch(layer, SPECS)
     out, ref = both_paths(layer, q, k, v, md)
@@ -78,11 +84,15 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(mode
 
 
 @pytest.mark.parametrize("num_decodes", [1, 5])
-def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes):
-    """Three layers' calls on one step's metadata with a persistent workspace: one plan, the native results."""
+def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes, monkeypatch):
+    """Three layers' calls on one step's metadata with a persistent workspace: one plan, the native results (the
+    split form: the unified launch has no decode plan)."""
     import dataclasses
 
+    import models.attention as attention_module
     from ops.paged_attention import DecodeWorkspace
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)
 
     specs = [(9, 1), (70, 1), (0, 1), (3, 1), (BLOCK * 5, 1)][:num_decodes] + [(0, 6), (5, 3)]
     layer = new_layer(num_blocks=len(specs) * 20)
@@ -102,10 +112,12 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
     twice on one step's metadata with a persistent workspace (its counters), the native path's output and cache."""
     import dataclasses
 
+    import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_attention import DecodeWorkspace
     from ops.paged_decode_config import DecodeConfig
 
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the mixed step in the split form
     fused = DecodeConfig(num_splits=splits, BLOCK_N=16, fused_merge=True, fused_write=True)
     monkeypatch.setattr(pa, "decode_config", lambda b, d: fused)
     decodes = [(9, 1), (70, 1), (0, 1), (BLOCK * 5, 1)]
@@ -126,9 +138,11 @@ def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monke
     with caches of different shapes, q, k, v as column slices of one qkv tensor (strided rows) and an output with
     another row stride, alternating, each the native path's output and cache. Under fused_write the cache-write
     launch starts at the prompts' first row (bound, no slice of k, v)."""
+    import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
 
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's launches
     monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=2, BLOCK_N=16, fused_merge=False,
                                                                         fused_write=fused_write))
     layers = [new_layer("l0", num_blocks=len(SPECS) * 20), new_layer("l1", num_blocks=len(SPECS) * 20 + 3)]
