@@ -43,8 +43,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
-    "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: the paged prefill kernel writes the prompts' keys and values itself (one launch "
-                                     "fewer a layer with a prompt in the step; CUDA-tested, its host time not yet A/B-measured); 0 (default): off",
+    "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: in the split form of a step with a prompt, the paged prefill kernel writes the "
+                                     "prompts' keys and values itself (one launch fewer a layer); 0 (default): off",
     "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 8 decodes, none longer than 1024 tokens or it) "
                                      "attends in one launch a layer, the prefill kernel over every sequence; 0: "
                                      "split-KV decode and prefill launched apart",

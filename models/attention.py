@@ -145,9 +145,9 @@ PREFILL_WRITES_KV = envs.prefill_writes_kv()
 #: longest prompt (``AttentionMetadata.decodes_fit_unified``); other steps take the split form. Read at every call;
 #: its default comes from ``DYNAMO_ONCE_UNIFIED_ATTENTION`` (1/0) at import.
 UNIFIED_ATTENTION = envs.unified_attention()
-#: The most decodes a step takes the unified launch with. Its one program a decode and KV head reads the decode's keys
-#: on the prefill kernel's 128-row tile (the split-KV decode kernel: 16 rows, several programs a sequence), ~1.4 µs a
-#: 64-key tile on the H200: measured (results/attention_host_ab_cap32.md, attention_host_unified_past_cap.md;
+#: The most decodes a step takes the unified launch with. It reads each decode with one program a KV head, no split
+#: (the split-KV decode kernel: several programs a sequence, several a streaming multiprocessor), ~1.4-3 µs a 64-key
+#: tile on the H200: measured (results/attention_host_ab_cap32.md, attention_host_unified_past_cap.md;
 #: llama-3-8b, 512-token prompt, decodes of 512
 #: tokens) the unified launch's GPU time is below the split form's host time at 1 and 8 decodes, above its GPU time
 #: at 32.

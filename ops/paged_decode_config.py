@@ -44,8 +44,8 @@ class DecodeConfig:
             when the caller passes them (``paged_decode_launch``'s ``new_kv``).
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
-    of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b, level-3 whole-step
-    graph, context 512, ``benchmarks.kernel_profile``) an earlier fused write made the split kernel 112 µs a layer
+    of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
+    level-3 whole-step graph, context 512, ``benchmarks.kernel_profile``) an earlier fused write made the split kernel 112 µs a layer
     at batch 128 against 72 without it.
     """
 

@@ -24,9 +24,11 @@ whole (no per-half views): the attention layer calls it eagerly once per layer a
 
 Decode rows (``decode_rows``, the kernel's ``DECODE_ROWS``; the attention op's unified launch, where the decodes of a
 step go in the same launch as its prompts): a sequence with one new token takes a tile of its own, its query heads on
-``max(16, group)`` rows, instead of a block of ``BLOCK_M`` rows of which it would fill ``group``: on the H200 the
-128-row tile made a decode's program ~1.4 µs a 64-key tile, a read the split-KV decode kernel's 16-row tiles do at
-memory speed. Same key tiles, same order of the sums as a one-token block.
+``max(16, group)`` rows, instead of a block of ``BLOCK_M`` rows of which it would fill ``group``. Same key tiles,
+same order of the sums as a one-token block. Measured on the H200 it helps little: a decode's program still takes
+~3 µs a 64-key tile with many decodes (the prompts' launch options, one program a streaming multiprocessor; 128
+decodes of 512 tokens: 201.5 µs a call against 222.9 with the 128-row tile, results/attention_host_decode_rows_uncapped.md
+and attention_host_unified_past_cap.md).
 
 The form that writes the cache (``new_kv=(k, v)``, the kernel's ``NEW_KV``; opt-in, off by default): the new
 tokens' keys and values are not yet in the cache but in k and v (rows as q's). Each program stores ITS query
