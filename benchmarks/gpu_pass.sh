@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|chunked|fqconfigs ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -165,6 +165,9 @@ for step in $steps; do
                 timeout 60 python3 -m benchmarks.attention_host --models llama-3-8b --batches $1 --prefill $2 --cprofile \
                   --out "$R/attnprof_b$1_p$2" > "$R/attnprof_b$1_p$2.log" 2>&1; head -30 "$R/attnprof_b$1_p$2.log"
               done ;;
+    attnbreak) # issue 18: one eager attention call's host µs, layer by layer (context lookup .. C launchers)
+              timeout ${ATTNBREAK_TIMEOUT:-90} python3 -m benchmarks.attention_host_breakdown --out "$R/attention_host_breakdown" \
+                2>&1 | tee "$R/attention_host_breakdown.log" | grep -E "^\{|Error" ;;
     allreduce) # issue 17 (two GPUs): all-reduce latency inside CUDA graphs, NCCL against symmetric memory
               timeout ${ALLREDUCE_TIMEOUT:-90} python3 -m benchmarks.all_reduce --out "$R/all_reduce" 2>&1 \
                 | tee "$R/all_reduce.log" | grep -E "^\{|Error" ;;

@@ -1,0 +1,188 @@
+"""Where one eager ``dynamo_once::attention`` call's host µs go (issue 18), layer by layer of the call.
+
+``benchmarks.attention_host`` times a step's calls as a whole; this one peels the call: for one step shape it
+times, in loops of ``--calls`` back-to-back calls (no synchronization; the median of ``--repeats`` loops, each from
+an idle GPU), each layer of what the piecewise path runs per layer:
+
+- ``step_first``: the first call of a step (a fresh metadata object: it builds the step's plan and bound launches);
+- ``eager_impl``: ``models.attention._attention_impl``, as the split graph calls it between pieces;
+- ``forward_impl``: ``Attention.forward_impl`` (no forward-context lookup);
+- ``attention_cuda``: the CUDA implementation with every argument given;
+- ``bound_launches``: the call's :class:`ops.triton_utils.BoundLaunch` calls alone, as the call made them;
+- ``raw_launches``: the compiled kernels' C launchers alone, with the arguments those bound launches passed;
+- ``null_launch``: one launch of an empty one-argument Triton kernel through its C launcher: the floor of any
+  Triton launch from Python on this host.
+
+Each row is µs per attention call (``null_launch``: per launch); ``launches`` is how many kernels a call launches.
+Usage: ``python -m benchmarks.attention_host_breakdown [--models llama-3-8b,llama-3.2-1b] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from benchmarks.attention_host import MixedStep
+import models.attention as attention_module
+from models import ForwardContext, set_forward_context
+from ops.triton_utils import BoundLaunch
+
+
+def _loop_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the host µs per call of ``calls`` back-to-back calls, each loop from an idle GPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _record_launches(call: Callable[[], Any]) -> tuple[list[tuple], list[tuple]]:
+    """Run ``call`` once, recording each BoundLaunch call ``(bound, tensors, scalars, target)`` and each C launch
+    ``(launch, args)`` the bound launches made (their compiled entries wrapped for the one call)."""
+    bound_calls: list[tuple] = []
+    raw_calls: list[tuple] = []
+    original = BoundLaunch.__call__
+
+    def recording(self: BoundLaunch, tensors: tuple, scalars: tuple = (), target: Any = None) -> None:
+        bound_calls.append((self, tensors, scalars, target))
+        saved = dict(self._entries)
+        for key, entry in saved.items():
+            if entry:
+                launch = entry[0]
+                self._entries[key] = ((lambda *a, _l=launch: (raw_calls.append((_l, a)), _l(*a))[1]),
+                                      *entry[1:])
+        try:
+            original(self, tensors, scalars, target)
+        finally:
+            self._entries.update(saved)
+
+    BoundLaunch.__call__ = recording
+    try:
+        call()
+    finally:
+        BoundLaunch.__call__ = original
+    return bound_calls, raw_calls
+
+
+def _null_launch() -> Callable[[], Any]:
+    """One empty Triton kernel's C launch with one pointer argument, as BoundLaunch's fast path makes it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x_ptr, BLOCK: tl.constexpr):
+        pass
+
+    x = torch.empty(16, device="cuda")
+    compiled = _empty[(1,)](x, BLOCK=16)
+    launcher = compiled.run
+    args = (1, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, launcher.launch_cooperative_grid,
+            launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None, x.data_ptr())
+    raw = launcher.launch
+    return lambda: raw(*args)
+
+
+def breakdown(s: MixedStep, calls: int, repeats: int) -> dict[str, float]:
+    """The µs per call of each layer of one attention call of step ``s`` (the table's ``what`` column)."""
+    layer, q, k, v = s.layer, s.q, s.k, s.v
+    impl = attention_module._attention_impl
+    rows: dict[str, float] = {}
+    with torch.inference_mode():
+        for _ in range(3):
+            s.step()  # compiles and warms every launch of the step
+        firsts = []
+        for _ in range(repeats * 4):
+            md = dataclasses.replace(s.md)
+            torch.cuda.synchronize()
+            with set_forward_context(ForwardContext({"attn": layer}, md)):
+                t0 = time.perf_counter()
+                impl(q, k, v, "attn")
+                firsts.append((time.perf_counter() - t0) * 1e6)
+        rows["step_first"] = statistics.median(firsts)
+        md = dataclasses.replace(s.md)
+        with set_forward_context(ForwardContext({"attn": layer}, md)):
+            rows["eager_impl"] = _loop_us(lambda: impl(q, k, v, "attn"), calls, repeats)
+            rows["forward_impl"] = _loop_us(lambda: layer.forward_impl(q, k, v, md), calls, repeats)
+            cache, args = layer.kv_cache, (layer.num_heads, layer.head_size, layer.scale, None, None)
+            direct = attention_module.attention_cuda
+            rows["attention_cuda"] = _loop_us(lambda: direct(q, k, v, cache, md, *args), calls, repeats)
+            bound_calls, raw_calls = _record_launches(lambda: direct(q, k, v, cache, md, *args))
+
+            def bound() -> None:
+                for b, tensors, scalars, target in bound_calls:
+                    b(tensors, scalars, target)
+
+            def raw() -> None:
+                for launch, launch_args in raw_calls:
+                    launch(*launch_args)
+
+            rows["bound_launches"] = _loop_us(bound, calls, repeats)
+            rows["raw_launches"] = _loop_us(raw, calls, repeats) if raw_calls else float("nan")
+            rows["launches"] = len(raw_calls)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-3-8b,llama-3.2-1b")
+    p.add_argument("--shapes", default="1:0,32:0,128:0,1:512,8:512",
+                   help="decodes:prefill pairs, comma-separated (prefill 0: a decode-only step)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per decode sequence")
+    p.add_argument("--calls", type=int, default=200, help="back-to-back calls per timed loop")
+    p.add_argument("--repeats", type=int, default=15, help="timed loops; the median is reported")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("the attention op's CUDA path needs a GPU (torch.cuda.is_available() is False)")
+    try:
+        shapes = [tuple(int(x) for x in pair.split(":")) for pair in a.shapes.split(",")]
+        if any(len(pair) != 2 for pair in shapes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--shapes: expected decodes:prefill pairs such as 1:0,8:512; got {a.shapes!r}")
+    device, rows = torch.device("cuda"), []
+    null_us = _loop_us(_null_launch(), a.calls, a.repeats)
+    for name in a.models.split(","):
+        for decodes, prefill in shapes:
+            s = MixedStep(name, decodes, prefill, a.context, device, torch.bfloat16)
+            found = breakdown(s, a.calls, a.repeats)
+            rows.append(dict(model=name, decodes=decodes, prefill=prefill, launches=int(found.pop("launches")),
+                             **{k: round(v, 2) for k, v in found.items()}, null_launch=round(null_us, 2)))
+            print(rows[-1], flush=True)
+            del s
+    common.write_results("attention_host_breakdown", rows, device=device, out_dir=a.out,
+                         title="One eager dynamo_once::attention call's host time, layer by layer",
+                         notes=[f"bf16 paged cache, 16-token blocks; decodes of {a.context} cached tokens; prefill: "
+                                "one prompt of that many tokens (0: none); the step's form as the defaults choose it",
+                                f"µs per attention call (null_launch: per launch), median of {a.repeats} loops of "
+                                f"{a.calls} back-to-back calls, no sync in a loop, each loop from an idle GPU",
+                                "step_first: the first call of a step (builds the step's plan); eager_impl: "
+                                "_attention_impl, as between pieces; forward_impl; attention_cuda; bound_launches: "
+                                "the BoundLaunch calls alone; raw_launches: their C launchers alone; null_launch: an "
+                                "empty one-argument Triton kernel's C launcher; each includes the ones after it"])
+    parts = {"context lookup": ("eager_impl", "forward_impl"), "forward_impl": ("forward_impl", "attention_cuda"),
+             "attention_cuda": ("attention_cuda", "bound_launches"), "BoundLaunch": ("bound_launches", "raw_launches"),
+             "C launchers": ("raw_launches", None)}
+    bars = [dict(model=r["model"], shape=f"{r['decodes']}+{r['prefill']}",
+                 **{part: r[hi] - (r[lo] if lo else 0.0) for part, (hi, lo) in parts.items()}) for r in rows]
+    common.plot_stacked_bars("attention_host_breakdown", bars, label=("model", "shape"), parts=list(parts),
+                             out_dir=a.out, ylabel="host µs per call (decodes+prompt tokens)",
+                             title="One eager attention call's host µs, by layer of the call")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
