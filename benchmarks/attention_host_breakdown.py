@@ -142,7 +142,7 @@ def breakdown(s: MixedStep, calls: int, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b,llama-3.2-1b")
-    p.add_argument("--shapes", default="1:0,32:0,128:0,1:512,8:512",
+    p.add_argument("--shapes", default="1:0,32:0,128:0,1:512,8:512,32:512,128:512",
                    help="decodes:prefill pairs, comma-separated (prefill 0: a decode-only step)")
     p.add_argument("--context", type=int, default=512, help="cached tokens per decode sequence")
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per timed loop")
