@@ -94,7 +94,7 @@ def _null_launch() -> Callable[[], Any]:
     compiled = _empty_kernel[(1,)](x, BLOCK=16)
     launcher = compiled.run
     args = (1, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, launcher.launch_cooperative_grid,
-            launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None, x.data_ptr())
+            launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None, x.data_ptr(), 16)  # BLOCK last
     raw = launcher.launch
     return lambda: raw(*args)
 
