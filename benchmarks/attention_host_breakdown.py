@@ -8,7 +8,9 @@ an idle GPU), each layer of what the piecewise path runs per layer:
 - ``eager_impl``: ``models.attention._attention_impl``, as the split graph calls it between pieces;
 - ``forward_impl``: ``Attention.forward_impl`` (no forward-context lookup);
 - ``attention_cuda``: the CUDA implementation with every argument given;
-- ``bound_launches``: the call's :class:`ops.triton_utils.BoundLaunch` calls alone, as the call made them;
+- ``program``: the step's recorded launches (:class:`ops.launch_program.LaunchProgram`) replayed alone, as every
+  call after a step's first makes them;
+- ``bound_launches``: the first call's :class:`ops.triton_utils.BoundLaunch` calls alone, as it made them;
 - ``raw_launches``: the compiled kernels' C launchers alone, with the arguments those bound launches passed;
 - ``null_launch``: one launch of an empty one-argument Triton kernel through its C launcher: the floor of any
   Triton launch from Python on this host.
@@ -61,30 +63,32 @@ def _loop_us(fn: Callable[[], Any], calls: int, repeats: int) -> float:
 
 
 def _record_launches(call: Callable[[], Any]) -> tuple[list[tuple], list[tuple]]:
-    """Run ``call`` once, recording each BoundLaunch call ``(bound, tensors, scalars, target)`` and each C launch
-    ``(launch, args)`` the bound launches made (their compiled entries wrapped for the one call)."""
+    """Run ``call`` once, recording each BoundLaunch call ``(bound, tensors, scalars, target)`` it makes; then
+    make those calls again, recording each C launch ``(launch, args)`` they make (their compiled entries wrapped
+    for that one pass)."""
     bound_calls: list[tuple] = []
-    raw_calls: list[tuple] = []
     original = BoundLaunch.__call__
 
     def recording(self: BoundLaunch, tensors: tuple, scalars: tuple = (), target: Any = None) -> None:
         bound_calls.append((self, tensors, scalars, target))
-        saved = dict(self._entries)
-        for key, entry in saved.items():
-            if entry:
-                launch = entry[0]
-                self._entries[key] = ((lambda *a, _l=launch: (raw_calls.append((_l, a)), _l(*a))[1]),
-                                      *entry[1:])
-        try:
-            original(self, tensors, scalars, target)
-        finally:
-            self._entries.update(saved)
+        original(self, tensors, scalars, target)
 
     BoundLaunch.__call__ = recording
     try:
         call()
     finally:
         BoundLaunch.__call__ = original
+    raw_calls: list[tuple] = []
+    for bound, tensors, scalars, target in bound_calls:
+        saved = dict(bound._entries)
+        for key, entry in saved.items():
+            if entry:
+                launch = entry[0]
+                bound._entries[key] = ((lambda *a, _l=launch: (raw_calls.append((_l, a)), _l(*a))[1]), *entry[1:])
+        try:
+            bound(tensors, scalars, target)
+        finally:
+            bound._entries.update(saved)
     return bound_calls, raw_calls
 
 
@@ -123,11 +127,19 @@ def breakdown(s: MixedStep, calls: int, repeats: int) -> dict[str, float]:
             cache, args = layer.kv_cache, (layer.num_heads, layer.head_size, layer.scale, None, None)
             direct = attention_module.attention_cuda
             rows["attention_cuda"] = _loop_us(lambda: direct(q, k, v, cache, md, *args), calls, repeats)
-            bound_calls, raw_calls = _record_launches(lambda: direct(q, k, v, cache, md, *args))
+            out = torch.empty_like(q)
+            call = next(iter(md.layer_calls.values()))  # the step's state: its recorded launches (LaunchProgram)
+            target = call.fast.target()
+            addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), out.data_ptr())
+            rows["program"] = _loop_us(lambda: call.program(target[1], addresses), calls, repeats) \
+                if call.program is not None else float("nan")
+            # a new step's first call: the bound launches it makes (before it has a program)
+            bound_calls, raw_calls = _record_launches(
+                lambda: direct(q, k, v, cache, dataclasses.replace(s.md), *args))
 
             def bound() -> None:
-                for b, tensors, scalars, target in bound_calls:
-                    b(tensors, scalars, target)
+                for b, tensors, scalars, at in bound_calls:
+                    b(tensors, scalars, at)
 
             def raw() -> None:
                 for launch, launch_args in raw_calls:
@@ -174,17 +186,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 f"µs per attention call (null_launch: per launch), median of {a.repeats} loops of "
                                 f"{a.calls} back-to-back calls, no sync in a loop, each loop from an idle GPU",
                                 "step_first: the first call of a step (builds the step's plan); eager_impl: "
-                                "_attention_impl, as between pieces; forward_impl; attention_cuda; bound_launches: "
-                                "the BoundLaunch calls alone; raw_launches: their C launchers alone; null_launch: an "
+                                "_attention_impl, as between pieces; forward_impl; attention_cuda; program: the step's "
+                                "recorded launches replayed alone (every call after the first); bound_launches: "
+                                "the first call's BoundLaunch calls alone; raw_launches: their C launchers alone; null_launch: an "
                                 "empty one-argument Triton kernel's C launcher; each includes the ones after it"])
     parts = {"context lookup": ("eager_impl", "forward_impl"), "forward_impl": ("forward_impl", "attention_cuda"),
-             "attention_cuda": ("attention_cuda", "bound_launches"), "BoundLaunch": ("bound_launches", "raw_launches"),
+             "attention_cuda": ("attention_cuda", "program"), "program": ("program", "raw_launches"),
              "C launchers": ("raw_launches", None)}
     bars = [dict(model=r["model"], shape=f"{r['decodes']}+{r['prefill']}",
-                 **{part: r[hi] - (r[lo] if lo else 0.0) for part, (hi, lo) in parts.items()}) for r in rows]
+                 **{part: max(r[hi] - (r[lo] if lo else 0.0), 0.0) for part, (hi, lo) in parts.items()}) for r in rows]
     common.plot_stacked_bars("attention_host_breakdown", bars, label=("model", "shape"), parts=list(parts),
                              out_dir=a.out, ylabel="host µs per call (decodes+prompt tokens)",
-                             title="One eager attention call's host µs, by layer of the call")
+                             title="One eager attention call's host µs, by layer of the call (after the step's first)")
     return rows
 
 

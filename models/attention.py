@@ -51,6 +51,7 @@ from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
 from dispatcher import envs, plugins
 from dispatcher.cuda_graph import thread_state as graph_state
+from ops.launch_program import LaunchProgram, recording
 from ops.paged_attention import paged_decode_launch, write_kv_cache_launch
 from ops.paged_prefill import prefill_launch
 from ops.triton_utils import cdiv
@@ -212,7 +213,42 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     if out is None:  # empty_like: ~1 µs less host time than torch.empty(q.shape, dtype=..., device=...)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     strides = (qs[0], ks[0], vs[0], out.stride(0), *(call.cache_strides or kv_cache.stride()[:4]))
-    if not contiguous:
+    program = call.program
+    if program is not None and target is not None:  # a later layer: the first's launches, this layer's tensors
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
+        if call.spec == _replay_spec(target[0], strides, q, k, v, kv_cache, out, scale, sliding_window,
+                                     logits_soft_cap, addresses):
+            program(target[1], addresses)
+            return out
+    if call.spec is None and target is not None and contiguous:  # the step's first call: record its launches
+        with recording() as calls:
+            _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides)
+        call.program = LaunchProgram.build(calls, (q, k, v, kv_cache, out), constants=(call.slots,))
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
+        spec = _replay_spec(target[0], strides, q, k, v, kv_cache, out, scale, sliding_window, logits_soft_cap,
+                            addresses)
+        call.spec = spec if call.program is not None and not spec[-1] else False  # False: never again this step
+        return out
+    _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides)
+    return out
+
+
+def _replay_spec(device: int, strides: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
+                 logits_soft_cap: float | None, addresses: tuple[int, ...]) -> tuple:
+    """What a call's launches are specialized on besides :func:`attention_cuda`'s key: the device, the strides and
+    scalars passed, the tensors' dtypes, and (last) the addresses' offsets from a 16-byte boundary, or-ed (0: every
+    one aligned; a program is kept only then, so that equal specs mean equal alignment of each address)."""
+    return (device, strides, q.dtype, k.dtype, v.dtype, kv_cache.dtype, out.dtype, scale, type(scale), sliding_window,
+            logits_soft_cap, type(logits_soft_cap),
+            (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4]) & 15)
+
+
+def _launch(call: _StepCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+            md: AttentionMetadata, out: torch.Tensor, scale: float, sliding_window: int | None,
+            logits_soft_cap: float | None, target: tuple[int, int] | None, strides: tuple[int, ...]) -> None:
+    """A call's launches through their bound launches: the cache write, the split-KV decode, the prefill."""
+    if call.cache_strides is None:  # a non-contiguous cache: the native write
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     elif call.write is not None:  # the rows of k and v its slots are (bound: k and v are passed whole)
         write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides)
@@ -223,7 +259,6 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     if call.prefill is not None:  # the sequences after the decodes, or all (unified; paged_prefill_triton's launch)
         prefill_launch(call.prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
                        new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides)
-    return out
 
 
 class _StepCall:
@@ -233,7 +268,8 @@ class _StepCall:
     prefill kernel the others' (``prefill_writes``; every sequence's when unified), and the cache-write and prefill
     kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
 
-    __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots")
+    __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots",
+                 "program", "spec")
 
     def __init__(self, md: AttentionMetadata, num_heads: int, head_size: int, shape: torch.Size, contiguous: bool,
                  device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
@@ -263,6 +299,10 @@ class _StepCall:
         # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.
         self.fast = next((launch.fast for launch in launches if launch is not None), None) \
             if device.type == "cuda" else None
+        # The step's first call records its launches (ops.launch_program); a later layer with the same spec
+        # (_replay_spec) replays them with its own tensors. spec None: not recorded yet; False: no program.
+        self.program: LaunchProgram | None = None
+        self.spec: tuple | bool | None = None
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

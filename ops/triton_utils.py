@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -393,6 +394,16 @@ class Slot:
         return cls(False, index)
 
 
+class _Recording(threading.local):
+    """This thread's recorder: a list while ``ops.launch_program.recording`` runs, to which every
+    :class:`BoundLaunch` call appends ``(bound, tensors, scalars, target)`` before launching as usual."""
+
+    calls: list[tuple] | None = None
+
+
+_RECORDING = _Recording()
+
+
 class BoundLaunch:
     """One kernel launched many times with the same grid, constexprs and most arguments, the others per call.
 
@@ -441,6 +452,8 @@ class BoundLaunch:
                  target: tuple[int, int] | None = None) -> None:
         """Launch with these per-call values. ``target``: :meth:`FastLaunch.target` read by the caller for this and
         the launches issued with it (None: read here)."""
+        if (recorder := _RECORDING.calls) is not None:  # a LaunchProgram being recorded (ops.launch_program)
+            recorder.append((self, tensors, scalars, target))
         fast = self.fast
         if not self._fast_path or (target is None and (target := fast.target()) is None):
             fast(self.grid, *self.full_args(tensors, scalars), **self.kwargs)  # the normal launch, or FastLaunch's
@@ -459,18 +472,32 @@ class BoundLaunch:
             served = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
             self._entries[key] = None if served is None else self._launch_plan(served)
             return
-        launch, const, order = entry
+        launch, const, order, _ = entry
         launch(*order(const + (target[1],) + ptrs + scalars))
         fast.fast_launches += 1
 
-    def _launch_plan(self, entry: tuple) -> tuple[Callable, tuple[Any, ...], Callable]:
-        """``(launch, const, order)`` of a :meth:`FastLaunch.launch_entry` entry ``(launch, fixed, tail)``: the
+    def replay_plan(self, tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...],
+                    target: tuple[int, int] | None) -> tuple[Callable, tuple[Any, ...], tuple[int, ...]] | None:
+        """How a call with these per-call values that this launch has served on its fast path launches:
+        ``(launch, const, idx)``, the C launcher's arguments ``[(const + (stream,) + tensor addresses +
+        scalars)[i] for i in idx]``; None when such a call does not take the fast path (not yet made, or served by
+        the normal launch). :class:`ops.launch_program.LaunchProgram` is built from it."""
+        if not self._fast_path or (target is None and (target := self.fast.target()) is None):
+            return None
+        ptrs = tuple(map(_data_ptr, tensors))
+        key = (target[0], scalars, *map(_dtype, tensors), *map(_ALIGN, ptrs), *map(type, scalars))
+        entry = self._entries.get(key)
+        return (entry[0], entry[1], entry[3]) if entry else None
+
+    def _launch_plan(self, entry: tuple) -> tuple[Callable, tuple[Any, ...], Callable, tuple[int, ...]]:
+        """``(launch, const, order, idx)`` of a :meth:`FastLaunch.launch_entry` entry ``(launch, fixed, tail)``: the
         launcher's whole argument list is ``order(const + (stream,) + tensor addresses + scalars)``, ``const`` the
-        grid, the compiled kernel's leading values, the bound arguments' and the constexpr tail."""
+        grid, the compiled kernel's leading values, the bound arguments' and the constexpr tail; ``order`` is
+        ``itemgetter(*idx)``."""
         launch, fixed, tail = entry
         const = self._grid3 + tuple(fixed) + self._fixed + tuple(tail)
         n, lead, n_bound = len(const), 3 + len(fixed), len(self._fixed)
         # (fixed values, addresses, scalars) index i: a bound value at lead + i, a per-call one after the stream
         args = [lead + i if i < n_bound else n + 1 + i - n_bound for i in self._order]
         idx = [0, 1, 2, n, *range(3, lead), *args, *range(lead + n_bound, n)]
-        return launch, const, operator.itemgetter(*idx)
+        return launch, const, operator.itemgetter(*idx), tuple(idx)

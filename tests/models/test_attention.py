@@ -340,6 +340,48 @@ def test_piecewise_steps_write_the_output_into_the_layers_persistent_buffer(monk
     assert out.data_ptr() == buf.data_ptr() and not out.any()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("specs", [SPECS, [(9, 1), (40, 1)], [(0, 6), (5, 3)]], ids=["mixed", "decodes", "prompts"])
+@pytest.mark.parametrize("unified", [False, True], ids=["split", "unified"])
+def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their_own_tensors(specs, unified,
+                                                                                           monkeypatch):
+    """The attention op's later layers of a step replay the first layer's launches (ops.launch_program) with their
+    own q, k, v, cache and output: each layer's output and cache equal, bit for bit, the same calls with every
+    launch through Triton's normal path; a layer whose tensors differ in what the kernels are specialized on (a q
+    of another row stride) still gets its own launches right."""
+    import models.attention as attention_module
+    from ops import paged_attention, paged_prefill, triton_utils
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", unified)
+    layers = [new_layer(f"l{i}", device="cuda", num_blocks=128) for i in range(4)]
+    batches = [make_batch(layer, specs, device="cuda", seed=i) for i, layer in enumerate(layers)]
+    md = dataclasses.replace(batches[0][3], workspace=DecodeWorkspace(max_num_seqs=4))
+    wide = torch.randn(batches[0][0].shape[0], 2 * HEADS * HEAD, device="cuda")
+    wide[:, :HEADS * HEAD] = batches[3][0]
+    batches[3] = (wide[:, :HEADS * HEAD], *batches[3][1:])  # the last layer's q: another row stride
+    starts = [layer.kv_cache.clone() for layer in layers]
+
+    def step(fast):
+        monkeypatch.setattr(triton_utils.FastLaunch, "enabled", fast)
+        for layer, start in zip(layers, starts):
+            layer.kv_cache.copy_(start)
+        context = ForwardContext({layer.layer_name: layer for layer in layers}, dataclasses.replace(md))
+        with set_forward_context(context):
+            outs = [torch.ops.dynamo_once.attention(q, k, v, layer.layer_name)
+                    for layer, (q, k, v, _) in zip(layers, batches)]
+        return outs, [layer.kv_cache.clone() for layer in layers]
+
+    expected = step(False)
+    step(True)  # compiles whatever the fast path needs
+    counters = [paged_attention._decode_split_launch, paged_prefill._prefill_launch]
+    before = sum(c.fast_launches for c in counters)
+    got = step(True)
+    torch.cuda.synchronize()
+    assert sum(c.fast_launches for c in counters) >= before + len(layers)
+    for a, b in zip(got[0] + got[1], expected[0] + expected[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
 @pytest.mark.parametrize("on", [False, True], ids=["off", "prefill_writes_kv"])
 def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):

@@ -74,3 +74,54 @@ def strided_rows(x: torch.Tensor, pad: int = 3) -> torch.Tensor:
 
 def compiled(fn):
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+# ------------------------------------------------ FastLaunch stand-ins (CPU)
+def _plain(x_ptr, n, BLOCK: "tl.constexpr"):  # noqa: F821 - never compiled: run() is a stand-in
+    pass
+
+
+class _Launcher:
+    """A stand-in for Triton 3.6's CudaLauncher: ``launch`` is the C entry point."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _Compiled:
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 1234, (4, 1, 0)
+
+
+class NoHooks:
+    launch_enter_hook = launch_exit_hook = None
+
+
+def fake_jit(monkeypatch):
+    """A real JITFunction whose ``run`` records its calls and returns the stand-in compiled kernel."""
+    import triton
+
+    kernel = triton.runtime.JITFunction(_plain)
+    launcher = _Launcher()
+    runs = []
+
+    def run(*args, grid, warmup, **kwargs):
+        runs.append((grid, args, kwargs))
+        return _Compiled(launcher)
+
+    monkeypatch.setattr(kernel, "run", run)
+    from ops.triton_utils import FastLaunch
+
+    fast = FastLaunch(kernel)
+
+    def resolve():
+        fast._device, fast._stream, fast._runtime = (lambda: 0), (lambda device: 777), NoHooks()
+
+    monkeypatch.setattr(fast, "_resolve", resolve)
+    return fast, runs, launcher

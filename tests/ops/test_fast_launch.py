@@ -9,6 +9,7 @@ import torch
 
 from ops import triton_utils
 from ops.triton_utils import FastLaunch, specialization_key
+from ops_testing import NoHooks as _NoHooks, fake_jit as _fake_jit
 
 triton = pytest.importorskip("triton")
 
@@ -24,52 +25,6 @@ def test_key_follows_what_triton_specializes_on():
     assert specialization_key((1,)) != specialization_key((2,))
     assert specialization_key((32,)) == specialization_key((48,))  # both divisible by 16: one kernel
     assert specialization_key(((1, 2),)) is None  # a tuple argument: the normal launch
-
-
-def _plain(x_ptr, n, BLOCK: "tl.constexpr"):  # noqa: F821 - never compiled: run() is a stand-in
-    pass
-
-
-class _Launcher:
-    """A stand-in for Triton 3.6's CudaLauncher: ``launch`` is the C entry point."""
-
-    global_scratch_size = profile_scratch_size = 0
-    launch_cooperative_grid, launch_pdl = False, True
-
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, *args):
-        self.calls.append(args)
-
-
-class _Compiled:
-    def __init__(self, launcher):
-        self.run, self.function, self.packed_metadata = launcher, 1234, (4, 1, 0)
-
-
-class _NoHooks:
-    launch_enter_hook = launch_exit_hook = None
-
-
-def _fake_jit(monkeypatch):
-    """A real JITFunction whose ``run`` records its calls and returns the stand-in compiled kernel."""
-    kernel = triton.runtime.JITFunction(_plain)
-    launcher = _Launcher()
-    runs = []
-
-    def run(*args, grid, warmup, **kwargs):
-        runs.append((grid, args, kwargs))
-        return _Compiled(launcher)
-
-    monkeypatch.setattr(kernel, "run", run)
-    fast = FastLaunch(kernel)
-
-    def resolve():
-        fast._device, fast._stream, fast._runtime = (lambda: 0), (lambda device: 777), _NoHooks()
-
-    monkeypatch.setattr(fast, "_resolve", resolve)
-    return fast, runs, launcher
 
 
 def test_first_launch_compiles_through_run_later_ones_call_the_launcher(monkeypatch):

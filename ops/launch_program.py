@@ -1,0 +1,94 @@
+"""A recorded sequence of :class:`~ops.triton_utils.BoundLaunch` calls, replayed with new tensor addresses.
+
+The attention op launches the same one to three kernels for every layer of a step, with the same grids,
+constexprs and scalars (strides, scale), and only the layer's tensors (q, k, v, its cache, the output) different.
+A :class:`~ops.triton_utils.BoundLaunch` call already skips Triton's Python launch path; it still computes, per
+launch, its tensors' addresses, the specialization key of its per-call values and the launcher's argument tuple.
+A :class:`LaunchProgram`, recorded from one call's launches (:func:`recording`), keeps each launch's whole
+argument list with the call's tensors' positions marked, so that a later call with the same specialization (the
+caller checks it once for all its launches: dtypes, alignment, scalars, device) costs one list copy, a few
+assignments and the C launch, per kernel.
+
+Usage::
+
+    with recording() as calls:
+        ...  # the bound launches, as usual
+    program = LaunchProgram.build(calls, tensors=(q, k, v, cache, out), constants=(slots,))
+    ...
+    program(stream, (q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), out.data_ptr()))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .triton_utils import _RECORDING
+
+__all__ = ["LaunchProgram", "recording"]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple]]:
+    """Collect this thread's :class:`~ops.triton_utils.BoundLaunch` calls made inside the block (they launch as
+    usual) into the list yielded, for :meth:`LaunchProgram.build`. Not reentrant."""
+    if _RECORDING.calls is not None:
+        raise RuntimeError("ops.launch_program.recording: already recording in this thread")
+    calls: list[tuple] = []
+    _RECORDING.calls = calls
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = None
+
+
+class LaunchProgram:
+    """Launches recorded by :func:`recording`, replayed by ``program(stream, addresses)``: each launch's C launcher
+    called with its recorded arguments, the stream and the addresses of the caller's tensors (in the order given to
+    :meth:`build`) put in their places. The caller guarantees that a replay's specialization equals the recorded
+    call's (the same dtypes, 16-byte alignment of every address, scalars and device): nothing is checked here."""
+
+    __slots__ = ("_steps", "num_launches")
+
+    def __init__(self, steps: list[tuple[Any, list[Any], int, tuple[tuple[int, int], ...], Any]]) -> None:
+        self._steps = steps
+        self.num_launches = len(steps)
+
+    @classmethod
+    def build(cls, calls: list[tuple], tensors: tuple[torch.Tensor, ...],
+              constants: tuple[torch.Tensor, ...] = ()) -> LaunchProgram | None:
+        """The program of ``calls`` (from :func:`recording`), whose per-call tensors are among ``tensors`` (their
+        addresses given at each replay, in this order) or ``constants`` (the same tensor at every replay: its
+        address recorded). None when a call did not take the fast path (:meth:`BoundLaunch.replay_plan`) or passed
+        a tensor that is neither (a temporary, say, whose address would be stale)."""
+        steps = []
+        for bound, btensors, scalars, target in calls:
+            plan = bound.replay_plan(btensors, scalars, target)
+            if plan is None:
+                return None
+            launch, const, idx = plan
+            n, ptrs = len(const), tuple(t.data_ptr() for t in btensors)
+            values = const + (None,) + ptrs + tuple(scalars)
+            places = []
+            for pos, i in enumerate(idx):
+                if n < i <= n + len(ptrs):
+                    t = btensors[i - n - 1]
+                    j = next((j for j, c in enumerate(tensors) if c is t), None)
+                    if j is not None:
+                        places.append((pos, j))
+                    elif not any(c is t for c in constants):
+                        return None
+            steps.append((launch, [values[i] for i in idx], idx.index(n), tuple(places), bound.fast))
+        return cls(steps)
+
+    def __call__(self, stream: int, addresses: tuple[int, ...]) -> None:
+        for launch, template, stream_pos, places, fast in self._steps:
+            args = template.copy()
+            args[stream_pos] = stream
+            for pos, j in places:
+                args[pos] = addresses[j]
+            launch(*args)
+            fast.fast_launches += 1
