@@ -34,7 +34,8 @@ __all__ = ["LaunchProgram", "recording"]
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple]]:
     """Collect this thread's :class:`~ops.triton_utils.BoundLaunch` calls made inside the block (they launch as
-    usual) into the list yielded, for :meth:`LaunchProgram.build`. Not reentrant."""
+    usual) into the list yielded, for :meth:`LaunchProgram.build`: ``(bound, tensors, addresses, scalars, key)``
+    each, the key of the specialization it launched (None: no fast path). Not reentrant."""
     if _RECORDING.calls is not None:
         raise RuntimeError("ops.launch_program.recording: already recording in this thread")
     calls: list[tuple] = []
@@ -62,26 +63,25 @@ class LaunchProgram:
               constants: tuple[torch.Tensor, ...] = ()) -> LaunchProgram | None:
         """The program of ``calls`` (from :func:`recording`), whose per-call tensors are among ``tensors`` (their
         addresses given at each replay, in this order) or ``constants`` (the same tensor at every replay: its
-        address recorded). None when a call did not take the fast path (:meth:`BoundLaunch.replay_plan`) or passed
-        a tensor that is neither (a temporary, say, whose address would be stale)."""
+        address recorded). None when a call did not take the fast path or passed a tensor that is neither (a
+        temporary, say, whose address would be stale)."""
+        index = {id(t): j for j, t in enumerate(tensors)}
+        constant = {id(t) for t in constants}
         steps = []
-        for bound, btensors, scalars, target in calls:
-            plan = bound.replay_plan(btensors, scalars, target)
-            if plan is None:
+        for bound, btensors, ptrs, scalars, key in calls:
+            entry = bound.fast_entry(key)
+            if entry is None:  # the normal launch served it (or no fast path at all)
                 return None
-            launch, const, idx = plan
-            n, ptrs = len(const), tuple(t.data_ptr() for t in btensors)
-            values = const + (None,) + ptrs + tuple(scalars)
+            launch, const, order, stream_pos, tensor_pos = entry
             places = []
-            for pos, i in enumerate(idx):
-                if n < i <= n + len(ptrs):
-                    t = btensors[i - n - 1]
-                    j = next((j for j, c in enumerate(tensors) if c is t), None)
-                    if j is not None:
-                        places.append((pos, j))
-                    elif not any(c is t for c in constants):
-                        return None
-            steps.append((launch, [values[i] for i in idx], idx.index(n), tuple(places), bound.fast))
+            for pos, k in tensor_pos:
+                t = btensors[k]
+                j = index.get(id(t))
+                if j is not None:
+                    places.append((pos, j))
+                elif id(t) not in constant:
+                    return None
+            steps.append((launch, list(order(const + (0,) + ptrs + scalars)), stream_pos, tuple(places), bound.fast))
         return cls(steps)
 
     def __call__(self, stream: int, addresses: tuple[int, ...]) -> None:

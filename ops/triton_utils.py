@@ -425,20 +425,24 @@ class BoundLaunch:
 
     def __init__(self, fast: FastLaunch, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.fast, self.grid, self.args, self.kwargs = fast, grid, args, kwargs
-        n_fixed = sum(not isinstance(a, Slot) for a in args)
-        n_tensors = max((a.index + 1 for a in args if isinstance(a, Slot) and a.is_tensor), default=0)
-        # The launcher's arguments are itemgetter(order) of (fixed launch values, tensor addresses, scalars).
-        order = []
-        fixed_vals = []
+        # The launcher's arguments are itemgetter(order) of (fixed launch values, tensor addresses, scalars): one
+        # pass (built once a step per kernel on the attention op's path, whose host time counts).
+        fixed_vals, slots = [], []
+        n_tensors = 0
         for a in args:
-            if isinstance(a, Slot):
-                order.append(n_fixed + a.index + (0 if a.is_tensor else n_tensors))
+            if type(a) is Slot:
+                slots.append(a)
+                if a.is_tensor and a.index >= n_tensors:
+                    n_tensors = a.index + 1
             else:
-                order.append(len(fixed_vals))
                 fixed_vals.append(a)
+        n_fixed, f = len(fixed_vals), -1
+        order = [n_fixed + a.index + (0 if a.is_tensor else n_tensors) if type(a) is Slot else (f := f + 1)
+                 for a in args]
         found = key_and_launch_args(tuple(fixed_vals))
         self._fixed = tuple(found[1]) if found is not None else None  # None: an argument FastLaunch never serves
         self._order = order  # the kernel's arguments as indices into (fixed values, tensor addresses, scalars)
+        self._n_tensors = n_tensors
         self._fast_path = fast._usable and self._fixed is not None
         n = len(grid)
         self._grid3 = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
@@ -452,15 +456,17 @@ class BoundLaunch:
                  target: tuple[int, int] | None = None) -> None:
         """Launch with these per-call values. ``target``: :meth:`FastLaunch.target` read by the caller for this and
         the launches issued with it (None: read here)."""
-        if (recorder := _RECORDING.calls) is not None:  # a LaunchProgram being recorded (ops.launch_program)
-            recorder.append((self, tensors, scalars, target))
         fast = self.fast
         if not self._fast_path or (target is None and (target := fast.target()) is None):
+            if (recorder := _RECORDING.calls) is not None:  # no fast path: a LaunchProgram recorded cannot replay it
+                recorder.append((self, tensors, None, scalars, None))
             fast(self.grid, *self.full_args(tensors, scalars), **self.kwargs)  # the normal launch, or FastLaunch's
             return
         ptrs = tuple(map(_data_ptr, tensors))
         # map over C callables, flattened: ~0.15 µs a launch less than a tuple of each kind built by comprehension
         key = (target[0], scalars, *map(_dtype, tensors), *map(_ALIGN, ptrs), *map(type, scalars))
+        if (recorder := _RECORDING.calls) is not None:  # a LaunchProgram being recorded (ops.launch_program)
+            recorder.append((self, tensors, ptrs, scalars, key))
         entry = self._entries.get(key, False)
         if not entry:
             if entry is None:  # the normal launch serves this specialization
@@ -472,32 +478,27 @@ class BoundLaunch:
             served = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
             self._entries[key] = None if served is None else self._launch_plan(served)
             return
-        launch, const, order, _ = entry
+        launch, const, order = entry[:3]
         launch(*order(const + (target[1],) + ptrs + scalars))
         fast.fast_launches += 1
 
-    def replay_plan(self, tensors: tuple[torch.Tensor, ...], scalars: tuple[Any, ...],
-                    target: tuple[int, int] | None) -> tuple[Callable, tuple[Any, ...], tuple[int, ...]] | None:
-        """How a call with these per-call values that this launch has served on its fast path launches:
-        ``(launch, const, idx)``, the C launcher's arguments ``[(const + (stream,) + tensor addresses +
-        scalars)[i] for i in idx]``; None when such a call does not take the fast path (not yet made, or served by
-        the normal launch). :class:`ops.launch_program.LaunchProgram` is built from it."""
-        if not self._fast_path or (target is None and (target := self.fast.target()) is None):
-            return None
-        ptrs = tuple(map(_data_ptr, tensors))
-        key = (target[0], scalars, *map(_dtype, tensors), *map(_ALIGN, ptrs), *map(type, scalars))
-        entry = self._entries.get(key)
-        return (entry[0], entry[1], entry[3]) if entry else None
+    def fast_entry(self, key: tuple | None) -> tuple | None:
+        """The fast path's entry for a specialization ``key`` (as a :func:`ops.launch_program.recording` records it):
+        ``(launch, const, order, stream_pos, tensor_pos)`` (see ``_launch_plan``); None when the normal launch serves
+        it, or it was never launched."""
+        return self._entries.get(key) or None if key is not None else None
 
-    def _launch_plan(self, entry: tuple) -> tuple[Callable, tuple[Any, ...], Callable, tuple[int, ...]]:
-        """``(launch, const, order, idx)`` of a :meth:`FastLaunch.launch_entry` entry ``(launch, fixed, tail)``: the
-        launcher's whole argument list is ``order(const + (stream,) + tensor addresses + scalars)``, ``const`` the
-        grid, the compiled kernel's leading values, the bound arguments' and the constexpr tail; ``order`` is
-        ``itemgetter(*idx)``."""
+    def _launch_plan(self, entry: tuple) -> tuple[Callable, tuple[Any, ...], Callable, int, tuple[tuple[int, int], ...]]:
+        """``(launch, const, order, stream_pos, tensor_pos)`` of a :meth:`FastLaunch.launch_entry` entry ``(launch,
+        fixed, tail)``: the launcher's whole argument list is ``order(const + (stream,) + tensor addresses +
+        scalars)``, ``const`` the grid, the compiled kernel's leading values, the bound arguments' and the constexpr
+        tail; in that list the stream is at ``stream_pos`` and per-call tensor ``i``'s address at each ``p`` of
+        ``tensor_pos``'s ``(p, i)`` (what ``ops.launch_program.LaunchProgram`` replays)."""
         launch, fixed, tail = entry
         const = self._grid3 + tuple(fixed) + self._fixed + tuple(tail)
         n, lead, n_bound = len(const), 3 + len(fixed), len(self._fixed)
         # (fixed values, addresses, scalars) index i: a bound value at lead + i, a per-call one after the stream
         args = [lead + i if i < n_bound else n + 1 + i - n_bound for i in self._order]
         idx = [0, 1, 2, n, *range(3, lead), *args, *range(lead + n_bound, n)]
-        return launch, const, operator.itemgetter(*idx), tuple(idx)
+        tensor_pos = tuple((p, i - n - 1) for p, i in enumerate(idx) if n < i and i - n - 1 < self._n_tensors)
+        return launch, const, operator.itemgetter(*idx), idx.index(n), tensor_pos

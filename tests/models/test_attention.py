@@ -350,7 +350,9 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
     launch through Triton's normal path; a layer whose tensors differ in what the kernels are specialized on (a q
     of another row stride) still gets its own launches right."""
     import models.attention as attention_module
-    from ops import paged_attention, paged_prefill, triton_utils
+    from ops import triton_utils
+    from ops.paged_attention import _decode_split_launch
+    from ops.paged_prefill import _prefill_launch
 
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", unified)
     layers = [new_layer(f"l{i}", device="cuda", num_blocks=128) for i in range(4)]
@@ -373,7 +375,7 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
 
     expected = step(False)
     step(True)  # compiles whatever the fast path needs
-    counters = [paged_attention._decode_split_launch, paged_prefill._prefill_launch]
+    counters = [_decode_split_launch, _prefill_launch]
     before = sum(c.fast_launches for c in counters)
     got = step(True)
     torch.cuda.synchronize()

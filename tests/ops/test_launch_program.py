@@ -22,11 +22,11 @@ def _two_launches(monkeypatch):
     """Two bound launches of the stand-in kernel, ``(x, n)`` and ``(y, n)`` per call, as a caller's step."""
     fast, runs, launcher = _fake_jit(monkeypatch)
     first = fast.bind((4, 2), (Slot.tensor(0), Slot.scalar(0)), BLOCK=128)
-    second = fast.bind((8,), (Slot.tensor(1), Slot.scalar(0)), BLOCK=64)
+    second = fast.bind((8,), (Slot.tensor(0), Slot.scalar(0)), BLOCK=64)
 
     def step(x, y, n=32, target=(0, 777)):
-        first((x, y), (n,), target)
-        second((x, y), (n,), target)
+        first((x,), (n,), target)
+        second((y,), (n,), target)
 
     return fast, runs, launcher, step
 
@@ -48,7 +48,8 @@ def test_replay_passes_the_launcher_what_the_bound_launches_would(monkeypatch):
     before = fast.fast_launches
     program(555, (x2.data_ptr(), y2.data_ptr()))
     assert launcher.calls == expected and fast.fast_launches == before + 2
-    assert expected[0][3] == 555 and expected[0][-3] == x2.data_ptr()  # the stream and the new address
+    assert expected[0][3] == 555 and expected[0][-3] == x2.data_ptr()  # the stream and the new addresses
+    assert expected[1][-3] == y2.data_ptr() and expected[1][-2] == 32
     assert len(runs) == 2  # each kernel compiled once, at the first step: nothing since
 
 
