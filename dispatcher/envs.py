@@ -43,8 +43,9 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
-    "DYNAMO_ONCE_PREFILL_WRITES_KV": "1: in the split form of a step with a prompt, the paged prefill kernel writes the "
-                                     "prompts' keys and values itself (one launch fewer a layer); 0 (default): off",
+    "DYNAMO_ONCE_PREFILL_WRITES_KV": "1 (default): in the split form of a step with a prompt, the paged prefill kernel "
+                                     "writes the new keys and values itself (no cache-write launch); 0: a separate "
+                                     "cache-write launch",
     "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 8 decodes, none longer than 1024 tokens or it) "
                                      "attends in one launch a layer, the prefill kernel over every sequence; 0: "
                                      "split-KV decode and prefill launched apart",
@@ -126,8 +127,8 @@ def pdl() -> bool:
 
 def prefill_writes_kv() -> bool:
     """``DYNAMO_ONCE_PREFILL_WRITES_KV``: the default of ``models.attention.PREFILL_WRITES_KV`` (read when that
-    module is imported): the prefill kernel writes the prompts' keys and values itself. Off by default."""
-    return _bool("DYNAMO_ONCE_PREFILL_WRITES_KV", False)
+    module is imported): the prefill kernel writes the new keys and values itself. On by default."""
+    return _bool("DYNAMO_ONCE_PREFILL_WRITES_KV", True)
 
 
 def unified_attention() -> bool:

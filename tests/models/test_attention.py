@@ -387,14 +387,16 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
 @pytest.mark.parametrize("on", [False, True], ids=["off", "prefill_writes_kv"])
 def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
-    """attention_cuda's launches, recorded (no kernel runs): off (the default), the cache write takes every token
-    (the prompts' at least); with models.attention.PREFILL_WRITES_KV the decodes' only (none under fused_write) and
-    the prefill launch, bound in its NEW_KV form, gets k and v; a decode-only step is the same either way."""
+    """attention_cuda's launches, recorded (no kernel runs): off, the cache write takes every token (the prompts' at
+    least); with models.attention.PREFILL_WRITES_KV (the default) the prefill launch, bound in its NEW_KV form, gets k
+    and v and no cache write is left: under fused_write the decode kernel writes the decodes' rows, else the prefill
+    launch, bound to every sequence and launched first, writes theirs too (write_only); a decode-only step is the
+    same either way."""
     import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
 
-    assert attention_module.PREFILL_WRITES_KV is False  # off by default
+    assert attention_module.PREFILL_WRITES_KV is True  # on by default
     monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's routes
     monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
@@ -406,7 +408,7 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv, **_: calls.append(
         ("decode", new_kv is not None)))
     monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(
-        ("prefill", launch.kwargs["NEW_KV"], new_kv)))
+        ("prefill", launch.kwargs["NEW_KV"], new_kv, launch.grid[1], launch.args[-1])))
     for specs in (SPECS, [(0, 6), (5, 3)], [(9, 1), (3, 1)]):
         layer = new_layer()
         q, k, v, md = make_batch(layer, specs)
@@ -414,12 +416,18 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
         calls.clear()
         attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
         first = nd if fused_write else 0
-        end = nd if on and nd < md.num_seqs else t
+        prompts = nd < md.num_seqs
+        write_only = nd if on and prompts and not fused_write else 0  # the prefill launch writes the decodes' rows
+        end = (0 if write_only else nd) if on and prompts else t
         expected = [("write", end - first, k.data_ptr(), v.data_ptr(), first)] if end > first else []
+        prefill = [("prefill", on, (k, v) if on else None, md.num_seqs if write_only else md.num_seqs - nd,
+                    write_only)] if prompts else []
+        if write_only:
+            expected += prefill
         if nd:
             expected.append(("decode", fused_write))
-        if nd < md.num_seqs:
-            expected.append(("prefill", on, (k, v) if on else None))
+        if not write_only:
+            expected += prefill
         assert calls == expected, specs
 
 
@@ -438,6 +446,7 @@ def test_layers_of_a_step_share_one_step_call_and_pass_their_own_strides(monkeyp
     monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, q, cache, out, *a, **kw: calls.append(
         ("prefill", kw["strides"], launch)))
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # three launches: each one's strides
+    monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", False)
     layer = new_layer()
     q, k, v, md = make_batch(layer, SPECS)
     wide = torch.randn(q.shape[0], 3 * q.shape[1])  # q and out as column slices: row strides 3x theirs
@@ -503,10 +512,12 @@ def prefill_write_off_and_on(layer, specs, kw, monkeypatch, device="cpu", dtype=
 @pytest.mark.cuda
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_cuda_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, monkeypatch):
-    """models.attention.PREFILL_WRITES_KV on the GPU in bf16, the table's decode configs (the fused write at these
-    few decodes): a mixed step and a prompts-only one give the output and the cache of the switch off, bit for bit,
-    with k, v column slices of a qkv tensor as the models pass them."""
-    for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
+    """models.attention.PREFILL_WRITES_KV on the GPU in bf16, the table's decode configs (the fused write at a few
+    decodes; at 40, the prefill launch writes theirs, write_only): a mixed step and a prompts-only one give the
+    output and the cache of the switch off, bit for bit, with k, v column slices of a qkv tensor as the models pass
+    them."""
+    many = [(5 + i, 1) for i in range(40)] + [(0, 6), (BLOCK * 3 + 1, 9)]
+    for specs in (SPECS, many, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
         layer = new_layer(device="cuda", dtype=torch.bfloat16, num_blocks=len(specs) * 20, **kw)
         outs, caches, *_ = prefill_write_off_and_on(layer, specs, kw, monkeypatch, "cuda", torch.bfloat16)
         assert torch.equal(outs[1], outs[0]) and not outs[1].isnan().any()
@@ -527,6 +538,7 @@ def test_unified_attention_routes_a_step_with_a_prompt_to_one_launch(max_decodes
     import models.attention as attention_module
 
     assert attention_module.UNIFIED_ATTENTION is True  # on by default
+    monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", False)  # the split form's separate cache write
     monkeypatch.setattr(attention_module, "UNIFIED_MAX_DECODES", max_decodes)
     monkeypatch.setattr(attention_module, "UNIFIED_DECODE_TOKENS", short)
     calls = []
