@@ -8,6 +8,8 @@ sequences of ``--context`` cached tokens, plus one ``--prefill``-token prompt (0
 times a step's worth of calls (one per layer of the model, a fresh metadata object per step, as the
 runner builds one: the first call builds the step's decode plan, the others reuse it):
 
+The calls are made as inside a piecewise step (the op writes into the layer's persistent output buffer).
+
 - ``host_us``: host time per call. The calls of one step are issued back to back with no synchronization
   and timed with ``time.perf_counter`` (a step's few hundred launches never fill the GPU's queue, so the
   host never waits for the GPU); the median over ``--steps`` steps, each started on an idle GPU;
@@ -25,10 +27,12 @@ profiles the first shape given instead (``--models llama-3-8b --batches 1 --pref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ import torch
 from benchmarks import common
 import models.attention as attention_module
 from dispatcher import plugins
+from dispatcher.cuda_graph import thread_state
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
 from models.registry import BUILTIN_MODELS
 from ops.paged_attention import DecodeWorkspace
@@ -85,6 +90,8 @@ class MixedStep:
         # q, k, v as a model has them: column slices of one qkv projection (strided rows).
         qkv = torch.randn(t, (heads + 2 * kv_heads) * head, generator=g).to(dtype).to(device)
         self.q, self.k, self.v = qkv.split([heads * head, kv_heads * head, kv_heads * head], -1)
+        # As in a piecewise step: the op writes into the layer's persistent output buffer (no allocation a call)
+        self.layer.piecewise_out = torch.empty(t, heads * head, dtype=dtype, device=device)
         self.md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -99,9 +106,24 @@ class MixedStep:
         md = dataclasses.replace(self.md)
         q, k, v = self.q, self.k, self.v
         op = plugins.get_splitting_op_eager_impl("dynamo_once::attention") or torch.ops.dynamo_once.attention
-        with set_forward_context(ForwardContext({"attn": self.layer}, md)):
+        with set_forward_context(ForwardContext({"attn": self.layer}, md)), piecewise_step():
             for _ in range(self.num_layers):
                 op(q, k, v, "attn")
+
+
+@contextlib.contextmanager
+def piecewise_step() -> Iterator[None]:
+    """As inside a piecewise step's replay (``dispatcher.cuda_graph.thread_state.step`` set): the attention op
+    writes its output into its layer's ``piecewise_out`` buffer."""
+    previous = thread_state.step
+    thread_state.step = _PIECEWISE
+    try:
+        yield
+    finally:
+        thread_state.step = previous
+
+
+_PIECEWISE = object()  # stands for the running piecewise step (the op only checks that one runs)
 
 
 def _sync(device: torch.device) -> None:
@@ -243,8 +265,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
                                 "form (steps with a prompt): unified = one launch of ops.paged_prefill_triton for "
                                 "every sequence, writing the new keys and values (models.attention.UNIFIED_ATTENTION, "
-                                "where the step fits it: at most UNIFIED_MAX_DECODES decodes); split = cache write, "
-                                "split-KV decode, prefill of the prompt"])
+                                "where the step fits it: at most UNIFIED_MAX_DECODES decodes); split = split-KV "
+                                "decode and prefill of the prompt, the new keys and values written by one of them "
+                                f"(models.attention.PREFILL_WRITES_KV={attention_module.PREFILL_WRITES_KV}; off: "
+                                "a cache-write launch too)",
+                                "calls as in a piecewise step: the output into the layer's persistent buffer; after "
+                                "a step's first call, the others replay its launches (ops.launch_program)"])
     plot(stem, rows, a.out)
     return rows
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.attention_host import MixedStep
+from benchmarks.attention_host import MixedStep, piecewise_step
 import models.attention as attention_module
 from models import ForwardContext, set_forward_context
 from ops.triton_utils import BoundLaunch
@@ -115,19 +115,19 @@ def breakdown(s: MixedStep, calls: int, repeats: int) -> dict[str, float]:
         for _ in range(repeats * 4):
             md = dataclasses.replace(s.md)
             torch.cuda.synchronize()
-            with set_forward_context(ForwardContext({"attn": layer}, md)):
+            with set_forward_context(ForwardContext({"attn": layer}, md)), piecewise_step():
                 t0 = time.perf_counter()
                 impl(q, k, v, "attn")
                 firsts.append((time.perf_counter() - t0) * 1e6)
         rows["step_first"] = statistics.median(firsts)
         md = dataclasses.replace(s.md)
-        with set_forward_context(ForwardContext({"attn": layer}, md)):
+        out = layer.piecewise_rows(q.shape[0])  # as a piecewise step passes it
+        with set_forward_context(ForwardContext({"attn": layer}, md)), piecewise_step():
             rows["eager_impl"] = _loop_us(lambda: impl(q, k, v, "attn"), calls, repeats)
-            rows["forward_impl"] = _loop_us(lambda: layer.forward_impl(q, k, v, md), calls, repeats)
+            rows["forward_impl"] = _loop_us(lambda: layer.forward_impl(q, k, v, md, out=out), calls, repeats)
             cache, args = layer.kv_cache, (layer.num_heads, layer.head_size, layer.scale, None, None)
             direct = attention_module.attention_cuda
-            rows["attention_cuda"] = _loop_us(lambda: direct(q, k, v, cache, md, *args), calls, repeats)
-            out = torch.empty_like(q)
+            rows["attention_cuda"] = _loop_us(lambda: direct(q, k, v, cache, md, *args, out=out), calls, repeats)
             call = next(iter(md.layer_calls.values()))  # the step's state: its recorded launches (LaunchProgram)
             target = call.fast.target()
             addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), out.data_ptr())
@@ -135,7 +135,7 @@ def breakdown(s: MixedStep, calls: int, repeats: int) -> dict[str, float]:
                 if call.program is not None else float("nan")
             # a new step's first call: the bound launches it makes (before it has a program)
             bound_calls, raw_calls = _record_launches(
-                lambda: direct(q, k, v, cache, dataclasses.replace(s.md), *args))
+                lambda: direct(q, k, v, cache, dataclasses.replace(s.md), *args, out=out))
 
             def bound() -> None:
                 for b, tensors, scalars, at in bound_calls:
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          notes=[f"bf16 paged cache, 16-token blocks; decodes of {a.context} cached tokens; prefill: "
                                 "one prompt of that many tokens (0: none); the step's form as the defaults choose it",
                                 f"µs per attention call (null_launch: per launch), median of {a.repeats} loops of "
-                                f"{a.calls} back-to-back calls, no sync in a loop, each loop from an idle GPU",
+                                f"{a.calls} back-to-back calls, no sync in a loop, each loop from an idle GPU; as in "
+                                "a piecewise step, the output in the layer's persistent buffer",
                                 "step_first: the first call of a step (builds the step's plan); eager_impl: "
                                 "_attention_impl, as between pieces; forward_impl; attention_cuda; program: the step's "
                                 "recorded launches replayed alone (every call after the first); bound_launches: "
