@@ -133,12 +133,13 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 
 # ------------------------------------------------------------------ CUDA
 #: On by default: in the split form of a step with a prompt (see :func:`attention_cuda`), the prefill kernel writes the
-#: new keys and values into the cache itself (``ops.paged_prefill_triton``'s ``new_kv``) instead of a separate
-#: cache-write launch: the prompts' always, the decodes' too where the decode kernel does not (``write_only``: the
-#: prefill launch then runs first). Measured on the H200 (llama-3-8b / 3.2-1b, ``benchmarks.attention_host``, on and
-#: off alternately, two rounds): the GPU time a call of a 2048-token prompt 125 µs against 145 alone, 155 / 207 against
-#: 182 / 230 beside 32 / 128 decodes (8B); the 1B's within 3%; one launch less of host time where the host sets the
-#: pace. Read at every call; its default comes from ``DYNAMO_ONCE_PREFILL_WRITES_KV`` (1/0) at import.
+#: prompts' new keys and values into the cache itself (``ops.paged_prefill_triton``'s ``new_kv``) instead of the
+#: cache-write launch, which then takes the decodes' rows only (none where the decode kernel writes them,
+#: ``fused_write``: two launches a layer then, not three). Measured on the H200 (llama-3-8b / 3.2-1b,
+#: ``benchmarks.attention_host``, on and off alternately, two rounds): the GPU time a call of a 2048-token prompt
+#: 125 µs against 145 alone, 155 / 207 against 182 / 230 beside 32 / 128 decodes (8B); the 1B's within 3%; a launch
+#: less of host time where the host sets the pace. Read at every call; its default comes from
+#: ``DYNAMO_ONCE_PREFILL_WRITES_KV`` (1/0) at import.
 PREFILL_WRITES_KV = envs.prefill_writes_kv()
 
 
@@ -255,16 +256,12 @@ def _launch(call: _StepCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         write_kv_cache(kv_cache, k, v, md.slot_mapping)
     elif call.write is not None:  # the rows of k and v its slots are (bound: k and v are passed whole)
         write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides)
-    prefill = call.prefill  # the sequences after the decodes, or all (unified, prefill_first); None: no prompt
-    if prefill is not None and call.prefill_first:  # it writes the decodes' keys and values, which they attend
-        prefill_launch(prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=(k, v),
-                       target=target, strides=strides)
     if call.plan is not None:
         new_kv = (k, v, call.slots) if call.fused_write else None
         paged_decode_launch(call.plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv,
                             target=target, strides=strides)
-    if prefill is not None and not call.prefill_first:
-        prefill_launch(prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
+    if call.prefill is not None:  # the sequences after the decodes, or all (unified; paged_prefill_triton's launch)
+        prefill_launch(call.prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
                        new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides)
 
 
@@ -275,8 +272,8 @@ class _StepCall:
     prefill kernel the others' (``prefill_writes``; every sequence's when unified), and the cache-write and prefill
     kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
 
-    __slots__ = ("plan", "fused_write", "prefill_writes", "prefill_first", "write", "prefill", "fast", "cache_strides",
-                 "slots", "program", "spec")
+    __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots",
+                 "program", "spec")
 
     def __init__(self, md: AttentionMetadata, num_heads: int, head_size: int, shape: torch.Size, contiguous: bool,
                  device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
@@ -289,15 +286,10 @@ class _StepCall:
             if nd and not unified else None
         self.fused_write = plan is not None and plan.fused_write and contiguous
         self.prefill_writes = unified or (PREFILL_WRITES_KV and contiguous and nd < md.num_seqs)
-        # Split form, the prefill writing, decodes the decode kernel does not write: the prefill launch writes theirs
-        # too (write_only: bound to every sequence, the decodes' rows written, not attended), launched first.
-        self.prefill_first = write_only = nd if self.prefill_writes and plan is not None and not self.fused_write \
-            else 0
         # write_kv_cache_triton's launch: under fused_write the decodes' rows go with the decode kernel
-        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel (all, unified or
-        # prefill_first).
+        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel (all, unified).
         first = nd if self.fused_write else 0
-        end = (0 if unified or write_only else nd) if self.prefill_writes else num_tokens
+        end = (0 if unified else nd) if self.prefill_writes else num_tokens
         self.cache_strides = _contiguous_strides(shape)[:4] if contiguous else None
         self.slots = md.slot_mapping if md.slot_mapping.stride(-1) == 1 else md.slot_mapping.contiguous()
         self.write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous and end > first \
@@ -305,7 +297,7 @@ class _StepCall:
         self.prefill = None
         if nd < md.num_seqs:
             self.prefill = md.prefill_launch(num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window,
-                                             new_kv=self.prefill_writes, all_seqs=unified, write_only=write_only)
+                                             new_kv=self.prefill_writes, all_seqs=unified)
         launches = [self.write, self.prefill, *(plan.launches(use_softcap, use_window, dtype == torch.float32,
                                                               self.fused_write) if plan is not None else ())]
         # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.

@@ -146,24 +146,21 @@ class AttentionMetadata:
 
     def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,
                        use_softcap: bool, use_window: bool, new_kv: bool = False,
-                       all_seqs: bool = False, write_only: int = 0) -> BoundLaunch | None:
+                       all_seqs: bool = False) -> BoundLaunch | None:
         """The prefill kernel bound to :attr:`prefill_args` (``ops.paged_prefill.bind_prefill``) for a layer shape,
         q's dtype and the soft cap's and window's presence, built at its first call in this step; None: no
         sequence to launch for. ``new_kv``: the form that writes the sequences' new keys and values itself.
         ``all_seqs``: bound to :attr:`all_seq_args` instead, the decodes too (a decode is a sequence with one new
-        token, on a tile of its own: ``decode_rows``): the unified launch, one for the whole step's attention.
-        ``write_only`` (with ``new_kv``): bound to every sequence too, the first that many (the decodes) written, not
-        attended (``ops.paged_prefill.bind_prefill``'s)."""
-        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv, all_seqs, write_only)
+        token, on a tile of its own: ``decode_rows``): the unified launch, one for the whole step's attention."""
+        key = (num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv, all_seqs)
         try:
             return self._prefills[key]
         except KeyError:
-            block_table, seq_lens, query_start_loc, max_query_len = \
-                self.all_seq_args if all_seqs or write_only else self.prefill_args
+            block_table, seq_lens, query_start_loc, max_query_len = self.all_seq_args if all_seqs else self.prefill_args
             launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
                                                         num_heads, num_kv_heads, head_size, page, dtype,
                                                         use_softcap, use_window, new_kv=new_kv,
-                                                        decode_rows=all_seqs, write_only=write_only)
+                                                        decode_rows=all_seqs)
             return launch
 
     def decodes_fit_unified(self, short: int = 0) -> bool:

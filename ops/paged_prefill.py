@@ -224,12 +224,11 @@ def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_le
              mask=io_mask)
 
 
-# num_write_only: a count of sequences (0 or several), not specialized (a value of 1 would compile apart).
-@triton.jit(do_not_specialize=["num_write_only"])
+@triton.jit
 def _prefill_kernel(
     q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_ptr, v_ptr,
     stride_q_t, stride_o_t, stride_k_t, stride_v_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
-    qk_scale, soft_cap, window, num_write_only,
+    qk_scale, soft_cap, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr,
@@ -239,8 +238,6 @@ def _prefill_kernel(
     # NEW_KV: the sequences' new keys and values are k / v's rows (as q's), not yet in the cache: the program writes
     # its own tokens' (_write_block_kv) and reads positions >= ctx_len from k / v, the cache below (written by
     # earlier steps): no program reads a slot of this launch's. Off: k_ptr, v_ptr and their strides are unused.
-    # The first num_write_only sequences (NEW_KV only) are written, not attended: the split form's decodes, which the
-    # decode kernel launched after this one attends from the cache.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks (most keys) first
     s = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -259,10 +256,7 @@ def _prefill_kernel(
     # The sequence's first new row, head kvh, of k and v (used under NEW_KV only)
     k_new_ptr = k_ptr + q_start.to(tl.int64) * stride_k_t + kvh * HEAD_D
     v_new_ptr = v_ptr + q_start.to(tl.int64) * stride_v_t + kvh * HEAD_D
-    if NEW_KV and s < num_write_only:  # a sequence whose new keys and values only are this launch's (a decode's)
-        _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
-                        stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, BLOCK_Q, PAGE)
-    elif DECODE_ROWS > 0 and q_len == 1:  # the unified launch's decodes: a tile of their own
+    if DECODE_ROWS > 0 and q_len == 1:  # the unified launch's decodes: a tile of their own
         _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_len, kvh, k_cache_ptr, v_cache_ptr,
                     bt_row, kv_off, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s, qk_scale,
                     soft_cap, window, offs_d, d_mask, GROUP, DECODE_ROWS, HEAD_D, BLOCK_D, PAGE, BLOCK_N,
@@ -355,7 +349,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
                          out: torch.Tensor | None = None, config: PrefillConfig | None = None,
                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         decode_rows: bool = False, write_only: int = 0) -> torch.Tensor:
+                         decode_rows: bool = False) -> torch.Tensor:
     """:func:`paged_prefill` in one Triton launch; writes ``out`` (rows of the sequences only) when given.
 
     ``max_query_len`` bounds every sequence's query length (a larger bound only adds programs that return at
@@ -363,8 +357,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     ``new_kv``: ``(k, v)``, ``[T, Hkv * D]`` rows as q's, the sequences' new keys and values, NOT yet in the cache:
     the launch writes them to their slots (from the block table, as ``write_kv_cache`` would) and attends to them
     from k and v, so that no separate cache-write launch is needed (the module's ``PREFILL_WRITES_KV``).
-    ``decode_rows``: sequences with one new token take a tile of their own; ``write_only``: the first that many
-    sequences are written (with ``new_kv``), not attended (see :func:`bind_prefill`).
+    ``decode_rows``: sequences with one new token take a tile of their own (see :func:`bind_prefill`).
     """
     _check_args(q, kv_cache, num_heads, head_size, out)
     if kv_cache.stride(-1) != 1:
@@ -378,7 +371,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     _, _, page, num_kv_heads, _ = kv_cache.shape
     launch = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len, num_heads, num_kv_heads, head_size,
                           page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config,
-                          new_kv=new_kv is not None, decode_rows=decode_rows, write_only=write_only)
+                          new_kv=new_kv is not None, decode_rows=decode_rows)
     if launch is not None:
         prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
     return out
@@ -396,18 +389,13 @@ def _check_new_kv(q: torch.Tensor, kv_cache: torch.Tensor, new_kv: tuple[torch.T
 def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                  num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype, use_softcap: bool,
                  use_window: bool, config: PrefillConfig | None = None, new_kv: bool = False,
-                 decode_rows: bool = False, write_only: int = 0) -> BoundLaunch | None:
+                 decode_rows: bool = False) -> BoundLaunch | None:
     """The prefill kernel bound to a batch's sequences and a layer shape (None: nothing to launch): what
     :func:`paged_prefill_triton` launches, less what may differ between layers (see :func:`prefill_launch`).
     The attention op binds it once a step (``models.AttentionMetadata.prefill_launch``). ``new_kv``: the form that
     writes the new keys and values itself (``NEW_KV``); its launches take k and v (:func:`prefill_launch`).
     ``decode_rows``: a sequence with one new token (a decode, in the attention op's unified launch) takes a tile of
-    its own, its query heads on ``max(16, group)`` rows, instead of the prompts' ``BLOCK_M`` (``DECODE_ROWS``).
-    ``write_only`` (with ``new_kv``): the first that many sequences' new keys and values are written, and the
-    sequences not attended (their output rows untouched): the attention op's split form, whose decode kernel,
-    launched after, attends the decodes."""
-    if write_only and not new_kv:
-        raise ValueError(f"bind_prefill: write_only ({write_only}) needs new_kv=True (the launch writes those rows)")
+    its own, its query heads on ``max(16, group)`` rows, instead of the prompts' ``BLOCK_M`` (``DECODE_ROWS``)."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return None
@@ -420,7 +408,7 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
     # Off, k and v are unused by the kernel: q stands for them, with zero strides (one specialization).
     k, v, kv_strides = (t(3), t(4), (s(9), s(10))) if new_kv else (t(0), t(0), (0, 0))
     args = (t(0), t(1), block_table, seq_lens, query_start_loc, t(2), k, v, s(0), s(1), *kv_strides,
-            s(2), s(3), s(4), s(5), block_table.stride(0), s(6), s(7), s(8), write_only)
+            s(2), s(3), s(4), s(5), block_table.stride(0), s(6), s(7), s(8))
     return _prefill_launch.bind(
         (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), args,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,

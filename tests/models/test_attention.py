@@ -388,10 +388,8 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
 @pytest.mark.parametrize("on", [False, True], ids=["off", "prefill_writes_kv"])
 def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     """attention_cuda's launches, recorded (no kernel runs): off, the cache write takes every token (the prompts' at
-    least); with models.attention.PREFILL_WRITES_KV (the default) the prefill launch, bound in its NEW_KV form, gets k
-    and v and no cache write is left: under fused_write the decode kernel writes the decodes' rows, else the prefill
-    launch, bound to every sequence and launched first, writes theirs too (write_only); a decode-only step is the
-    same either way."""
+    least); with models.attention.PREFILL_WRITES_KV (the default) the decodes' only (none under fused_write) and the
+    prefill launch, bound in its NEW_KV form, gets k and v; a decode-only step is the same either way."""
     import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
@@ -408,7 +406,7 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv, **_: calls.append(
         ("decode", new_kv is not None)))
     monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(
-        ("prefill", launch.kwargs["NEW_KV"], new_kv, launch.grid[1], launch.args[-1])))
+        ("prefill", launch.kwargs["NEW_KV"], new_kv)))
     for specs in (SPECS, [(0, 6), (5, 3)], [(9, 1), (3, 1)]):
         layer = new_layer()
         q, k, v, md = make_batch(layer, specs)
@@ -416,18 +414,12 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
         calls.clear()
         attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
         first = nd if fused_write else 0
-        prompts = nd < md.num_seqs
-        write_only = nd if on and prompts and not fused_write else 0  # the prefill launch writes the decodes' rows
-        end = (0 if write_only else nd) if on and prompts else t
+        end = nd if on and nd < md.num_seqs else t
         expected = [("write", end - first, k.data_ptr(), v.data_ptr(), first)] if end > first else []
-        prefill = [("prefill", on, (k, v) if on else None, md.num_seqs if write_only else md.num_seqs - nd,
-                    write_only)] if prompts else []
-        if write_only:
-            expected += prefill
         if nd:
             expected.append(("decode", fused_write))
-        if not write_only:
-            expected += prefill
+        if nd < md.num_seqs:
+            expected.append(("prefill", on, (k, v) if on else None))
         assert calls == expected, specs
 
 
@@ -513,9 +505,8 @@ def prefill_write_off_and_on(layer, specs, kw, monkeypatch, device="cpu", dtype=
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_cuda_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, monkeypatch):
     """models.attention.PREFILL_WRITES_KV on the GPU in bf16, the table's decode configs (the fused write at a few
-    decodes; at 40, the prefill launch writes theirs, write_only): a mixed step and a prompts-only one give the
-    output and the cache of the switch off, bit for bit, with k, v column slices of a qkv tensor as the models pass
-    them."""
+    decodes; at 40, the cache-write launch for theirs): a mixed step and a prompts-only one give the output and the
+    cache of the switch off, bit for bit, with k, v column slices of a qkv tensor as the models pass them."""
     many = [(5 + i, 1) for i in range(40)] + [(0, 6), (BLOCK * 3 + 1, 9)]
     for specs in (SPECS, many, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
         layer = new_layer(device="cuda", dtype=torch.bfloat16, num_blocks=len(specs) * 20, **kw)

@@ -165,9 +165,9 @@ def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monke
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, monkeypatch):
-    """models.attention.PREFILL_WRITES_KV on: the prompts' keys and values written by the prefill kernel, the
-    decodes' too (write_only: launched before the decode kernel, which reads them from the cache), or by the decode
-    kernel under fused_write: the output and the cache bit for bit those of the switch off (a cache-write launch), on a mixed step (decodes, whole prompts, a chunk after cached context), a
+    """models.attention.PREFILL_WRITES_KV on: the prompts' keys and values written by the prefill kernel (the
+    decodes' by the cache-write kernel, or by the decode kernel under fused_write): the output and the cache bit for
+    bit those of the switch off, on a mixed step (decodes, whole prompts, a chunk after cached context), a
     prompts-only one, with k, v column slices of a qkv tensor as the models pass them; GQA 2:1."""
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig

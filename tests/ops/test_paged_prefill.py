@@ -357,33 +357,6 @@ def test_interpreted_new_kv_form_as_the_attention_op_calls_it(config):
     assert got_cache.view(2, -1, num_kv_heads, head_size)[:, md.slot_mapping[:first]].isnan().all()  # decodes': not
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
-def test_interpreted_write_only_sequences_are_written_not_attended(config):
-    """``write_only``: the first sequences (the decodes) of a launch bound to every one get their new keys and values
-    written, their output rows untouched; the others' output and the whole cache equal the write of every row, then
-    the plain form of the others; without new_kv, write_only is refused, naming it."""
-    from ops.paged_prefill import bind_prefill
-
-    num_heads, num_kv_heads, head_size = 6, 2, 64
-    q, k, v, cache, md = prefill_batch(SPECS, num_heads, num_kv_heads, head_size, seed=3)
-    nd = md.num_decodes
-    first = md.query_start_loc_cpu[nd]
-    start = poisoned(cache, md)
-    expected_cache, expected = start.clone(), torch.full_like(q, 7.0)
-    ops.write_kv_cache_triton(expected_cache, k, v, md.slot_mapping)
-    ops.paged_prefill_triton(q, expected_cache, md.block_table[nd:], md.seq_lens[nd:], md.query_start_loc[nd:], 64,
-                             num_heads, head_size, head_size**-0.5, out=expected, config=config)
-    got_cache, out = start.clone(), torch.full_like(q, 7.0)
-    ops.paged_prefill_triton(q, got_cache, md.block_table, md.seq_lens, md.query_start_loc, 64, num_heads, head_size,
-                             head_size**-0.5, out=out, config=config, new_kv=(k, v), write_only=nd)
-    assert nd > 0 and torch.equal(out, expected) and (out[:first] == 7.0).all()
-    assert torch.equal(got_cache, expected_cache) and not got_cache.isnan().any()
-    with pytest.raises(ValueError, match="write_only"):
-        bind_prefill(md.block_table, md.seq_lens, md.query_start_loc, 64, num_heads, num_kv_heads, head_size, BLOCK,
-                     q.dtype, False, False, write_only=nd)
-
-
 def test_new_kv_form_binds_k_v_and_their_strides_in_the_kernels_order():
     """bind_prefill's argument list against the kernel's parameters: with new_kv, k, v and their row strides from
     the call; without, q and zero strides in their places (unused), and NEW_KV off."""
