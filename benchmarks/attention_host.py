@@ -6,7 +6,8 @@ pieces' CUDA-graph replays, once per layer: its host time, not its GPU time, set
 it is the larger. For each model's attention shape (bf16 paged cache, 16-token blocks) and B decode
 sequences of ``--context`` cached tokens, plus one ``--prefill``-token prompt (0: decodes only), this
 times a step's worth of calls (one per layer of the model, a fresh metadata object per step, as the
-runner builds one: the first call builds the step's decode plan, the others reuse it):
+runner builds one: the first call builds the step's decode plan, the others reuse it; ``plan``: ``built``, or
+``inherited`` from the last step's, as the runner's consecutive steps of one shape take it over):
 
 The calls are made as inside a piecewise step (the op writes into the layer's persistent output buffer).
 
@@ -98,12 +99,17 @@ class MixedStep:
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_table=table.to(device),
             num_decodes=batch, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
             workspace=DecodeWorkspace(batch))
+        self.last: AttentionMetadata | None = None  # the last step's metadata
 
-    def step(self) -> None:
-        """One step's calls, one per layer, under a fresh metadata object (its plan built by the first), each as
-        the piecewise path's split graph makes it: the op's eager function where one is set
-        (``plugins.set_splitting_op_eager_impl``, as ``models.attention`` does), else the op."""
+    def step(self, inherit: bool = False) -> None:
+        """One step's calls, one per layer, under a fresh metadata object (its plan built by the first; with
+        ``inherit``, taken over from the last step's, as the engine's steps of one shape do:
+        ``AttentionMetadata.inherit``), each as the piecewise path's split graph makes it: the op's eager function
+        where one is set (``plugins.set_splitting_op_eager_impl``, as ``models.attention`` does), else the op."""
         md = dataclasses.replace(self.md)
+        if inherit and not md.inherit(self.last):
+            raise RuntimeError("attention_host: the step did not take over the last one's plans")
+        self.last = md
         q, k, v = self.q, self.k, self.v
         op = plugins.get_splitting_op_eager_impl("dynamo_once::attention") or torch.ops.dynamo_once.attention
         with set_forward_context(ForwardContext({"attn": self.layer}, md)), piecewise_step():
@@ -131,8 +137,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(s: MixedStep, device: torch.device, steps: int) -> tuple[float, float | None]:
-    """``(host µs per call, GPU µs per call or None)``: medians over ``steps`` steps."""
+def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> tuple[float, float | None]:
+    """``(host µs per call, GPU µs per call or None)``: medians over ``steps`` steps (``inherit``: see
+    :meth:`MixedStep.step`)."""
     with torch.inference_mode():
         for _ in range(3):  # compiles, plans, allocator warm
             s.step()
@@ -140,7 +147,7 @@ def time_step(s: MixedStep, device: torch.device, steps: int) -> tuple[float, fl
         for _ in range(steps):
             _sync(device)
             t0 = time.perf_counter()
-            s.step()
+            s.step(inherit)
             host.append((time.perf_counter() - t0) * 1e6 / s.num_layers)
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -181,22 +188,25 @@ def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str |
 
 
 def measure(names: list[str], batches: list[int], prefills: list[int], context: int, device: torch.device,
-            dtype: torch.dtype, steps: int, launches: list[str], forms: list[str]) -> list[dict[str, Any]]:
+            dtype: torch.dtype, steps: int, launches: list[str], forms: list[str],
+            plans: list[str]) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         for prefill in prefills:
             for b in batches:
                 s = MixedStep(name, b, prefill, context, device, dtype)
-                for form, launch in ((f, la) for f in (forms if prefill else forms[:1]) for la in launches):
+                for form, launch, plan in ((f, la, pl) for f in (forms if prefill else forms[:1]) for la in launches
+                                           for pl in plans):
                     FastLaunch.enabled = launch == "fast"
                     attention_module.UNIFIED_ATTENTION = form == "unified"
                     try:
-                        host, gpu = time_step(s, device, steps)
+                        host, gpu = time_step(s, device, steps, plan == "inherited")
                     finally:
                         FastLaunch.enabled = True
                         attention_module.UNIFIED_ATTENTION = UNIFIED_DEFAULT
                     rows.append(dict(model=name, decodes=b, prefill=prefill, form=form if prefill else "",
-                                     launch=launch, host_us=round(host, 1), gpu_us=None if gpu is None else round(gpu, 1),
+                                     launch=launch, plan=plan, host_us=round(host, 1),
+                                     gpu_us=None if gpu is None else round(gpu, 1),
                                      host_over_gpu=None if not gpu else round(host / gpu, 2)))
                     print(rows[-1], flush=True)
                 del s
@@ -207,7 +217,8 @@ def plot(name: str, rows: list[dict[str, Any]], out_dir: str | None) -> str | No
     """``<name>.png``: host and GPU µs per call against the decode batch, a panel per model, a line per launch
     path, prompt and clock (no GPU line on the CPU)."""
     lines = [dict(model=r["model"], decodes=int(r["decodes"]), us=float(r[f"{clock}_us"]),
-                  line=f"{r['launch']}{', ' + r['form'] if r.get('form') else ''}, prefill {r['prefill']}: {clock}")
+                  line=f"{r['launch']}, {r['plan']}{', ' + r['form'] if r.get('form') else ''}, prefill "
+                       f"{r['prefill']}: {clock}")
              for r in rows for clock in ("host", "gpu") if r.get(f"{clock}_us") not in ("", None)]
     return common.plot_panels(name, lines, x="decodes", y="us", series="line", panel="model", logx=True,
                               out_dir=out_dir, title="dynamo_once::attention on a mixed step: host µs against GPU "
@@ -226,6 +237,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--forms", default="unified,split",
                    help="with a prompt: unified (models.attention.UNIFIED_ATTENTION on: one launch a layer where the "
                         "step fits it) and/or split (off); decode-only steps take the first")
+    p.add_argument("--plans", default="built,inherited",
+                   help="built (each step's metadata builds its plans: a step of another shape than the last) and/or "
+                        "inherited (taken over from the last step's: AttentionMetadata.inherit, as the engine's "
+                        "consecutive steps of one shape)")
     p.add_argument("--quick", action="store_true", help="tiny-llama's shape on the CPU, to check the harness")
     p.add_argument("--cprofile", action="store_true",
                    help="instead of the table: cProfile the first model, batch and prefill given (the fast path), "
@@ -246,20 +261,26 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         except ValueError:
             p.error(f"--batches, --prefill: expected comma-separated integers; got {a.batches!r}, {a.prefill!r}")
         context, steps, launches = a.context, a.steps, a.launches.split(",")
-    forms = a.forms.split(",")
+    forms, plans = a.forms.split(","), a.plans.split(",")
     if not forms or not set(forms) <= set(FORMS) or not set(launches) <= {"fast", "triton"}:
         p.error(f"--forms: expected unified and/or split, --launches: fast and/or triton; got {a.forms!r}, "
                 f"{a.launches!r}")
+    if not set(plans) <= {"built", "inherited"}:
+        p.error(f"--plans: expected built and/or inherited; got {a.plans!r}")
     if a.cprofile:
         print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out))
         return []
-    rows = measure(names, batches, prefills, context, device, dtype, steps, launches, forms)
+    rows = measure(names, batches, prefills, context, device, dtype, steps, launches, forms, plans)
     stem = "attention_host" + ("_quick" if a.quick else "")
     common.write_results(stem, rows, device=device, out_dir=a.out,
                          title="Host time of one dynamo_once::attention call (eager, as on the piecewise path)",
                          notes=[f"B decodes of {context} cached tokens each, plus one prompt of `prefill` tokens "
                                 "(0: none); bf16 paged cache, 16-token blocks; one call per layer of the model a "
-                                "step, a fresh metadata object per step (the first call builds the decode plan)",
+                                "step, a fresh metadata object per step",
+                                "plan: built = the step's first call builds its plans and bound launches (a step of "
+                                "another shape than the last); inherited = the metadata takes them, and the launches "
+                                "the last step's first call recorded, over from the last step's "
+                                "(AttentionMetadata.inherit, as the engine's consecutive steps of one shape)",
                                 "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
                                 f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",

@@ -89,6 +89,34 @@ class AttentionMetadata:
     #: The attention op's per-step state by layer configuration (``models.attention``'s CUDA path: its plan and
     #: bound launches, gathered for one lookup a layer); built at the first call, as the caches above.
     layer_calls: dict[tuple, object] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    #: What :meth:`decodes_fit_unified` answered, by threshold: the one fact of the step's per-sequence lengths that
+    #: the state above is built from (:meth:`inherit` compares it).
+    _fits: dict[int, bool] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def inherit(self, previous: AttentionMetadata | None) -> bool:
+        """Take over ``previous``'s per-step state (decode plans, bound launches, the attention op's
+        :attr:`layer_calls` with their recorded launch programs) when this step's would be built the same; True if
+        it did. Call it on a new object, before its first use.
+
+        That is the case when the two steps have the same device tensors (address, shape, strides, dtype: views
+        of the same persistent buffers at the same sizes), decode count, query layout (``query_start_loc_cpu``) and
+        workspace, and :meth:`decodes_fit_unified` gives this step the answers it gave ``previous``. Nothing else
+        the state holds is read on the host: the kernels read the tensors' contents (positions, lengths, blocks)
+        when they run. A serving engine's consecutive steps of one shape (a prompt's chunks beside the same
+        decodes) then pay the plan and the first layer's binding once, not once a step."""
+        if previous is None or previous is self or previous.workspace is not self.workspace \
+                or previous.num_decodes != self.num_decodes \
+                or previous.query_start_loc_cpu != self.query_start_loc_cpu:
+            return False
+        tensors = ("slot_mapping", "query_start_loc", "seq_lens", "block_table")
+        if any(_layout(getattr(self, name)) != _layout(getattr(previous, name)) for name in tensors):
+            return False
+        if any(self.decodes_fit_unified(short) != fit for short, fit in previous._fits.items()):
+            return False
+        self._plans, self._writes, self._prefills = previous._plans, previous._writes, previous._prefills
+        self.layer_calls = previous.layer_calls
+        self._fits = dict(previous._fits)
+        return True
 
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
                     device: torch.device) -> DecodePlan:
@@ -169,10 +197,11 @@ class AttentionMetadata:
         sequence for a KV head (no split), as one reads the longest prompt's last query block: a decode no longer
         than that does not outlast the prompts' programs, and one of at most ``short`` tokens takes less GPU time
         than the separate launches' host time would (the caller's threshold)."""
-        nd, lens = self.num_decodes, self.seq_lens_cpu
-        if nd == len(lens):
-            return False
-        return nd == 0 or max(lens[:nd]) <= max(short, max(lens[nd:]))
+        fit = self._fits.get(short)
+        if fit is None:
+            nd, lens = self.num_decodes, self.seq_lens_cpu
+            fit = self._fits[short] = nd != len(lens) and (nd == 0 or max(lens[:nd]) <= max(short, max(lens[nd:])))
+        return fit
 
     @functools.cached_property
     def seq_spans(self) -> list[tuple[int, int, int]]:
@@ -191,6 +220,11 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == self.num_seqs
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What a bound launch takes from a tensor besides its contents."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
 
 
 @dataclasses.dataclass

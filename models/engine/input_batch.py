@@ -64,6 +64,7 @@ class InputBatch:
         self.pad_block: int | None = None  # the cache block padding writes to, reserved with the CUDA graphs
         # The decode kernels' split-KV scratch, shared by every step's metadata (see AttentionMetadata.decode_plan).
         self.decode_workspace = DecodeWorkspace(max_num_seqs)
+        self._last_metadata: AttentionMetadata | None = None  # the last step's (see metadata)
 
     def prepare(self, batch: list[tuple[Seq, int]], num_decodes: int, padding: Padding,
                 device_ids: torch.Tensor | None = None, id_rows: list[int] | None = None
@@ -128,12 +129,21 @@ class InputBatch:
                 torch.index_select(device_ids, 0, self._id_rows[:b], out=self.input_ids[:b])
         if full_graph:
             return True, num_seqs, num_tokens, t, images, None
+        md = self.metadata(num_seqs, num_tokens, num_decodes + pad_seqs, starts, lens)
+        return False, num_seqs, num_tokens, t, images, md
+
+    def metadata(self, num_seqs: int, num_tokens: int, num_decodes: int, starts: list[int],
+                 lens: list[int]) -> AttentionMetadata:
+        """The attention metadata of a staged step (views of the persistent buffers at its sizes). It takes over the
+        last such step's plans and bound launches when they would be built the same (``AttentionMetadata.inherit``:
+        a prompt's chunks beside the same decodes, say), so that such a step's first layer binds nothing."""
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:num_seqs + 1],
-            seq_lens=self.seq_lens[:num_seqs], block_table=self.block_table[:num_seqs],
-            num_decodes=num_decodes + pad_seqs, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
-            workspace=self.decode_workspace)
-        return False, num_seqs, num_tokens, t, images, md
+            seq_lens=self.seq_lens[:num_seqs], block_table=self.block_table[:num_seqs], num_decodes=num_decodes,
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens), workspace=self.decode_workspace)
+        md.inherit(self._last_metadata)
+        self._last_metadata = md
+        return md
 
     def add_padding(self, ids: list[int], pos: list[int], slots: list[int], starts: list[int], lens: list[int],
                     pad_seqs: int, pad_tokens: int) -> None:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from dispatcher import envs
 
-from ..forward_context import AttentionMetadata
 from .state import destroy_tensor_parallel, init_tensor_parallel, use_tensor_parallel
 from .symmetric import enable_from_env as enable_symmetric
 
@@ -129,9 +128,5 @@ def run_step(runner: Any, message: tuple) -> None:
         dist.broadcast(inputs.input_ids[:b], src=0)
     md = None
     if not full_graph:  # as InputBatch.prepare builds it
-        md = AttentionMetadata(
-            slot_mapping=inputs.slot_mapping[:num_tokens], query_start_loc=inputs.query_start_loc[:num_seqs + 1],
-            seq_lens=inputs.seq_lens[:num_seqs], block_table=inputs.block_table[:num_seqs],
-            num_decodes=num_decodes, query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens),
-            workspace=inputs.decode_workspace)
+        md = inputs.metadata(num_seqs, num_tokens, num_decodes, starts, lens)
     runner._forward_step(full_graph, num_seqs, num_tokens, t, b, [], md)

@@ -289,11 +289,13 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
     from benchmarks import attention_host
 
     rows = attention_host.main(["--quick", "--out", str(tmp_path)])
-    # with a prompt, both forms (the A/B of models.attention.UNIFIED_ATTENTION); decode-only steps once
-    assert sorted((r["decodes"], r["prefill"], r["form"]) for r in rows) == [
-        (1, 0, ""), (1, 32, "split"), (1, 32, "unified"), (4, 0, ""), (4, 32, "split"), (4, 32, "unified")]
+    # with a prompt, both forms (the A/B of models.attention.UNIFIED_ATTENTION); decode-only steps once; each with
+    # the plans built, and inherited from the last step's
+    shapes = [(1, 0, ""), (1, 32, "split"), (1, 32, "unified"), (4, 0, ""), (4, 32, "split"), (4, 32, "unified")]
+    assert sorted((r["decodes"], r["prefill"], r["form"], r["plan"]) for r in rows) == [
+        (*shape, plan) for shape in shapes for plan in ("built", "inherited")]
     assert all(r["host_us"] > 0 and r["gpu_us"] is None for r in rows)
-    assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 6
+    assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 12
     assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
 

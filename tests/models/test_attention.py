@@ -363,25 +363,30 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
     batches[3] = (wide[:, :HEADS * HEAD], *batches[3][1:])  # the last layer's q: another row stride
     starts = [layer.kv_cache.clone() for layer in layers]
 
-    def step(fast):
+    def step(fast, previous=None):
         monkeypatch.setattr(triton_utils.FastLaunch, "enabled", fast)
         for layer, start in zip(layers, starts):
             layer.kv_cache.copy_(start)
-        context = ForwardContext({layer.layer_name: layer for layer in layers}, dataclasses.replace(md))
-        with set_forward_context(context):
+        step_md = dataclasses.replace(md)
+        assert step_md.inherit(previous) == (previous is not None)
+        with set_forward_context(ForwardContext({layer.layer_name: layer for layer in layers}, step_md)):
             outs = [torch.ops.dynamo_once.attention(q, k, v, layer.layer_name)
                     for layer, (q, k, v, _) in zip(layers, batches)]
-        return outs, [layer.kv_cache.clone() for layer in layers]
+        return outs, [layer.kv_cache.clone() for layer in layers], step_md
 
     expected = step(False)
     step(True)  # compiles whatever the fast path needs
     counters = [_decode_split_launch, _prefill_launch]
     before = sum(c.fast_launches for c in counters)
     got = step(True)
+    # The next step of this shape (AttentionMetadata.inherit, as the engine's steps): every layer, the first too,
+    # replays the last step's recorded launches.
+    again = step(True, previous=got[2])
     torch.cuda.synchronize()
     assert sum(c.fast_launches for c in counters) >= before + len(layers)
-    for a, b in zip(got[0] + got[1], expected[0] + expected[1]):
+    for a, b, c in zip(got[0] + got[1], expected[0] + expected[1], again[0] + again[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(c, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
@@ -566,6 +571,46 @@ def test_decodes_fit_unified_compares_the_longest_decode_with_the_longest_prompt
     assert not longer.decodes_fit_unified() and not longer.decodes_fit_unified(20) and longer.decodes_fit_unified(21)
     assert make_batch(new_layer(), [(0, 4)])[3].decodes_fit_unified()  # no decode
     assert not make_batch(new_layer(), [(3, 1)])[3].decodes_fit_unified(2048)  # no prompt
+
+
+def _next_step(md, **changes):
+    """The next step's metadata over the same buffers: every sequence one token further unless ``changes`` say
+    otherwise (the host copies; the device tensors are read only when kernels run)."""
+    lens = [n + 1 for n in md.seq_lens_cpu]
+    return dataclasses.replace(md, **{"seq_lens_cpu": lens, "max_seq_len": max(lens), **changes})
+
+
+NEXT_STEPS = {
+    "another query layout": lambda md: _next_step(md, query_start_loc_cpu=[0, 1, 2, 3, 8, 12, 20]),
+    "another decode count": lambda md: _next_step(md, num_decodes=2),
+    "another buffer": lambda md: _next_step(md, slot_mapping=md.slot_mapping.clone()),
+    "a longer view": lambda md: _next_step(md, block_table=torch.zeros(6, 9, dtype=torch.int32)[:, :8]),
+    "another workspace": lambda md: _next_step(md, workspace=DecodeWorkspace(max_num_seqs=8)),
+    "a decode past the unified threshold": lambda md: _next_step(
+        md, seq_lens_cpu=[30, 1, 14, 6, 17, 11], max_seq_len=30),
+}
+
+
+@pytest.mark.parametrize("change", [None, *NEXT_STEPS])
+def test_a_step_of_the_last_ones_shape_takes_over_its_plans_and_bound_launches(change):
+    """AttentionMetadata.inherit: a step over the same buffers, decode count and query layout (only lengths and
+    contents moved on) takes over the last step's decode plan, bound launches and the attention op's per-layer
+    state; any difference in what they are built from, the unified launch's fit among it, builds its own."""
+    layer = new_layer()
+    _, _, _, md = make_batch(layer, UNIFIED_SPECS)
+    last = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=8))
+    cpu = torch.device("cpu")
+    plan = last.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
+    prefill = last.prefill_launch(HEADS, KV_HEADS, HEAD, BLOCK, torch.float32, False, False, all_seqs=True)
+    assert last.decodes_fit_unified(4) and prefill is not None
+    step = _next_step(last) if change is None else NEXT_STEPS[change](last)
+    inherited = step.inherit(last)
+    assert inherited == (change is None)
+    assert (step.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan) == inherited
+    assert (step.prefill_launch(HEADS, KV_HEADS, HEAD, BLOCK, torch.float32, False, False, all_seqs=True)
+            is prefill) == inherited
+    assert (step.layer_calls is last.layer_calls) == inherited
+    assert not _next_step(last).inherit(None)
 
 
 def unified_and_split(layer, specs, kw, monkeypatch, device="cpu", dtype=torch.float32):

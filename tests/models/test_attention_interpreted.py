@@ -83,6 +83,32 @@ def test_llm_with_the_cuda_attention_path_generates_the_native_paths_tokens(mode
     assert llm.stats.num_mixed_steps >= 1  # 16 tokens a step: the 13-token prompt is chunked next to decodes
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_llm_steps_of_one_shape_take_over_the_last_steps_launches_and_generate_the_native_tokens(level,
+                                                                                                  monkeypatch):
+    """A long prompt chunked beside the same decodes: consecutive steps of one shape, each taking over the last
+    one's plans and bound launches (AttentionMetadata.inherit) on the CUDA path's kernels (forced onto CPU tensors),
+    give the native path's greedy tokens."""
+    from models import LLM, AttentionMetadata
+    from models.attention import Attention
+
+    prompts = [[1, 2, 3], [9, 8], [5, 6, 7, 8] * 16]  # 64 tokens: chunks of 14 beside two decodes
+    native = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    expected = native.generate(prompts, max_new_tokens=6)
+
+    def forward_impl(self, q, k, v, md):
+        return attention_cuda(q, k, v, self.kv_cache, md, self.num_heads, self.head_size, self.scale,
+                              self.sliding_window, self.logits_soft_cap)
+
+    taken = []
+    inherit = AttentionMetadata.inherit
+    monkeypatch.setattr(Attention, "forward_impl", forward_impl)
+    monkeypatch.setattr(AttentionMetadata, "inherit", lambda md, last: taken.append(inherit(md, last)) or taken[-1])
+    llm = LLM("tiny-llama", level=level, max_num_tokens=16, max_num_seqs=4)
+    assert llm.generate(prompts, max_new_tokens=6) == expected
+    assert sum(taken) >= 2  # 14-token chunks beside the 2 decodes, step after step
+
+
 @pytest.mark.parametrize("num_decodes", [1, 5])
 def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes, monkeypatch):
     """Three layers' calls on one step's metadata with a persistent workspace: one plan, the native results (the
