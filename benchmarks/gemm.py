@@ -220,8 +220,20 @@ _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 
 _SPLIT_16 = [(16, 16, 256, 2, True, 4, 4), (16, 32, 128, 2, True, 4, 4), (16, 32, 256, 3, True, 4, 4),
              (16, 32, 256, 2, True, 4, 4, 1, True), (16, 32, 256, 3, True, 4, 4, 1, True),
              (16, 32, 256, 4, True, 4, 4, 1, True)]
-_DOT_WIDE = [(64, 64, 256, 1, True, 8, 3), (64, 128, 128, 1, True, 4, 3), (64, 128, 128, 1, True, 8, 3),
-             (128, 64, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 3), (128, 64, 256, 1, True, 8, 3)]
+# Past 16 rows: wider tiles (more weight bytes in flight a program, fewer programs re-reading a's rows) and
+# deeper pipelines; at M > 64 also tiles as tall as 128 rows (the weights read once for every row), 8 warps
+# (two warpgroups of wgmma) and split K for the narrow shapes.
+_DOT_MID = [(32, 64, 256, 1, True, 4, 3), (32, 128, 128, 1, True, 4, 4), (32, 64, 128, 1, True, 4, 5),
+            (32, 32, 256, 1, True, 4, 5)]
+_DOT_WIDE = [(64, 64, 128, 1, True, 4, 5), (64, 128, 128, 1, True, 4, 4), (64, 128, 128, 1, True, 8, 4),
+             (64, 64, 256, 1, True, 4, 3), (128, 32, 128, 1, True, 4, 4), (128, 32, 256, 1, True, 4, 3),
+             (128, 64, 128, 1, True, 4, 4), (128, 64, 128, 1, True, 8, 4), (128, 64, 256, 1, True, 8, 3),
+             (128, 128, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 4), (128, 128, 64, 1, True, 8, 5),
+             (128, 256, 64, 1, True, 8, 4), (128, 64, 128, 2, True, 8, 4), (128, 32, 256, 2, True, 4, 3),
+             (64, 64, 128, 2, True, 4, 5), (64, 128, 128, 2, True, 4, 4), (128, 128, 128, 2, True, 8, 3),
+             (128, 128, 128, 4, True, 8, 3), (128, 128, 128, 4, True, 8, 3, 1, True), (64, 64, 128, 1, True, 4, 6),
+             (64, 32, 256, 1, True, 4, 5), (64, 32, 128, 1, True, 4, 6), (128, 64, 128, 1, True, 4, 5),
+             (64, 128, 64, 1, True, 4, 6)]
 
 
 def sweep_grid(m: int) -> list[SmallMConfig]:
@@ -229,7 +241,7 @@ def sweep_grid(m: int) -> list[SmallMConfig]:
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
-        rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else [])
+        rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else [(bm,) + r[1:] for r in _DOT_MID])
     return [SmallMConfig(*r) for r in rows]
 
 

@@ -277,15 +277,15 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head 128256: 236.6 / 247.8
     _R(16, _F16, 0.0, 16384, _C(16, 64, 256, num_warps=8, num_stages=3)),  # gate-up: 57.3 / 56.5 (M=16 59.2 / 61.9)
     _R(16, _F16, 0.0, 0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # qkv 15.2 / 16.0, o 11.3 / 13.3
-    # int8 up to INT8_TRITON_MAX_M, from the sweep at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv), µs
-    # ours / cuBLAS's torch._int_mm at M = 32 (and 128 for the 64-row tiles).
-    _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 19.6 / 42.1
-    _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 33.7 / 52.1
-    _R(32, _I8, 0.0, 0, _C(32, 32, 256, num_warps=4, num_stages=4)),  # qkv 11.3 / 21.1, o 8.5 / 20.8
-    _R(128, _I8, 2.0, 0, _C(64, 32, 256, num_warps=4, num_stages=4)),  # down (M=128): 27.5 / 45.0
-    _R(128, _I8, 0.0, 16384, _C(64, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 48.7 / 93.5
-    _R(128, _I8, 0.0, 6144, _C(64, 32, 128, num_warps=4, num_stages=4)),  # qkv: 13.6 / 33.4
-    _R(128, _I8, 0.0, 0, _C(64, 32, 256, num_warps=4, num_stages=4)),  # o: 10.5 / 23.4
+    # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
+    # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
+    _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 19.4 / 41.6
+    _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 33.7 / 52.1 (see below)
+    _R(32, _I8, 0.0, 0, _C(32, 32, 256, num_warps=4, num_stages=4)),  # qkv 10.2 / 21.0, o 7.9 / 20.7
+    _R(128, _I8, 2.0, 0, _C(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5)),  # down: 25.7 / 44.8 (was 64x32: 29.2)
+    _R(128, _I8, 0.0, 16384, _C(128, 128, 128, num_warps=8, num_stages=3)),  # gate-up: 37.0 / 92.8 (was 64x64: 48.4)
+    _R(128, _I8, 0.0, 6144, _C(64, 64, 128, num_warps=4, num_stages=5)),  # qkv: 12.2 / 33.8 (was 64x32: 14.8)
+    _R(128, _I8, 0.0, 0, _C(64, 32, 256, num_warps=4, num_stages=4)),  # o: 9.7 / 23.4
     # Past the ops' range: untuned, for the benchmark's crossover.
     _R(32, _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
     _R(32, _F16, 0.0, 0, _C(32, 64, 64, num_warps=4, num_stages=4)),
