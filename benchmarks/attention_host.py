@@ -101,11 +101,12 @@ class MixedStep:
             workspace=DecodeWorkspace(batch))
         self.last: AttentionMetadata | None = None  # the last step's metadata
 
-    def step(self, inherit: bool = False) -> None:
+    def step(self, inherit: bool = False, marks: list[float] | None = None) -> None:
         """One step's calls, one per layer, under a fresh metadata object (its plan built by the first; with
         ``inherit``, taken over from the last step's, as the engine's steps of one shape do:
         ``AttentionMetadata.inherit``), each as the piecewise path's split graph makes it: the op's eager function
-        where one is set (``plugins.set_splitting_op_eager_impl``, as ``models.attention`` does), else the op."""
+        where one is set (``plugins.set_splitting_op_eager_impl``, as ``models.attention`` does), else the op.
+        ``marks``: ``time.perf_counter()`` is appended after each call."""
         md = dataclasses.replace(self.md)
         if inherit and not md.inherit(self.last):
             raise RuntimeError("attention_host: the step did not take over the last one's plans")
@@ -115,6 +116,8 @@ class MixedStep:
         with set_forward_context(ForwardContext({"attn": self.layer}, md)), piecewise_step():
             for _ in range(self.num_layers):
                 op(q, k, v, "attn")
+                if marks is not None:
+                    marks.append(time.perf_counter())
 
 
 @contextlib.contextmanager
@@ -137,32 +140,47 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> tuple[float, float | None]:
-    """``(host µs per call, GPU µs per call or None)``: medians over ``steps`` steps (``inherit``: see
-    :meth:`MixedStep.step`)."""
+@dataclasses.dataclass
+class StepTimes:
+    """Medians over a run's steps, µs: ``host`` per call (the whole step over its calls), ``first`` the step's
+    first call (with what the step sets up before it: metadata, forward context), ``later`` per call after it;
+    ``gpu`` per call (CUDA events around a step of the same plan mode), None on the CPU."""
+
+    host: float
+    first: float
+    later: float
+    gpu: float | None
+
+
+def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> StepTimes:
+    """:class:`StepTimes` over ``steps`` steps (``inherit``: see :meth:`MixedStep.step`)."""
     with torch.inference_mode():
         for _ in range(3):  # compiles, plans, allocator warm
             s.step()
-        host, gpu = [], []
+        host, first, later, gpu = [], [], [], []
         for _ in range(steps):
             _sync(device)
-            t0 = time.perf_counter()
-            s.step(inherit)
-            host.append((time.perf_counter() - t0) * 1e6 / s.num_layers)
+            marks = [time.perf_counter()]
+            s.step(inherit, marks)
+            host.append((marks[-1] - marks[0]) * 1e6 / s.num_layers)
+            first.append((marks[1] - marks[0]) * 1e6)
+            later.append((marks[-1] - marks[1]) * 1e6 / max(s.num_layers - 1, 1))
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                s.step()
+                s.step(inherit)
                 end.record()
                 end.synchronize()
                 gpu.append(start.elapsed_time(end) * 1e3 / s.num_layers)
-    return statistics.median(host), (statistics.median(gpu) if gpu else None)
+    return StepTimes(statistics.median(host), statistics.median(first), statistics.median(later),
+                     statistics.median(gpu) if gpu else None)
 
 
-def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str | None, rows: int = 40) -> str:
-    """cProfile over ``steps`` steps of ``s`` (the fast launch path): the functions by their own time, as text
-    (``attention_host_profile.txt`` under ``out_dir``). Where a call's host µs go on the GPU's host: Python, the
-    bound launches, the C launcher."""
+def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str | None, rows: int = 40,
+                  inherit: bool = False) -> str:
+    """cProfile over ``steps`` steps of ``s`` (the fast launch path; ``inherit``: see :meth:`MixedStep.step`): the
+    functions by their own time, as text (``attention_host_profile.txt`` under ``out_dir``). Where a call's host µs
+    go on the GPU's host: Python, the bound launches, the C launcher."""
     import cProfile
     import io
     import pstats
@@ -174,12 +192,12 @@ def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str |
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
-            s.step()
+            s.step(inherit)
         prof.disable()
         _sync(device)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
-    text = f"{steps} steps x {s.num_layers} calls\n" + buf.getvalue()
+    text = f"{steps} steps x {s.num_layers} calls, plans {'inherited' if inherit else 'built'}\n" + buf.getvalue()
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "attention_host_profile.txt"), "w") as f:
@@ -200,14 +218,15 @@ def measure(names: list[str], batches: list[int], prefills: list[int], context: 
                     FastLaunch.enabled = launch == "fast"
                     attention_module.UNIFIED_ATTENTION = form == "unified"
                     try:
-                        host, gpu = time_step(s, device, steps, plan == "inherited")
+                        t = time_step(s, device, steps, plan == "inherited")
                     finally:
                         FastLaunch.enabled = True
                         attention_module.UNIFIED_ATTENTION = UNIFIED_DEFAULT
                     rows.append(dict(model=name, decodes=b, prefill=prefill, form=form if prefill else "",
-                                     launch=launch, plan=plan, host_us=round(host, 1),
-                                     gpu_us=None if gpu is None else round(gpu, 1),
-                                     host_over_gpu=None if not gpu else round(host / gpu, 2)))
+                                     launch=launch, plan=plan, host_us=round(t.host, 1),
+                                     first_call_us=round(t.first, 1), later_call_us=round(t.later, 1),
+                                     gpu_us=None if t.gpu is None else round(t.gpu, 1),
+                                     host_over_gpu=None if not t.gpu else round(t.host / t.gpu, 2)))
                     print(rows[-1], flush=True)
                 del s
     return rows
@@ -268,7 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not set(plans) <= {"built", "inherited"}:
         p.error(f"--plans: expected built and/or inherited; got {a.plans!r}")
     if a.cprofile:
-        print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out))
+        print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out,
+                            inherit=plans[0] == "inherited"))
         return []
     rows = measure(names, batches, prefills, context, device, dtype, steps, launches, forms, plans)
     stem = "attention_host" + ("_quick" if a.quick else "")
@@ -282,7 +302,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 "the last step's first call recorded, over from the last step's "
                                 "(AttentionMetadata.inherit, as the engine's consecutive steps of one shape)",
                                 "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
-                                f"{steps} steps, each from an idle GPU); gpu_us: CUDA events around a step, per call",
+                                f"{steps} steps, each from an idle GPU); first_call_us: the step's first call, with "
+                                "the step's setup before it (metadata, forward context); later_call_us: per call "
+                                "after it; gpu_us: CUDA events around a step of the same plan, per call",
                                 "launch: fast = ops.triton_utils.FastLaunch (default), triton = kernel[grid](...)",
                                 "form (steps with a prompt): unified = one launch of ops.paged_prefill_triton for "
                                 "every sequence, writing the new keys and values (models.attention.UNIFIED_ATTENTION, "

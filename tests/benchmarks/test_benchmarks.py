@@ -295,6 +295,8 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
     assert sorted((r["decodes"], r["prefill"], r["form"], r["plan"]) for r in rows) == [
         (*shape, plan) for shape in shapes for plan in ("built", "inherited")]
     assert all(r["host_us"] > 0 and r["gpu_us"] is None for r in rows)
+    # the step's first call (with the step's setup) and the later ones timed apart
+    assert all(r["first_call_us"] > 0 and r["later_call_us"] > 0 for r in rows)
     assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 12
     assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
