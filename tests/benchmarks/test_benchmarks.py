@@ -408,3 +408,52 @@ def test_serve_runs_one_client_a_process_by_default(monkeypatch):
     monkeypatch.setattr(serve, "save", lambda *args: None)
     serve.main(["--quick"])
     assert seen == [1]
+
+
+def test_gemm_step_ab_parses_variants_into_table_rules():
+    from unittest import mock
+
+    from benchmarks import gemm_step_ab as ab
+    from ops import small_m_gemm
+    from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig, small_m_config
+
+    name, rules = ab.parse_variant("gu32=int8:32:0:16384:32x64x128,w4,s4;fp8:16:2:0:cublas")
+    assert name == "gu32" and len(rules) == 2
+    assert rules[0].dtypes == (torch.int8,) and (rules[0].max_m, rules[0].min_ratio, rules[0].min_n) == (32, 0.0, 16384)
+    assert rules[0].config == SmallMConfig(32, 64, 128, num_warps=4, num_stages=4)
+    assert rules[1].config is None  # cublas
+    assert ab.parse_config("64x64x128/2,s5") == SmallMConfig(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5)
+    assert ab.parse_variant("table=") == ("table", [])
+    # The rule takes over M in (16, 32] for int8 gate-up (N >= 16384); M <= 16 keeps the table's row.
+    at_16 = small_m_config(16, 28672, 4096, torch.int8)
+    table = ab.patched_table(rules[:1])
+    assert len(table) == len(SMALL_M_TABLE) + 1
+    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table):  # the table the step's GEMMs then read
+        assert small_m_config(32, 28672, 4096, torch.int8, max_m=128) == rules[0].config
+        assert small_m_config(17, 28672, 4096, torch.int8, max_m=128) == rules[0].config
+        assert small_m_config(16, 28672, 4096, torch.int8) == at_16 != rules[0].config
+        assert small_m_config(32, 4096, 4096, torch.int8, max_m=128) != rules[0].config  # o_proj: N too small
+
+
+@pytest.mark.parametrize("text, says", [
+    ("gu32", "NAME=RULES"), ("a=int8:32:0", "5 fields"), ("a=int4:32:0:0:cublas", "dtype must be one of"),
+    ("a=int8:x:0:0:cublas", "must be integers"), ("a=int8:32:0:0:64by64", "config must be 'cublas'"),
+    ("a=int8:32:0:0:48x64x128", "power of 2"),
+])
+def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
+    from benchmarks import gemm_step_ab as ab
+
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--variant", text])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--variant" in err and says in err
+
+
+def test_gemm_step_ab_refuses_without_a_gpu(capsys):
+    from benchmarks import gemm_step_ab as ab
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit) as e:
+        ab.main(["--variant", "table="])
+    assert e.value.code == 2 and "CUDA only" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""Small-M GEMM table rows A/B inside the decode step: is a row the sweep picked faster where the step runs it?
+
+``benchmarks.gemm --sweep`` times one GEMM alone; a decode step runs it between norms, attention and the other
+GEMMs, and the two orders can disagree (results/int8_table_step_ab.md: the sweep's pick for int8 gate-up at M = 32
+was the slowest of three in the step). This times the level-3 decode step of one model (whole-step CUDA-graph
+replay, ``benchmarks.decode``'s harness) once per variant of ``ops.small_m_gemm.SMALL_M_TABLE``, the variants
+alternating for ``--rounds`` rounds, each run in a fresh process (one trace and compile each, as a user's start).
+
+A variant is ``NAME=RULES``: rules ``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` separated by ``;`` (``NAME=`` alone: the
+table as it is). Each rule goes before the table's first rule of its dtype with a ``max_m`` at least its own, so it
+takes that M range over and leaves the smaller-M rows in front of it as they are. ``CONFIG`` is ``cublas`` or
+``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES`` (``64x64x128/2,w4,s5``); ``SmallMRule``'s
+docstring says what the other fields match.
+
+Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
+--variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from typing import Any
+from unittest import mock
+
+import torch
+
+from benchmarks import common
+from ops import small_m_gemm
+from ops.small_m_gemm import SmallMConfig, SmallMRule
+
+DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)$")
+
+
+def parse_config(text: str) -> SmallMConfig | None:
+    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES]`` -> the config (ValueError naming the text)."""
+    if text == "cublas":
+        return None
+    m = _CONFIG.match(text)
+    if m is None:
+        raise ValueError(f"a rule's config must be 'cublas' or BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES] "
+                         f"(e.g. 64x64x128/2,w4,s5); got {text!r}")
+    options = dict(num_warps=4, num_stages=3)
+    for opt in filter(None, m.group(5).split(",")):
+        options["num_warps" if opt[0] == "w" else "num_stages"] = int(opt[1:])
+    return SmallMConfig(int(m.group(1)), int(m.group(2)), int(m.group(3)), SPLIT_K=int(m.group(4) or 1), **options)
+
+
+def parse_rule(text: str) -> SmallMRule:
+    """``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` -> a table rule (ValueError naming the field and what it held)."""
+    fields = text.split(":")
+    if len(fields) != 5:
+        raise ValueError(f"a rule must be DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG (5 fields); got {text!r}")
+    dtype, max_m, ratio, min_n, config = fields
+    if dtype not in DTYPES:
+        raise ValueError(f"a rule's dtype must be one of {', '.join(DTYPES)}; got {dtype!r} in {text!r}")
+    try:
+        numbers = int(max_m), float(ratio), int(min_n)
+    except ValueError:
+        raise ValueError(f"a rule's MAX_M and MIN_N must be integers and MIN_RATIO a number; got {text!r}") from None
+    return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
+
+
+def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
+    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is)."""
+    name, sep, rules = text.partition("=")
+    if not sep or not re.fullmatch(r"[\w.-]+", name):
+        raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
+    return name, [parse_rule(r) for r in rules.split(";") if r]
+
+
+def patched_table(rules: list[SmallMRule],
+                  table: tuple[SmallMRule, ...] = small_m_gemm.SMALL_M_TABLE) -> tuple[SmallMRule, ...]:
+    """``table`` with each of ``rules`` before the first rule of its dtype whose ``max_m`` is at least its own (the
+    table's end when there is none)."""
+    out = list(table)
+    for rule in rules:
+        at = next((i for i, r in enumerate(out) if set(rule.dtypes) <= set(r.dtypes) and r.max_m >= rule.max_m),
+                  len(out))
+        out.insert(at, rule)
+    return tuple(out)
+
+
+def run_child(variant: str, model: str, batches: list[int], context: int, iters: int) -> None:
+    """In this process: the step at every batch under the variant's table; one JSON line of rows on stdout."""
+    from benchmarks import decode
+
+    _, rules = parse_variant(variant)
+    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", patched_table(rules)):
+        rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,
+                                        ["level 3"], iters, None)
+    print(json.dumps([{"batch": r["batch"], "us_per_step": r["us_per_step"]} for r in rows if r["mode"] == "level 3"]))
+
+
+def run_variant(variant: str, model: str, batches: list[int], context: int, iters: int) -> list[dict[str, Any]]:
+    """One variant's step times, from a fresh process."""
+    cmd = [sys.executable, "-m", "benchmarks.gemm_step_ab", "--child", variant, "--model", model,
+           "--batches", ",".join(map(str, batches)), "--context", str(context), "--iters", str(iters)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"gemm_step_ab: the run of variant {variant!r} failed (exit {done.returncode}): "
+                           f"{done.stderr.strip().splitlines()[-1:] or done.stdout[-500:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3-8b-int8", help="a built-in model (its decode step at level 3)")
+    p.add_argument("--batches", default="32,128", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    p.add_argument("--iters", type=int, default=30, help="timed steps per batch (median)")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant runs, the variants alternating")
+    p.add_argument("--variant", action="append", default=[], help="NAME=RULES (see the module's docstring); repeat")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
+    a = p.parse_args(argv)
+    batches = common.int_list(p, "--batches", a.batches)
+    try:
+        variants = [parse_variant(v) for v in a.variant or ["table="]]
+    except ValueError as e:
+        p.error(f"--variant: {e}")
+    if len({name for name, _ in variants}) != len(variants):
+        p.error(f"--variant: names must differ; got {[name for name, _ in variants]}")
+    if a.rounds < 1:
+        p.error(f"--rounds: expected >= 1; got {a.rounds}")
+    if not torch.cuda.is_available():
+        p.error("the small-M GEMM table is used on CUDA only; torch.cuda.is_available() is False")
+    if a.child is not None:
+        run_child(a.child, a.model, batches, a.context, a.iters)
+        return []
+    rows = []
+    for round_ in range(1, a.rounds + 1):
+        for text, (name, _) in zip(a.variant or ["table="], variants):
+            for r in run_variant(text, a.model, batches, a.context, a.iters):
+                rows.append(dict(variant=name, round=round_, batch=r["batch"], us_per_step=r["us_per_step"]))
+                print(rows[-1], flush=True)
+    notes = [f"{a.model}, level 3, whole-step CUDA-graph replay of a decode step, context {a.context}; median of "
+             f"{a.iters} steps; a fresh process a run, the variants alternating",
+             *[f"{text}" for text in a.variant or ["table= (the table as it is)"]]]
+    common.write_results("gemm_step_ab", rows, title="Small-M GEMM table variants inside the decode step",
+                         notes=notes, device="cuda", out_dir=a.out)
+    common.plot_lines("gemm_step_ab", [dict(r, line=f"{r['variant']} (round {r['round']})") for r in rows],
+                      x="batch", y="us_per_step", series="line", logx=True, out_dir=a.out,
+                      title=f"{a.model}: decode step per table variant", xlabel="batch", ylabel="µs per step")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
