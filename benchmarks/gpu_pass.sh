@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -177,11 +177,19 @@ for step in $steps; do
     tpsp)     # issue 17 (two GPUs): prefill 2048 at TP=2, the sequence-parallel rewrite (fused async-TP ops, and without them) against plain
               timeout ${TPSP_TIMEOUT:-540} python3 -m benchmarks.tp_decode --sp --tp 2 --models ${TP_MODELS:-llama-3-8b} \
                 --out "$R/tp_sp" 2>&1 | tee "$R/tp_sp.log" | grep -E "^\{|Error" ;;
-    pw)       # issue 18: decode steps on the piecewise path (attention eager between piece graphs) against whole-step graphs
-              for m in ${PW_MODELS:-llama-3.2-1b llama-3-8b}; do
+    pw)       # issue 18: decode steps on the piecewise path (attention eager between piece graphs) against whole-step graphs;
+              # PW_REPEATS=N: N runs a model, one process each, into pw/, pw2/, ... (the 1B's ratio moves ~10% run to run)
+              for m in ${PW_MODELS:-llama-3.2-1b llama-3-8b}; do for r in $(seq 1 ${PW_REPEATS:-1}); do
+                d=pw; [ $r -gt 1 ] && d=pw$r
                 timeout ${PW_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --prefill 0 --iters 20 \
-                  --modes "level 3 piecewise,level 3" --out "$R/pw" 2>&1 | tee "$R/pw_$m.log" | grep -E "^\{|Error"
-              done ;;
+                  --modes "level 3 piecewise,level 3" --out "$R/$d" 2>&1 | tee "$R/${d}_$m.log" | grep -E "^\{|Error"
+              done; done ;;
+    stepab)   # issue 12/16: small-M table variants inside the decode step (STEPAB_VARIANTS: NAME=RULES words, see
+              # benchmarks/gemm_step_ab.py), alternating, a fresh process a run
+              args=(); for v in ${STEPAB_VARIANTS:-table=}; do args+=(--variant "$v"); done
+              timeout ${STEPAB_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model ${STEPAB_MODEL:-llama-3-8b-int8} \
+                --batches ${STEPAB_BATCHES:-32,128} --rounds ${STEPAB_ROUNDS:-2} "${args[@]}" --out "$R/gemm_step_ab" 2>&1 \
+                | tee "$R/gemm_step_ab.log" | grep -E "^\{|Error" ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
