@@ -364,14 +364,18 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
     assert top[0]["kernel"] == "nvjet_tst_128x8" and top[0]["count"] == 1.0 and top[0]["mean_us"] == 7.0
 
 
-def test_kernel_profile_refuses_without_a_gpu(capsys):
-    from benchmarks import kernel_profile
+@pytest.mark.parametrize("script, argv, says", [
+    ("kernel_profile", ["--models", "tiny-llama"], "CUDA"),
+    ("gemm_step_ab", ["--variant", "table="], "CUDA only"),
+])
+def test_gpu_only_benchmarks_refuse_without_a_gpu(script, argv, says, capsys):
+    import importlib
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit) as e:
-        kernel_profile.main(["--models", "tiny-llama"])
-    assert e.value.code == 2 and "CUDA" in capsys.readouterr().err
+        importlib.import_module(f"benchmarks.{script}").main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_kernel_profile_variants_patch_the_gemm_table_and_restore_it():
@@ -447,13 +451,3 @@ def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
         ab.main(["--variant", text])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--variant" in err and says in err
-
-
-def test_gemm_step_ab_refuses_without_a_gpu(capsys):
-    from benchmarks import gemm_step_ab as ab
-
-    if torch.cuda.is_available():
-        pytest.skip("has a GPU")
-    with pytest.raises(SystemExit) as e:
-        ab.main(["--variant", "table="])
-    assert e.value.code == 2 and "CUDA only" in capsys.readouterr().err
