@@ -29,10 +29,10 @@ from unittest import mock
 import torch
 
 from benchmarks import common
+from benchmarks.gemm import DTYPES  # the sweep's dtype names, the same in a rule
 from ops import small_m_gemm
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
-DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)$")
 
 
@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches = common.int_list(p, "--batches", a.batches)
+    texts = a.variant or ["table="]
     try:
-        variants = [parse_variant(v) for v in a.variant or ["table="]]
+        variants = [parse_variant(v) for v in texts]
     except ValueError as e:
         p.error(f"--variant: {e}")
     if len({name for name, _ in variants}) != len(variants):
@@ -135,13 +136,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     rows = []
     for round_ in range(1, a.rounds + 1):
-        for text, (name, _) in zip(a.variant or ["table="], variants):
+        for text, (name, _) in zip(texts, variants):
             for r in run_variant(text, a.model, batches, a.context, a.iters):
                 rows.append(dict(variant=name, round=round_, batch=r["batch"], us_per_step=r["us_per_step"]))
                 print(rows[-1], flush=True)
     notes = [f"{a.model}, level 3, whole-step CUDA-graph replay of a decode step, context {a.context}; median of "
-             f"{a.iters} steps; a fresh process a run, the variants alternating",
-             *[f"{text}" for text in a.variant or ["table= (the table as it is)"]]]
+             f"{a.iters} steps; a fresh process a run, the variants alternating", *texts]
     common.write_results("gemm_step_ab", rows, title="Small-M GEMM table variants inside the decode step",
                          notes=notes, device="cuda", out_dir=a.out)
     common.plot_lines("gemm_step_ab", [dict(r, line=f"{r['variant']} (round {r['round']})") for r in rows],

@@ -280,7 +280,8 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
     _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 19.4 / 41.6
-    _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 33.7 / 52.1 (see below)
+    _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 33.7 / 52.1; in the step too
+    # (results/int8_table_step_ab.md: faster there than the wide sweep's 32x64x256 and the qkv/o row)
     _R(32, _I8, 0.0, 0, _C(32, 32, 256, num_warps=4, num_stages=4)),  # qkv 10.2 / 21.0, o 7.9 / 20.7
     _R(128, _I8, 2.0, 0, _C(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5)),  # down: 25.7 / 44.8 (was 64x32: 29.2)
     _R(128, _I8, 0.0, 16384, _C(128, 128, 128, num_warps=8, num_stages=3)),  # gate-up: 37.0 / 92.8 (was 64x64: 48.4)
