@@ -41,6 +41,7 @@ from dispatcher import CompilationConfig, CUDAGraphMode, CUDAGraphs, set_compila
 from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from models import KVCache, attention_layers
 from models.loader import load_model
+from ops.kv_quant import KV_CACHE_DTYPES, cache_dtype
 from ops.paged_attention import DecodeWorkspace
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Harness:
     """A model with its paged cache and persistent step buffers: sequences of ``context`` cached tokens."""
 
     def __init__(self, name: str, config: CompilationConfig, max_batch: int, context: int, prefill: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto"):
         t0 = time.perf_counter()
         with set_compilation_config(config):
             self.model = load_model(name, dtype=dtype, device=device, progress=False).eval()
@@ -60,8 +61,10 @@ class Harness:
         self.context = context
         block = 16
         per_seq = -(-(context + 1) // block)
+        cache_dt = cache_dtype(kv_cache_dtype, dtype, getattr(self.model, "fp8_kv_cache", False))
         self.cache = KVCache(self.layers, max(max_batch * per_seq, -(-prefill // block)) * block, block,
-                             dtype=dtype, device=device)
+                             dtype=cache_dt, device=device)
+        self.dtype = dtype
         self.blocks_per_seq = per_seq
         max_tokens = max(max_batch, prefill, 2)  # the first call (the trace) takes 2 tokens
         i32, i64 = torch.int32, torch.int64
@@ -86,7 +89,7 @@ class Harness:
         rows that the next piece reads in place."""
         graphs.mark_static(self.input_ids, self.positions)
         for layer in self.layers.values():
-            layer.piecewise_out = torch.empty(rows, layer.num_heads * layer.head_size, dtype=layer.kv_cache.dtype,
+            layer.piecewise_out = torch.empty(rows, layer.num_heads * layer.head_size, dtype=self.dtype,
                                               device=self.device)
             graphs.mark_static(layer.piecewise_out)
 
@@ -217,8 +220,9 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                 dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None,
                 save: Callable[[list, list, dict], None] = lambda rows, prefill_rows, startup: None,
-                trace_tokens: int | None = None) -> tuple[list, list, dict]:
+                trace_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list, list, dict]:
     """Every mode at every batch size, then prefill; ``save(rows, prefill_rows, startup)`` after each mode.
+    ``kv_cache_dtype``: as ``models.LLM``'s (the floor counts the cache's bytes a token).
 
     ``trace_tokens``: the size of each compiled mode's first call (see :meth:`Harness.first_call`); None:
     the largest step, ``max(batches, prefill)``, as the runner warms up on its ``max_num_tokens``.
@@ -246,7 +250,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         torch._dynamo.reset()
         cfg = mode_config(mode, cuda, batches)
         level, graph_mode = cfg.level, cfg.cudagraph_mode
-        h = Harness(name, cfg, max_b, context, prefill, device, dtype)
+        h = Harness(name, cfg, max_b, context, prefill, device, dtype, kv_cache_dtype)
         if floor is None and copy_bw:
             floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw)
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
@@ -487,6 +491,9 @@ def main(argv: list[str] | None = None) -> None:
                         "that size; default: the largest step, max(batches, prefill), as the runner warms up on "
                         "max_num_tokens)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on CPU, to check the harness")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the paged cache's dtype, as models.LLM's kv_cache_dtype (default auto: the model's, or the "
+                        "checkpoint's fp8 kv_cache_scheme); results files then end in _kvfp8"),
     p.add_argument("--out", default=None)
     p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
                    help="only print torch.profiler tables of one decode step (or with `prefill`, of one --prefill "
@@ -526,8 +533,9 @@ def main(argv: list[str] | None = None) -> None:
     trace_tokens = a.trace_tokens or max(max(batches), prefill, 2)
     suffix = "_quick" if a.quick else ""
     bw = f"copy bandwidth {copy_bw:.0f} GB/s" if copy_bw else "no bandwidth floor on CPU"
+    kv_note = "" if a.kv_cache_dtype == "auto" else f"; KV cache {a.kv_cache_dtype} (e4m3, scales 1)"
     for name in names:
-        tag = f"{suffix}_{name}"
+        tag = f"{suffix}_{name}" + ("" if a.kv_cache_dtype == "auto" else "_kvfp8")
         if a.startup and device.type == "cuda":
             startup_rows = measure_startup(name, tuple(a.startup.split(",")))
             common.write_results(
@@ -547,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
             """After every mode, so that a run cut short keeps what it measured."""
             common.write_results(f"decode{tag}", rows, title="Decode step latency (decoder + LM head)",
                                  device=device, out_dir=a.out,
-                                 notes=[f"context {context} cached tokens per sequence; {bw}",
+                                 notes=[f"context {context} cached tokens per sequence; {bw}{kv_note}",
                                         "pct_of_floor: the weights+KV floor (every weight, and K and V of every "
                                         "cached token, read once at the copy bandwidth) / this step's time"
                                         + (f"; LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} "
@@ -567,7 +575,8 @@ def main(argv: list[str] | None = None) -> None:
                               xlabel="batch (sequences)", ylabel="µs per step")
 
         rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
-                                                  copy_bw, save, trace_tokens=trace_tokens)
+                                                  copy_bw, save, trace_tokens=trace_tokens,
+                                                  kv_cache_dtype=a.kv_cache_dtype)
         if a.generate:
             rows += bench_generate(name, batches, device, dtype, copy_bw=copy_bw)
             save(rows, prefill_rows, startup)

@@ -72,7 +72,7 @@ for step in $steps; do
                 --out "$R/serve" 2>&1 | tee "$R/serve.log" | grep -E "^\{|Error" ;;
     quant)    # issue 12: the quantized 8B decode step at level 3 (native code: the default)
               for m in ${QUANT_MODELS:-llama-3-8b-int8 llama-3-8b-fp8}; do
-                timeout ${QUANT_TIMEOUT:-150} python3 -m benchmarks.decode --models $m --iters 30 --prefill 0 \
+                timeout ${QUANT_TIMEOUT:-150} python3 -m benchmarks.decode --models $m --iters 30 --prefill 0 ${QUANT_ARGS:-} \
                   --modes "level 3" --out "$R/quant" 2>&1 | tee "$R/quant_$m.log" | grep -E "^\{|Error"
               done ;;
     importtime) python3 -X importtime -c "import benchmarks.decode; from models import LLM" 2> "$R/importtime.log";

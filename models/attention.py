@@ -51,6 +51,7 @@ from ops import HAS_TRITON, write_kv_cache_triton
 from ops import write_kv_cache_ref as write_kv_cache  # the native write; public here as models.write_kv_cache
 from dispatcher import envs, plugins
 from dispatcher.cuda_graph import thread_state as graph_state
+from ops.kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales
 from ops.launch_program import LaunchProgram, recording
 from ops.paged_attention import paged_decode_launch, write_kv_cache_launch
 from ops.paged_prefill import prefill_launch
@@ -109,25 +110,33 @@ def _gather_seq(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
 
 def _prefill_loop(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                   num_heads: int, head_size: int, scale: float,
-                  sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """Every sequence, one by one, from the cache (host metadata: no sync)."""
+                  sliding_window: int | None, logits_soft_cap: float | None,
+                  kv_scales: KVScales = UNIT_KV_SCALES) -> None:
+    """Every sequence, one by one, from the cache (host metadata: no sync). An fp8 cache is read as the kernels read
+    it: its keys and values in q's dtype, ``k_scale`` in the softmax scale, the output times ``v_scale``."""
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    if fp8:
+        scale = scale * kv_scales.k_scale
     for i, (start, end, seq_len) in enumerate(md.seq_spans):
         k = _gather_seq(kv_cache[0], md.block_table[i], seq_len)
         v = _gather_seq(kv_cache[1], md.block_table[i], seq_len)
+        if fp8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         qi = q[start:end].view(end - start, num_heads, head_size)
-        out[start:end] = _attend_one(qi, k, v, scale, sliding_window, logits_soft_cap).reshape(end - start, -1)
+        o = _attend_one(qi, k, v, scale, sliding_window, logits_soft_cap).reshape(end - start, -1)
+        out[start:end] = o * kv_scales.v_scale if fp8 and kv_scales.v_scale != 1.0 else o
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                      md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                      sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kv_scales: KVScales = UNIT_KV_SCALES) -> torch.Tensor:
     """The reference: write the cache, then attend sequence by sequence. Returns ``[T, Hq * D]`` (``out``,
-    when given)."""
-    write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    when given). ``kv_scales``: an fp8 cache's (``ops.kv_quant``); other caches ignore them."""
+    write_kv_cache(kv_cache, k, v, md.slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
     if out is None:
         out = torch.empty_like(q)
-    _prefill_loop(out, q, kv_cache, md, num_heads, head_size, scale, sliding_window, logits_soft_cap)
+    _prefill_loop(out, q, kv_cache, md, num_heads, head_size, scale, sliding_window, logits_soft_cap, kv_scales)
     return out
 
 
@@ -167,7 +176,7 @@ UNIFIED_DECODE_TOKENS = 1024
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    md: AttentionMetadata, num_heads: int, head_size: int, scale: float,
                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, kv_scales: KVScales = UNIT_KV_SCALES) -> torch.Tensor:
     """Triton split-KV decode (:mod:`ops.paged_attention`) for the decode sequences, and one launch of
     :func:`ops.paged_prefill_triton` for every other sequence (prompts and chunks, from the paged cache).
 
@@ -186,7 +195,7 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     Under :data:`UNIFIED_ATTENTION` a step with a prompt that fits it (see there) is one launch a layer: the prefill
     kernel, bound to every sequence of the step, writes every new key and value and attends for the decodes too.
     Padding tokens of no sequence (after the last one's rows) are then not written: their slots are the pad
-    block's, which no sequence reads.
+    block's, which no sequence reads. ``kv_scales``: an fp8 cache's (``ops.kv_quant``); other caches ignore them.
     """
     shape = kv_cache.shape
     contiguous = kv_cache.is_contiguous()
@@ -221,48 +230,52 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     if program is not None and target is not None:  # a later layer: the first's launches, this layer's tensors
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
         if call.spec == _replay_spec(target[0], strides, q, k, v, kv_cache, out, scale, sliding_window,
-                                     logits_soft_cap, addresses):
+                                     logits_soft_cap, kv_scales, addresses):
             program(target[1], addresses)
             return out
     if call.spec is None and target is not None and contiguous:  # the step's first call: record its launches
         with recording() as calls:
-            _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides)
+            _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides,
+                    kv_scales)
         call.program = LaunchProgram.build(calls, (q, k, v, kv_cache, out), constants=(call.slots,))
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
         spec = _replay_spec(target[0], strides, q, k, v, kv_cache, out, scale, sliding_window, logits_soft_cap,
-                            addresses)
+                            kv_scales, addresses)
         call.spec = spec if call.program is not None and not spec[-1] else False  # False: never again this step
         return out
-    _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides)
+    _launch(call, q, k, v, kv_cache, md, out, scale, sliding_window, logits_soft_cap, target, strides, kv_scales)
     return out
 
 
 def _replay_spec(device: int, strides: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None,
-                 logits_soft_cap: float | None, addresses: tuple[int, ...]) -> tuple:
+                 logits_soft_cap: float | None, kv_scales: KVScales, addresses: tuple[int, ...]) -> tuple:
     """What a call's launches are specialized on besides :func:`attention_cuda`'s key: the device, the strides and
     scalars passed, the tensors' dtypes, and (last) the addresses' offsets from a 16-byte boundary, or-ed (0: every
     one aligned; a program is kept only then, so that equal specs mean equal alignment of each address)."""
     return (device, strides, q.dtype, k.dtype, v.dtype, kv_cache.dtype, out.dtype, scale, type(scale), sliding_window,
-            logits_soft_cap, type(logits_soft_cap),
+            logits_soft_cap, type(logits_soft_cap), kv_scales,
             (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4]) & 15)
 
 
 def _launch(call: _StepCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             md: AttentionMetadata, out: torch.Tensor, scale: float, sliding_window: int | None,
-            logits_soft_cap: float | None, target: tuple[int, int] | None, strides: tuple[int, ...]) -> None:
+            logits_soft_cap: float | None, target: tuple[int, int] | None, strides: tuple[int, ...],
+            kv_scales: KVScales) -> None:
     """A call's launches through their bound launches: the cache write, the split-KV decode, the prefill."""
     if call.cache_strides is None:  # a non-contiguous cache: the native write
-        write_kv_cache(kv_cache, k, v, md.slot_mapping)
+        write_kv_cache(kv_cache, k, v, md.slot_mapping, kv_scales.k_scale, kv_scales.v_scale)
     elif call.write is not None:  # the rows of k and v its slots are (bound: k and v are passed whole)
-        write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides)
+        write_kv_cache_launch(call.write, kv_cache, k, v, target=target, strides=strides,
+                              kv_inv=(kv_scales.k_inv, kv_scales.v_inv))
     if call.plan is not None:
         new_kv = (k, v, call.slots) if call.fused_write else None
         paged_decode_launch(call.plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv,
-                            target=target, strides=strides)
+                            target=target, strides=strides, kv_scales=kv_scales)
     if call.prefill is not None:  # the sequences after the decodes, or all (unified; paged_prefill_triton's launch)
         prefill_launch(call.prefill, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
-                       new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides)
+                       new_kv=(k, v) if call.prefill_writes else None, target=target, strides=strides,
+                       kv_scales=kv_scales)
 
 
 class _StepCall:
@@ -401,6 +414,7 @@ class Attention(nn.Module):
         self.piecewise_out: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor | None, dict[int, torch.Tensor]] = (None, {})  # piecewise_rows' views
         self._impl = attention_cuda if torch.cuda.is_available() and HAS_TRITON else attention_native
+        self.kv_scales = UNIT_KV_SCALES  # set_kv_scales
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.ops.dynamo_once.attention(q, k, v, self.layer_name)
@@ -422,11 +436,23 @@ class Attention(nn.Module):
             raise RuntimeError(f"Attention {self.layer_name}: no KV cache allocated (models.KVCache)")
         impl = attention_cuda if (self._impl is attention_cuda and q.is_cuda) else attention_native
         return impl(q, k, v, self.kv_cache, md, self.num_heads, self.head_size, self.scale,
-                    self.sliding_window, self.logits_soft_cap, out)
+                    self.sliding_window, self.logits_soft_cap, out, self.kv_scales)
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """The scales of this layer's keys and values in an fp8 cache (``ops.kv_quant``: the cache holds ``k /
+        k_scale``); a checkpoint's ``kv_cache_scheme`` sets them at load, else they are 1. Ignored by other
+        caches."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"Attention {self.layer_name}: {name} must be a positive finite number; got "
+                                 f"{value!r}")
+        self.kv_scales = KVScales.of(k_scale, v_scale)
 
     def extra_repr(self) -> str:
         return (f"{self.layer_name}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-                f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, soft_cap={self.logits_soft_cap}")
+                f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, soft_cap={self.logits_soft_cap}"
+                + (f", k_scale={self.kv_scales.k_scale:.4g}, v_scale={self.kv_scales.v_scale:.4g}"
+                   if self.kv_scales != UNIT_KV_SCALES else ""))
 
 
 def default_scale(head_size: int) -> float:

@@ -17,6 +17,7 @@ from dispatcher import support_torch_compile
 from ops import GeluAndMul, GemmaRMSNorm, RotaryEmbedding
 
 from .attention import Attention
+from .kv_scales import apply_kv_scales, register_kv_scales
 from .layers import ConfigError, config_field
 from .parallel.linear import column_parallel_linear, row_parallel_linear
 from .parallel.state import divide
@@ -84,6 +85,10 @@ class Gemma2Attention(nn.Module):
                               kv_heads, layer_name=f"{prefix}.attn",
                               sliding_window=config.sliding_window if sliding else None,
                               logits_soft_cap=config.attn_logit_softcapping)
+        register_kv_scales(self, quant)  # an fp8 KV cache's k_scale / v_scale, from the checkpoint
+
+    def process_weights_after_loading(self) -> None:
+        apply_kv_scales(self, self.attn)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

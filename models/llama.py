@@ -19,6 +19,7 @@ from dispatcher import support_torch_compile
 from ops import RMSNorm, RotaryEmbedding, SiluAndMul
 
 from .attention import Attention
+from .kv_scales import apply_kv_scales, register_kv_scales
 from .layers import ConfigError, config_field, rope_from_hf
 from .parallel.linear import column_parallel_linear, row_parallel_linear
 from .parallel.state import divide
@@ -130,6 +131,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, bias, quant, f"{prefix}.o_proj")
         self.rotary_emb = rotary
         self.attn = Attention(heads, d, d**-0.5, kv_heads, layer_name=f"{prefix}.attn")
+        register_kv_scales(self, quant)  # an fp8 KV cache's k_scale / v_scale, from the checkpoint
+
+    def process_weights_after_loading(self) -> None:
+        apply_kv_scales(self, self.attn)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
@@ -201,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, prefix="model")
+        #: the checkpoint's KV cache is fp8 (its kv_cache_scheme): ``LLM(kv_cache_dtype="auto")`` follows it
+        self.fp8_kv_cache = config.quantization is not None and config.quantization.kv_cache
         # A tied head is the embedding, stored in floating point, whatever the quantization config targets.
         quant = None if config.tie_word_embeddings else config.quantization
         self.lm_head = parallel_lm_head(config.hidden_size, config.vocab_size, quant)

@@ -11,8 +11,12 @@
 - AutoFP8 (``"quant_method": "fp8"``, ``"activation_scheme": "static" | "dynamic"``,
   ``ignored_layers``): fp8 weights with per-tensor scales, activations static or dynamic per tensor.
 
-Everything else (block-wise fp8, 4-bit, asymmetric, group strategies, weight-only, a quantized KV
-cache) is refused by :func:`parse_quantization_config` with a :class:`QuantizationError` that names the
+compressed-tensors' ``kv_cache_scheme`` (fp8, static, per tensor, symmetric) makes the KV cache fp8
+(``ops.kv_quant``): each attention module's ``k_scale`` and ``v_scale`` (``[1]`` or ``[]``, fp32) are read
+into its layer; any other KV-cache scheme is refused.
+
+Everything else (block-wise fp8, 4-bit, asymmetric, group strategies, weight-only, an int8 or per-head
+KV cache) is refused by :func:`parse_quantization_config` with a :class:`QuantizationError` that names the
 field, what it holds and what is supported.
 """
 
@@ -90,6 +94,9 @@ class QuantizationConfig:
     groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]
     """``(targets, scheme)`` per config group, in the config's order."""
     ignore: tuple[str, ...] = ()
+    kv_cache: bool = False
+    """The checkpoint's KV cache is fp8 e4m3 with a static per-tensor ``k_scale`` / ``v_scale`` an attention
+    module (compressed-tensors' ``kv_cache_scheme``)."""
 
     def scheme_for(self, name: str) -> QuantScheme | None:
         """The scheme of the HF linear layer ``name`` (``model.layers.0.self_attn.q_proj``); None: not quantized.
@@ -158,9 +165,9 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantizationConfig:
     # No format: read as naive-quantized (weights stored in their 8-bit dtype); float weights (compressed-tensors'
     # own default, "fakequant") then fail the loader's dtype check, by tensor name.
     fmt = qc.get("format") or "naive-quantized"
-    for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("sparsity_config", "sparse weights")):
-        if qc.get(key):
-            raise QuantizationError(f"{field}.{key}: {what} is not supported; supported: {SUPPORTED}")
+    if qc.get("sparsity_config"):
+        raise QuantizationError(f"{field}.sparsity_config: sparse weights are not supported; supported: {SUPPORTED}")
+    kv_cache = _kv_cache_scheme(qc.get("kv_cache_scheme"), f"{field}.kv_cache_scheme")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise QuantizationError(f"{field}.config_groups: expected a non-empty object of schemes; got {groups!r}")
@@ -176,7 +183,29 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantizationConfig:
                                     f"{', '.join(_FORMATS)} ({SUPPORTED})")
         targets = _names(group.get("targets"), f"{where}.targets")
         parsed.append((targets, _scheme(group, group_fmt, where)))
-    return QuantizationConfig("compressed-tensors", tuple(parsed), _names(qc.get("ignore"), f"{field}.ignore"))
+    return QuantizationConfig("compressed-tensors", tuple(parsed), _names(qc.get("ignore"), f"{field}.ignore"),
+                              kv_cache=kv_cache)
+
+
+#: one line for the KV cache's error messages
+KV_SUPPORTED = "an fp8 (e4m3) KV cache, static per tensor, symmetric"
+
+
+def _kv_cache_scheme(args: Any, where: str) -> bool:
+    """Whether compressed-tensors' ``kv_cache_scheme`` asks for an fp8 cache (None: no scheme); refuses others."""
+    if args is None:
+        return False
+    if not isinstance(args, dict):
+        raise QuantizationError(f"{where}: expected quantization arguments; got {args!r}")
+    bits, typ = args.get("num_bits", 8), str(args.get("type", "int")).lower()
+    strategy, dynamic = str(args.get("strategy") or "tensor").lower(), args.get("dynamic", False)
+    if bits != 8 or typ != "float":
+        raise QuantizationError(f"{where}: {bits}-bit {typ} KV-cache quantization is not supported; supported: "
+                                f"{KV_SUPPORTED}")
+    if strategy != "tensor" or dynamic is not False or args.get("symmetric", True) is not True:
+        raise QuantizationError(f"{where}: strategy {strategy!r}, dynamic {dynamic!r}, symmetric "
+                                f"{args.get('symmetric', True)!r} is not supported; supported: {KV_SUPPORTED}")
+    return True
 
 
 def _scheme(group: dict[str, Any], fmt: str, where: str) -> QuantScheme:

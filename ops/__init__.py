@@ -29,6 +29,7 @@ from .norm_quant import (
     rms_norm_static_quant,
     rms_norm_static_quant_ref,
 )
+from .kv_quant import FP8_KV_DTYPE, KV_CACHE_DTYPES, KVScales, cache_dtype, quantize_kv_ref
 from .paged_attention import (
     decode_num_splits,
     paged_decode,
@@ -183,6 +184,11 @@ __all__ = [
     "act_and_mul_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",
+    "FP8_KV_DTYPE",
+    "KV_CACHE_DTYPES",
+    "KVScales",
+    "cache_dtype",
+    "quantize_kv_ref",
     "MIN_SCALE",
     "INT8_MAX",
     "INT8_MIN_SCALE",

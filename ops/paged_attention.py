@@ -51,6 +51,7 @@ import functools
 
 import torch
 
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, from_cache, inverse_scale, quantize_kv_ref, to_cache
 from .paged_decode_config import DecodeConfig, decode_config
 from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
 
@@ -74,10 +75,10 @@ __all__ = [
 
 # ``first`` (the first token's row) not specialized: a mixed step's decode count, 1 or any, compiles no kernel apart.
 @triton.jit(do_not_specialize=["first"])
-def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, half_stride, first,
+def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v, half_stride, first, k_inv, v_inv,
                            ROW: tl.constexpr, BLOCK: tl.constexpr):
     # One program per new token, row first + program id: its Hkv * D keys and values to its slot in each half of
-    # the cache.
+    # the cache (an fp8 cache: times the inverse scales k_inv, v_inv, ops.kv_quant).
     t = (tl.program_id(0) + first).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -85,15 +86,15 @@ def _write_kv_cache_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_k, stride_v
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
     dst = cache_ptr + slot * ROW + offs
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half_stride, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, to_cache(k, k_inv, cache_ptr), mask=mask)
+    tl.store(dst + half_stride, to_cache(v, v_inv, cache_ptr), mask=mask)
 
 
 _write_kv_cache_launch = FastLaunch(_write_kv_cache_kernel)
 
 
 def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """:func:`write_kv_cache` in one launch (instead of two ``index_copy_`` and their reshapes and casts).
 
     Slots must be valid (the runner sends padding tokens to a reserved block); the cache is contiguous.
@@ -104,7 +105,8 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tens
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     _write_kv_cache_launch((num_tokens,), k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                           0, **_write_constexprs(kv_cache.shape[-2] * kv_cache.shape[-1]))
+                           0, inverse_scale(k_scale), inverse_scale(v_scale),
+                           **_write_constexprs(kv_cache.shape[-2] * kv_cache.shape[-1]))
 
 
 def _write_constexprs(row: int) -> dict[str, int]:
@@ -120,8 +122,8 @@ def bind_write_kv_cache(slot_mapping: torch.Tensor, num_tokens: int, row: int, f
     if num_tokens == 0:
         return None
     t, s = Slot.tensor, Slot.scalar  # the arguments as write_kv_cache_triton passes them
-    return _write_kv_cache_launch.bind((num_tokens,), (t(0), t(1), t(2), slot_mapping, s(0), s(1), s(2), first),
-                                      **_write_constexprs(row))
+    return _write_kv_cache_launch.bind((num_tokens,), (t(0), t(1), t(2), slot_mapping, s(0), s(1), s(2), first,
+                                                       s(3), s(4)), **_write_constexprs(row))
 
 
 #: What the attention op passes its launch helpers (:func:`write_kv_cache_launch`, :func:`paged_decode_launch`,
@@ -132,12 +134,13 @@ LAYER_STRIDES = ("q_row", "k_row", "v_row", "out_row", "cache_half", "cache_bloc
 
 
 def write_kv_cache_launch(launch: BoundLaunch, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
+                          target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None,
+                          kv_inv: tuple[float, float] = (1.0, 1.0)) -> None:
     """One launch of a :func:`bind_write_kv_cache`: rows ``first..first + num_tokens - 1`` of ``k``, ``v`` (``[T,
     Hkv * D]``, as its slots) into the contiguous ``kv_cache``. ``target``: see :class:`~ops.triton_utils.BoundLaunch`;
-    ``strides``: see :data:`LAYER_STRIDES`."""
+    ``strides``: see :data:`LAYER_STRIDES`; ``kv_inv``: the inverse scales of an fp8 cache (``ops.kv_quant``)."""
     if strides is not None:
-        launch((k, v, kv_cache), (strides[1], strides[2], strides[4]), target)
+        launch((k, v, kv_cache), (strides[1], strides[2], strides[4], *kv_inv), target)
         return
     ks, vs = k.stride(), v.stride()
     if ks[-1] != 1:
@@ -146,7 +149,7 @@ def write_kv_cache_launch(launch: BoundLaunch, kv_cache: torch.Tensor, k: torch.
     if vs[-1] != 1:
         v = v.contiguous()
         vs = v.stride()
-    launch((k, v, kv_cache), (ks[0], vs[0], kv_cache.stride(0)), target)
+    launch((k, v, kv_cache), (ks[0], vs[0], kv_cache.stride(0), *kv_inv), target)
 
 
 # The split count is a runtime argument, not specialized (one compile serves every count > 1: the sweep of
@@ -162,7 +165,7 @@ def _decode_split_kernel(
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_o_t, stride_kn, stride_vn,
-    scale, soft_cap, window, num_splits, heads_first,
+    scale, soft_cap, window, k_inv, v_inv, v_scale, num_splits, heads_first,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
@@ -176,6 +179,8 @@ def _decode_split_kernel(
     # them to its softmax from registers (after its loop, which skips the position): no program of the launch
     # reads a slot one of them writes.
     # FUSED_MERGE: the last of the sequence's splits to arrive (counter_ptr, see _arrive_and_merge) merges.
+    # An fp8 cache (ops.kv_quant): scale holds k_scale, each split's output is times v_scale, and the new key and
+    # value are written times k_inv, v_inv.
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
@@ -195,12 +200,14 @@ def _decode_split_kernel(
     if FUSED_WRITE:
         k_new, v_new = _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
                                      stride_c_half, stride_c_b, stride_c_s, stride_c_h,
-                                     (p0 * PAGE <= last) & (last < end), HEAD_D, BLOCK_D, PAGE)
+                                     (p0 * PAGE <= last) & (last < end), k_inv, v_inv, HEAD_D, BLOCK_D, PAGE)
     m_i, l_i, acc = _attend_range(q, k_new, v_new, cache_ptr, block_table_ptr + b * stride_bt, kvh, start, p0, end,
                                   last, stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
                                   BLOCK_G, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, USE_SOFTCAP, IEEE, FUSED_WRITE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        out = out * v_scale
     mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + s * stride_mo_s + offs_d[None, :]
     tl.store(mo, out.to(mid_o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     if SPLIT:
@@ -232,15 +239,16 @@ def _split_range(seq_len, s, num_splits, window, PAGE: tl.constexpr, SPLIT: tl.c
 
 @triton.jit
 def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
-                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, writes,
+                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, writes, k_inv, v_inv,
                   HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
-    """Head kvh of sequence b's new key and value, in the cache's dtype; stored to its slot where ``writes``."""
+    """Head kvh of sequence b's new key and value, in the cache's dtype (ops.kv_quant.to_cache); stored to its slot
+    where ``writes``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_D
     k_new = tl.load(k_new_ptr + b.to(tl.int64) * stride_kn + kvh * HEAD_D + offs_d, mask=d_mask, other=0.0)
     v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vn + kvh * HEAD_D + offs_d, mask=d_mask, other=0.0)
-    k_new = k_new.to(cache_ptr.dtype.element_ty)
-    v_new = v_new.to(cache_ptr.dtype.element_ty)
+    k_new = to_cache(k_new, k_inv, cache_ptr)
+    v_new = to_cache(v_new, v_inv, cache_ptr)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     dst = cache_ptr + (slot // PAGE) * stride_c_b + (slot % PAGE) * stride_c_s + kvh * stride_c_h + offs_d
     tl.store(dst, k_new, mask=d_mask & writes)
@@ -274,7 +282,7 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
             kv_mask = n_mask[:, None]
         else:
             kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = from_cache(tl.load(cache_ptr + off, mask=kv_mask, other=0.0), q.dtype)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -290,7 +298,7 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
+        v = from_cache(tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0), q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -538,7 +546,8 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
                         compile_only: bool = False,
                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                        target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
+                        target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None,
+                        kv_scales: KVScales = UNIT_KV_SCALES) -> None:
     """Decode attention of ``plan``'s sequences into ``out`` (rows ``0..B-1`` of ``[>= B, Hq * D]``, any row
     stride): one launch (one split, or ``plan.fused_merge``), else two; nothing allocated.
 
@@ -553,20 +562,25 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
 
     The launches are the plan's bound ones (:meth:`DecodePlan.launches`): per layer, only the tensors and the
     scalars that may differ between layers are passed. ``target``: see :class:`~ops.triton_utils.BoundLaunch`;
-    ``strides``: see :data:`LAYER_STRIDES` (new_kv's slot mapping then contiguous too).
+    ``strides``: see :data:`LAYER_STRIDES` (new_kv's slot mapping then contiguous too). ``kv_scales``: an fp8
+    cache's (``ops.kv_quant``; other caches ignore them).
     """
     b = plan.num_seqs
     if new_kv is not None and not plan.fused_write:
         k, v, slots = new_kv
         if not compile_only:
-            write_kv_cache_triton(kv_cache, k[:b] if k.shape[0] > b else k, v[:b] if v.shape[0] > b else v, slots)
+            write_kv_cache_triton(kv_cache, k[:b] if k.shape[0] > b else k, v[:b] if v.shape[0] > b else v, slots,
+                                  kv_scales.k_scale, kv_scales.v_scale)
         new_kv = None
+    quant = (kv_scales.k_inv, kv_scales.v_inv, kv_scales.v_scale)
+    if kv_scales.k_scale != 1.0:
+        scale = scale * kv_scales.k_scale
     split, merge = plan.launches(logits_soft_cap is not None, sliding_window is not None, q.dtype == torch.float32,
                                  new_kv is not None)
     tensors = (q, kv_cache, out)
     if strides is not None and not compile_only:
         q_rows, k_rows, v_rows, out_rows, c0, c1, c2, c3 = strides
-        scalars = (q_rows, c0, c1, c2, c3, out_rows, scale, logits_soft_cap or 1.0, sliding_window or 0)
+        scalars = (q_rows, c0, c1, c2, c3, out_rows, scale, logits_soft_cap or 1.0, sliding_window or 0, *quant)
         if new_kv is not None:
             tensors += new_kv
             scalars += (k_rows, v_rows)
@@ -574,7 +588,7 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
         sc = kv_cache.stride()
         out_rows = out.stride(0)
         scalars = (q.stride(0), sc[0], sc[1], sc[2], sc[3], out_rows, scale, logits_soft_cap or 1.0,
-                   sliding_window or 0)
+                   sliding_window or 0, *quant)
         if new_kv is not None:
             k, v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in new_kv)
             tensors += (k, v, slots)
@@ -593,7 +607,8 @@ def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: boo
     """The split kernel bound to ``plan`` (:func:`paged_decode_launch`'s arguments, in the kernel's order).
 
     Per call: tensors ``(q, kv_cache, out[, k_new, v_new, slots])``; scalars ``(q.stride(0), the cache's four
-    leading strides, out.stride(0), scale, soft cap, window[, k_new.stride(0), v_new.stride(0)])``."""
+    leading strides, out.stride(0), scale, soft cap, window, k_inv, v_inv, v_scale[, k_new.stride(0),
+    v_new.stride(0)])``."""
     t, s = Slot.tensor, Slot.scalar
     d, bt = plan.head_size, plan.block_table
     out = t(2)
@@ -604,12 +619,12 @@ def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: boo
         mo_strides, ml_strides = plan.mid_o.stride()[:3], plan.mid_lse.stride()[:2]
     counters = plan.counters if plan.fused_merge else out
     if fused_write:
-        k, v, slots, kv_strides = t(3), t(4), t(5), (s(9), s(10))
+        k, v, slots, kv_strides = t(3), t(4), t(5), (s(12), s(13))
     else:  # unused by the kernel: any tensor of the right kind
         k, v, slots, kv_strides = t(0), t(0), bt, (0, 0)
     args = (t(0), t(1), bt, plan.seq_lens, mid_o, mid_lse, out, counters, k, v, slots,
             s(0), d, s(1), s(2), s(3), s(4), bt.stride(0), *mo_strides, *ml_strides, s(5),
-            *kv_strides, s(6), s(7), s(8), plan.num_splits, plan.heads_first)
+            *kv_strides, s(6), s(7), s(8), s(9), s(10), s(11), plan.num_splits, plan.heads_first)
     return _decode_split_launch.bind(plan.split_grid, args, **plan.split_constexprs, USE_SOFTCAP=use_softcap,
                                      USE_WINDOW=use_window, IEEE=ieee, FUSED_WRITE=fused_write)
 
@@ -625,7 +640,8 @@ def _bind_merge(plan: DecodePlan) -> BoundLaunch:
 def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
                         logits_soft_cap: float | None = None, num_splits: int | None = None,
-                        config: DecodeConfig | None = None) -> torch.Tensor:
+                        config: DecodeConfig | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention, one query token per sequence, from the paged cache.
 
     Args:
@@ -633,6 +649,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
         kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` (already holding this step's keys).
         block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32.
         num_splits, config: see :class:`DecodePlan` (None: the config table's).
+        k_scale, v_scale: an fp8 cache's scales (``ops.kv_quant``); other caches ignore them.
     Returns:
         ``[B, Hq * D]`` in q's dtype.
     """
@@ -642,7 +659,8 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape[0], num_heads * head_size, dtype=q.dtype, device=q.device)
-    paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap)
+    paged_decode_launch(plan, q, kv_cache, out, scale, sliding_window, logits_soft_cap,
+                        kv_scales=KVScales.of(k_scale, v_scale))
     return out
 
 
@@ -652,48 +670,55 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
 # refuses ("Loop-carried variable m_i ... fp64", torch 2.11 + Triton 3.6 on the H200). Opaque, the ops run
 # the launchers as in eager mode, under torch.compile too.
 @torch.library.custom_op("dynamo_once::write_kv_cache", mutates_args=("kv_cache",))
-def _write_kv_cache_op(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _write_kv_cache_op(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     if use_triton(kv_cache) and kv_cache.is_contiguous():
-        write_kv_cache_triton(kv_cache, k, v, slot_mapping)
+        write_kv_cache_triton(kv_cache, k, v, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_cache_ref(kv_cache, k, v, slot_mapping)
+        write_kv_cache_ref(kv_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 @_write_kv_cache_op.register_fake
-def _write_kv_cache_fake(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _write_kv_cache_fake(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     return None
 
 
 @torch.library.custom_op("dynamo_once::paged_decode", mutates_args=())
 def _paged_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     logits_soft_cap: float | None = None, num_splits: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     if not use_triton(q):
         return paged_decode_ref(q, kv_cache, block_table, seq_lens, num_heads, head_size, scale, sliding_window,
-                                logits_soft_cap)
+                                logits_soft_cap, k_scale, v_scale)
     return paged_decode_triton(q, kv_cache, block_table, seq_lens, num_heads, head_size, scale, sliding_window,
-                               logits_soft_cap, num_splits)
+                               logits_soft_cap, num_splits, k_scale=k_scale, v_scale=v_scale)
 
 
 @_paged_decode_op.register_fake
 def _paged_decode_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                       logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                       logits_soft_cap: float | None = None, num_splits: int | None = None, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     return q.new_empty(q.shape)  # [B, Hq * D], contiguous, as both implementations return
 
 
-def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``k``, ``v`` (``[T, Hkv * D]``) to the flat slots ``slot_mapping`` of ``kv_cache``, in place.
+def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write ``k``, ``v`` (``[T, Hkv * D]``) to the flat slots ``slot_mapping`` of ``kv_cache``, in place; an fp8
+    cache holds ``k / k_scale`` and ``v / v_scale`` (``ops.kv_quant``), any other the values as they are.
 
     One Triton launch for a contiguous CUDA cache, else :func:`write_kv_cache_ref`. Under torch.compile the
     declared mutation is functionalized, which may copy the cache (the attention layer's op declares none).
     """
-    torch.ops.dynamo_once.write_kv_cache(kv_cache, k, v, slot_mapping)
+    torch.ops.dynamo_once.write_kv_cache(kv_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                 logits_soft_cap: float | None = None, num_splits: int | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """Attention of each sequence's one new token over its ``seq_lens[b]`` tokens in the paged cache.
 
     Args:
@@ -704,25 +729,33 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         sliding_window, logits_soft_cap: see the module docstring (None: off).
         num_splits: the CUDA kernel's programs per sequence and KV head, a power of two (default:
             :func:`decode_num_splits`, from the batch size).
+        k_scale, v_scale: an fp8 cache's scales (its keys and values times them, ``ops.kv_quant``); other
+            caches ignore them.
     Returns:
         ``[B, Hq * D]`` in q's dtype.
     """
     return torch.ops.dynamo_once.paged_decode(q, kv_cache, block_table, seq_lens, num_heads, head_size, scale,
-                                              sliding_window, logits_soft_cap, num_splits)
+                                              sliding_window, logits_soft_cap, num_splits, k_scale, v_scale)
 
 
-def write_kv_cache_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The reference write: ``index_copy_`` of ``k``, ``v`` (``[T, Hkv * D]``, cast to the cache's dtype) into
-    the flat slots ``slot_mapping`` of each half of ``kv_cache``."""
+def write_kv_cache_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """The reference write: ``index_copy_`` of ``k``, ``v`` (``[T, Hkv * D]``, in the cache's dtype as
+    ``ops.kv_quant.quantize_kv_ref`` rounds them) into the flat slots ``slot_mapping`` of each half of ``kv_cache``."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, k.reshape(-1, num_kv_heads, head_size).to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.reshape(-1, num_kv_heads, head_size).to(kv_cache.dtype))
+    for half, x, scale in ((0, k, k_scale), (1, v, v_scale)):
+        rows = quantize_kv_ref(x.reshape(-1, num_kv_heads, head_size), scale, kv_cache.dtype)
+        if kv_cache.dtype == FP8_KV_DTYPE:  # as bytes: the CPU's index_copy_ takes no fp8
+            flat[half].view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+        else:
+            flat[half].index_copy_(0, slot_mapping, rows)
 
 
 def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      num_heads: int, head_size: int, scale: float, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
+                     logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """The fp32 reference of :func:`paged_decode` (conventions: the module docstring), all sequences at once.
 
     Each sequence's whole block-table row is gathered (``[B, max_blocks * block_size, Hkv, D]``) and the
@@ -733,6 +766,8 @@ def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     blocks = block_table.long()
     k = kv_cache[0][blocks].flatten(1, 2).float()  # [B, L, Hkv, D]
     v = kv_cache[1][blocks].flatten(1, 2).float()
+    if kv_cache.dtype == FP8_KV_DTYPE:  # the values an fp8 cache stands for
+        k, v = k * k_scale, v * v_scale
     # GQA: query head h reads KV head h // (Hq / Hkv): [B, Hkv, group, D].
     qf = q.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size)
     logits = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale

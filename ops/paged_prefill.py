@@ -46,6 +46,7 @@ import functools
 
 import torch
 
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, from_cache, to_cache
 from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
@@ -62,31 +63,32 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the softmax runs on ex
 
 
 @triton.jit
-def _load_kv(cache_ptr, off, kv_mask, new_ptr, stride_new, k_pos, ctx_len, offs_d, SRC: tl.constexpr):
+def _load_kv(cache_ptr, off, kv_mask, new_ptr, stride_new, k_pos, ctx_len, offs_d, inv, SRC: tl.constexpr):
     """One half's tile at positions ``k_pos``. SRC 0: from the cache (every position ``< ctx_len``, or the plain
     form). 1: every position ``>= ctx_len``: this step's, which this launch writes, from the input rows
     ``new_ptr + (pos - ctx_len) * stride_new``. 2: each position from its source (a tile across ctx_len). The
-    input is cast to the cache's dtype as the write does, so that the tile holds the bits the cache would."""
+    input is cast to the cache's dtype as the write does (``ops.kv_quant.to_cache``, ``inv`` the half's inverse
+    scale), so that the tile holds the bits the cache would."""
     if SRC == 0:
         x = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)
     elif SRC == 1:
         rows = (k_pos - ctx_len).to(tl.int64)
         x = tl.load(new_ptr + rows[:, None] * stride_new + offs_d[None, :], mask=kv_mask, other=0.0)
-        x = x.to(cache_ptr.dtype.element_ty)
+        x = to_cache(x, inv, cache_ptr)
     else:
         in_cache = k_pos < ctx_len
         old = tl.load(cache_ptr + off, mask=kv_mask & in_cache[:, None], other=0.0)
         rows = tl.maximum(k_pos - ctx_len, 0).to(tl.int64)  # clamped: the cache's lanes load nothing here
         new = tl.load(new_ptr + rows[:, None] * stride_new + offs_d[None, :], mask=kv_mask & ~in_cache[:, None],
                       other=0.0)
-        x = tl.where(in_cache[:, None], old, new.to(cache_ptr.dtype.element_ty))
+        x = tl.where(in_cache[:, None], old, to_cache(new, inv, cache_ptr))
     return x
 
 
 @triton.jit
 def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, q_pos, kv_off,
                   stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d, d_mask,
-                  k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                  k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len, k_inv, v_inv,
                   PAGE: tl.constexpr, MASKED: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                   USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SRC: tl.constexpr):
     # One tile of BLOCK_N keys at positions start_n...; MASKED: past some row's diagonal or the sequence's end.
@@ -100,7 +102,7 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
         block = tl.load(bt_row_ptr + k_pos // PAGE).to(tl.int64)
         kv_mask = d_mask[None, :]
     off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kv_off + offs_d[None, :]
-    k = _load_kv(k_cache_ptr, off, kv_mask, k_new_ptr, stride_k_t, k_pos, ctx_len, offs_d, SRC)
+    k = _load_kv(k_cache_ptr, off, kv_mask, k_new_ptr, stride_k_t, k_pos, ctx_len, offs_d, k_inv, SRC)
     k = k.to(q.dtype)  # [BLOCK_N, BLOCK_D]
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -120,7 +122,8 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv(v_cache_ptr, off, kv_mask, v_new_ptr, stride_v_t, k_pos, ctx_len, offs_d, SRC)
+    v = from_cache(_load_kv(v_cache_ptr, off, kv_mask, v_new_ptr, stride_v_t, k_pos, ctx_len, offs_d, v_inv, SRC),
+                   q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -130,7 +133,7 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
 
 @triton.jit
 def _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_off,
-                    stride_c_b, stride_c_s, t0, q_len, ctx_len, offs_d, d_mask,
+                    stride_c_b, stride_c_s, t0, q_len, ctx_len, offs_d, d_mask, k_inv, v_inv,
                     BLOCK_Q: tl.constexpr, PAGE: tl.constexpr):
     """This program's tokens ``t0..t0 + BLOCK_Q - 1`` (those ``< q_len``), its KV head only, from the input rows
     to their slots (``block_table[s, pos // PAGE] * PAGE + pos % PAGE``, at ``pos = ctx_len + t``) in the cache's
@@ -144,15 +147,16 @@ def _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v
     dst = block[:, None] * stride_c_b + (pos % PAGE)[:, None] * stride_c_s + kv_off + offs_d[None, :]
     rows = t.to(tl.int64)
     k = tl.load(k_new_ptr + rows[:, None] * stride_k_t + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_inv, k_cache_ptr), mask=mask)
     v = tl.load(v_new_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_inv, v_cache_ptr), mask=mask)
 
 
 @triton.jit
 def _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                   k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
-                  qk_scale, soft_cap, window, offs_n, offs_d, d_mask, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  qk_scale, soft_cap, window, k_inv, v_inv, v_scale, offs_n, offs_d, d_mask, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr,
                   PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                   USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr):
     """The block's attention output (fp32, normalized): the keys' tiles from the first one a row may see, first
@@ -177,31 +181,35 @@ def _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt
     for start_n in range(k_lo, cache_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
                                       kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
-                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len, k_inv, v_inv,
                                       PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 0)
     if NEW_KV:
         for start_n in range(cache_end, new_start, BLOCK_N):  # at most one tile
             acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end,
                                           q_pos, kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n,
                                           offs_d, d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
-                                          PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 2)
+                                          k_inv, v_inv, PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 2)
         for start_n in range(new_start, full_end, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end,
                                           q_pos, kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n,
                                           offs_d, d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
-                                          PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 1)
+                                          k_inv, v_inv, PAGE, False, USE_SOFTCAP, USE_WINDOW, IEEE, 1)
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, start_n, kv_end, q_pos,
                                       kv_off, stride_c_b, stride_c_s, qk_scale, soft_cap, window, offs_n, offs_d,
-                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len,
+                                      d_mask, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, ctx_len, k_inv, v_inv,
                                       PAGE, True, USE_SOFTCAP, USE_WINDOW, IEEE, 2 if NEW_KV else 0)
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real row: it sees its own key
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # the values' scale (the keys' is in qk_scale)
+        out = out * v_scale
+    return out
 
 
 @triton.jit
 def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_len, kvh, k_cache_ptr, v_cache_ptr,
                 bt_row, kv_off, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s, qk_scale,
-                soft_cap, window, offs_d, d_mask, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr,
+                soft_cap, window, k_inv, v_inv, v_scale, offs_d, d_mask, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                HEAD_D: tl.constexpr,
                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                 USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr):
     """A sequence with one new token (a decode): its GROUP query heads as the first rows of a ROWS-row tile (tl.dot's
@@ -214,11 +222,12 @@ def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_le
     q = tl.load(q_ptr + row * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0)
     if NEW_KV:
         _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
-                        stride_c_b, stride_c_s, 0, 1, ctx_len, offs_d, d_mask, 2, PAGE)
+                        stride_c_b, stride_c_s, 0, 1, ctx_len, offs_d, d_mask, k_inv, v_inv, 2, PAGE)
     q_pos = ctx_len + offs_m * 0  # every row at the token's position
     out = _attend_block(q, q_pos, ctx_len, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                         k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
-                        qk_scale, soft_cap, window, tl.arange(0, BLOCK_N), offs_d, d_mask, ROWS, BLOCK_D, PAGE,
+                        qk_scale, soft_cap, window, k_inv, v_inv, v_scale, tl.arange(0, BLOCK_N), offs_d, d_mask,
+                        ROWS, BLOCK_D, PAGE,
                         1, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
     tl.store(out_ptr + row * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=io_mask)
@@ -228,7 +237,7 @@ def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_le
 def _prefill_kernel(
     q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_ptr, v_ptr,
     stride_q_t, stride_o_t, stride_k_t, stride_v_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
-    qk_scale, soft_cap, window,
+    qk_scale, soft_cap, window, k_inv, v_inv, v_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NEW_KV: tl.constexpr,
@@ -259,7 +268,8 @@ def _prefill_kernel(
     if DECODE_ROWS > 0 and q_len == 1:  # the unified launch's decodes: a tile of their own
         _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_len, kvh, k_cache_ptr, v_cache_ptr,
                     bt_row, kv_off, k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s, qk_scale,
-                    soft_cap, window, offs_d, d_mask, GROUP, DECODE_ROWS, HEAD_D, BLOCK_D, PAGE, BLOCK_N,
+                    soft_cap, window, k_inv, v_inv, v_scale, offs_d, d_mask, GROUP, DECODE_ROWS, HEAD_D, BLOCK_D,
+                    PAGE, BLOCK_N,
                     USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
     else:
         q_lo = ctx_len + mb * BLOCK_Q  # position of the block's first token
@@ -274,10 +284,12 @@ def _prefill_kernel(
                     other=0.0)  # [BLOCK_M, BLOCK_D]
         if NEW_KV:
             _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
-                            stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, BLOCK_Q, PAGE)
+                            stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, k_inv, v_inv,
+                            BLOCK_Q, PAGE)
         out = _attend_block(q, q_pos, q_lo, seq_len, ctx_len, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                             k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, stride_c_b, stride_c_s,
-                            qk_scale, soft_cap, window, tl.arange(0, BLOCK_N), offs_d, d_mask, BLOCK_Q * GROUP_PAD,
+                            qk_scale, soft_cap, window, k_inv, v_inv, v_scale, tl.arange(0, BLOCK_N), offs_d, d_mask,
+                            BLOCK_Q * GROUP_PAD,
                             BLOCK_D, PAGE, BLOCK_Q, BLOCK_N, USE_SOFTCAP, USE_WINDOW, IEEE, NEW_KV)
         tl.store(out_ptr + rows[:, None] * stride_o_t + head[:, None] * HEAD_D + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -349,7 +361,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                          scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
                          out: torch.Tensor | None = None, config: PrefillConfig | None = None,
                          new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         decode_rows: bool = False) -> torch.Tensor:
+                         decode_rows: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """:func:`paged_prefill` in one Triton launch; writes ``out`` (rows of the sequences only) when given.
 
     ``max_query_len`` bounds every sequence's query length (a larger bound only adds programs that return at
@@ -358,6 +370,7 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     the launch writes them to their slots (from the block table, as ``write_kv_cache`` would) and attends to them
     from k and v, so that no separate cache-write launch is needed (the module's ``PREFILL_WRITES_KV``).
     ``decode_rows``: sequences with one new token take a tile of their own (see :func:`bind_prefill`).
+    ``k_scale``, ``v_scale``: an fp8 cache's scales (``ops.kv_quant``); other caches ignore them.
     """
     _check_args(q, kv_cache, num_heads, head_size, out)
     if kv_cache.stride(-1) != 1:
@@ -373,7 +386,8 @@ def paged_prefill_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                           page, q.dtype, logits_soft_cap is not None, sliding_window is not None, config,
                           new_kv=new_kv is not None, decode_rows=decode_rows)
     if launch is not None:
-        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv)
+        prefill_launch(launch, q, kv_cache, out, scale, sliding_window, logits_soft_cap, new_kv=new_kv,
+                       kv_scales=KVScales.of(k_scale, v_scale))
     return out
 
 
@@ -406,9 +420,9 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
     block_n = max(cfg.BLOCK_N, page)
     t, s = Slot.tensor, Slot.scalar
     # Off, k and v are unused by the kernel: q stands for them, with zero strides (one specialization).
-    k, v, kv_strides = (t(3), t(4), (s(9), s(10))) if new_kv else (t(0), t(0), (0, 0))
+    k, v, kv_strides = (t(3), t(4), (s(12), s(13))) if new_kv else (t(0), t(0), (0, 0))
     args = (t(0), t(1), block_table, seq_lens, query_start_loc, t(2), k, v, s(0), s(1), *kv_strides,
-            s(2), s(3), s(4), s(5), block_table.stride(0), s(6), s(7), s(8))
+            s(2), s(3), s(4), s(5), block_table.stride(0), s(6), s(7), s(8), s(9), s(10), s(11))
     return _prefill_launch.bind(
         (cdiv(max_query_len, block_q), num_seqs, num_kv_heads), args,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_D=head_size,
@@ -422,17 +436,21 @@ def bind_prefill(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_
 def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
                    sliding_window: int | None, logits_soft_cap: float | None,
                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None) -> None:
+                   target: tuple[int, int] | None = None, strides: tuple[int, ...] | None = None,
+                   kv_scales: KVScales = UNIT_KV_SCALES) -> None:
     """One launch of a :func:`bind_prefill` (bound for q's dtype and this soft cap's and window's presence): q's
     and out's rows ``query_start_loc[0]..`` (unit stride last, out like q), the cache's four leading strides, the
     scale and the options are per call. ``new_kv`` ``(k, v)`` (rows as q's, any row stride) exactly when the launch
     was bound with ``new_kv=True``. ``target``: see :class:`~ops.triton_utils.BoundLaunch`; ``strides``: see
-    ``ops.paged_attention.LAYER_STRIDES``."""
+    ``ops.paged_attention.LAYER_STRIDES``; ``kv_scales``: an fp8 cache's (``ops.kv_quant``; others ignore them)."""
+    if kv_scales.k_scale != 1.0:
+        scale = scale * kv_scales.k_scale
     # Scale in log2 units for exp2, unless the soft cap (tanh of natural logits) comes first.
     qk_scale = scale if logits_soft_cap is not None else scale * LOG2E
+    quant = (kv_scales.k_inv, kv_scales.v_inv, kv_scales.v_scale)
     if strides is not None:
         q_rows, k_rows, v_rows, out_rows, c0, c1, c2, c3 = strides
-        scalars = (q_rows, out_rows, c0, c1, c2, c3, qk_scale, logits_soft_cap or 1.0, sliding_window or 0)
+        scalars = (q_rows, out_rows, c0, c1, c2, c3, qk_scale, logits_soft_cap or 1.0, sliding_window or 0, *quant)
         if new_kv is None:
             launch((q, kv_cache, out), scalars, target)
         else:
@@ -444,7 +462,7 @@ def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor,
         qs = q.stride()
     sc = kv_cache.stride()
     scalars = (qs[0], out.stride(0), sc[0], sc[1], sc[2], sc[3], qk_scale, logits_soft_cap or 1.0,
-               sliding_window or 0)
+               sliding_window or 0, *quant)
     if new_kv is None:
         launch((q, kv_cache, out), scalars, target)
         return
@@ -458,23 +476,26 @@ def prefill_launch(launch: BoundLaunch, q: torch.Tensor, kv_cache: torch.Tensor,
 def _paged_prefill_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
                       scale: float, sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     impl = paged_prefill_triton if use_triton(q) else paged_prefill_ref
     return impl(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, num_heads, head_size, scale,
-                sliding_window, logits_soft_cap)
+                sliding_window, logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
 
 
 @_paged_prefill_op.register_fake
 def _paged_prefill_fake(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
                         scale: float, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq * D], as both implementations
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int, scale: float,
-                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of every sequence's new tokens over its tokens in the paged cache.
 
     Args:
@@ -485,11 +506,14 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         max_query_len: a host int >= every sequence's query length (sets the CUDA grid; no device sync).
         num_heads, head_size, scale: Hq, D and the softmax scale.
         sliding_window, logits_soft_cap: see the module docstring (None: off).
+        k_scale, v_scale: an fp8 cache's scales (its keys and values times them, ``ops.kv_quant``); other
+            caches ignore them.
     Returns:
         ``[T, Hq * D]`` in q's dtype.
     """
     return torch.ops.dynamo_once.paged_prefill(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len,
-                                               num_heads, head_size, scale, sliding_window, logits_soft_cap)
+                                               num_heads, head_size, scale, sliding_window, logits_soft_cap,
+                                               k_scale, v_scale)
 
 
 def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
@@ -511,7 +535,7 @@ def _attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, head_size: int,
                       scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The fp32 reference of :func:`paged_prefill` (conventions: the module docstring), sequence by sequence.
 
     Reads ``query_start_loc`` and ``seq_lens`` on the host (a sync on CUDA: a reference, not a kernel path);
@@ -529,6 +553,8 @@ def paged_prefill_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         blocks = block_table[s, : cdiv(seq_len, page)].long()
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len].float()  # [L, Hkv, D]
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len].float()
+        if kv_cache.dtype == FP8_KV_DTYPE:  # the values an fp8 cache stands for
+            k, v = k * k_scale, v * v_scale
         qs = q[start:end].float().reshape(end - start, num_kv_heads, num_heads // num_kv_heads, head_size)
         o = _attend_ref(qs, k, v, scale, sliding_window, logits_soft_cap)
         out[start:end] = o.reshape(end - start, num_heads * head_size).to(q.dtype)

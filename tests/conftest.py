@@ -64,9 +64,34 @@ def _interpreter_fma_rounds_once() -> None:
     builder.create_fma = create_fma
 
 
+def _interpreter_fp8_rounds_as_the_gpu() -> None:
+    """Triton 3.6's interpreter converts fp32 to fp8 e4m3 by truncating the mantissa and adding the cut-off bit
+    without its carry into the exponent (126.9 becomes 64, and -0.1248 becomes -0.0625, not -0.125). Convert as
+    the GPU's ``cvt.rn.satfinite`` does instead: rounded to nearest even, saturated at +-448 (NaN stays NaN)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_dynamo_once_fixed", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            q = torch.where(x.isnan(), x, x.clamp(-448.0, 448.0)).to(torch.float8_e4m3fn)
+            return interpreter.TensorHandle(q.view(torch.uint8).numpy().reshape(src.data.shape), dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._dynamo_once_fixed = True
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 if _interpreting():
     _interpreter_int_from_one_element()
     _interpreter_fma_rounds_once()
+    _interpreter_fp8_rounds_as_the_gpu()
 
 
 def pytest_collection_modifyitems(config, items):

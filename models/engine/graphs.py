@@ -98,7 +98,7 @@ class StepGraphs:
         graphs = self.cuda_graphs = CUDAGraphs()
         inputs.pad_block = kv_cache.pad_block  # padding tokens write here, never read by a sequence
         graphs.mark_static(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
-        self._piecewise_outputs(layers, graphs)
+        self._piecewise_outputs(layers, graphs, next(model.parameters()).dtype)
 
         def piece_step(n: int) -> torch.Tensor:  # attention, eager between the pieces, gets no metadata
             with set_forward_context(ForwardContext(layers, None)), torch.inference_mode():
@@ -114,16 +114,17 @@ class StepGraphs:
                     len(self.piece_sizes), len(self.full_sizes), dt)
         return dt
 
-    def _piecewise_outputs(self, layers: dict[str, Attention], graphs: CUDAGraphs) -> None:
+    def _piecewise_outputs(self, layers: dict[str, Attention], graphs: CUDAGraphs, dtype: torch.dtype) -> None:
         """Give each attention layer a persistent output buffer for PIECEWISE steps, marked static: the piece
         after it reads it in place (no copy into the graph's input per layer and step, 17 MB for a 2048-token
         step of Llama 3 8B; no allocation). One per layer, so that an output stays valid for the whole step;
-        ``[largest piecewise size, Hq * D]`` each (Llama 3 8B at 512 tokens: 4 MiB a layer)."""
+        ``[largest piecewise size, Hq * D]`` each (Llama 3 8B at 512 tokens: 4 MiB a layer), in the model's ``dtype``
+        (q's: not the cache's, which may be fp8)."""
         rows = max(self.piece_sizes, default=0)
         if not rows:
             return
         for layer in layers.values():
-            layer.piecewise_out = torch.empty(rows, layer.num_heads * layer.head_size, dtype=layer.kv_cache.dtype,
+            layer.piecewise_out = torch.empty(rows, layer.num_heads * layer.head_size, dtype=dtype,
                                               device=self.inputs.device)
             graphs.mark_static(layer.piecewise_out)
 

@@ -39,6 +39,7 @@ from dispatcher import (
     get_compilation_config,
     set_compilation_config,
 )
+from ops.kv_quant import KV_CACHE_DTYPES, cache_dtype
 
 from ..forward_context import ForwardContext, set_forward_context
 from ..image_processing import load_image_processor, process_images
@@ -103,6 +104,9 @@ class LLM:
         tensor_parallel_size: ranks that each hold a shard of the model (Llama, Gemma 2; :mod:`models.parallel`):
             this process is rank 0 and starts ranks 1..N-1 as worker processes (one GPU each on CUDA), which
             :meth:`close` stops. Needs ``model`` as a path or built-in name.
+        kv_cache_dtype: "auto" (default): the model's dtype, or fp8 where the checkpoint's quantization config
+            has a ``kv_cache_scheme``; "fp8" / "fp8_e4m3": an fp8 e4m3 cache (``ops.kv_quant``), half the bytes
+            of a bf16 one a token, with the checkpoint's per-layer ``k_scale`` / ``v_scale`` (1 without them).
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -111,9 +115,12 @@ class LLM:
                  device: torch.device | str | None = None,
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
                  async_scheduling: bool | None = None, tokenizer: str | Any | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> None:
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"LLM: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                             f"{kv_cache_dtype!r}")
         max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
         if not 1 <= max_num_seqs <= max_num_tokens:
             raise ValueError(f"LLM: max_num_seqs must be in [1, max_num_tokens={max_num_tokens}]; got {max_num_seqs}")
@@ -130,7 +137,7 @@ class LLM:
         self._tp, tp_state = self._start_tensor_parallel(check_size(tensor_parallel_size), dict(
             model=model, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, num_cache_tokens=num_cache_tokens,
             block_size=block_size, dtype=dtype, device=device, compilation_config=config,
-            chunked_prefill=chunked_prefill, async_scheduling=async_scheduling))
+            chunked_prefill=chunked_prefill, async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype))
         self.startup = StartupReport(import_s=process_age_s())  # filled as the phases end; logged at INFO
         t0 = time.perf_counter()
         with self._tp_guard("load"), use_tensor_parallel(tp_state):
@@ -149,8 +156,9 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.layers = attention_layers(self.model)
         graph_config = compiled[0].compilation_config if compiled else config
+        self.kv_cache_dtype = cache_dtype(kv_cache_dtype, self.dtype, getattr(self.model, "fp8_kv_cache", False))
         self.kv_cache = KVCache(self.layers, num_cache_tokens or max(8192, max_num_tokens), block_size,
-                                dtype=self.dtype, device=self.device,
+                                dtype=self.kv_cache_dtype, device=self.device,
                                 pad_block=StepGraphs.captures(self.device, self.level, graph_config))
         self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, block_size, self.device)

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks holding a shard of the model each, one process (and GPU) a rank (default 1)")
+    p.add_argument("--kv-cache-dtype", default="auto",  # checked by LLM (no torch import before the port's bound)
+                   help="the KV cache's dtype: auto (default: the model's, or the checkpoint's fp8 kv_cache_scheme), "
+                        "fp8 / fp8_e4m3")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--verbose", action="store_true", help="a traceback with errors")
     return p
@@ -64,7 +67,7 @@ def _load(args: argparse.Namespace) -> object:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
               num_cache_tokens=args.num_cache_tokens, dtype=args.dtype, device=device,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer (tokenizer.json / tokenizer_config.json): the API is text")
     return llm

@@ -405,9 +405,10 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
                                                                         fused_write=fused_write))
     calls = []
-    # the write: the whole k and v, its first row bound (its last argument), no slice per layer
+    # the write: the whole k and v, its first row bound (the kernel's `first`, before the fp8 cache's inverse
+    # scales), no slice per layer
     monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, cache, k, v, **_: calls.append(
-        ("write", launch.grid[0], k.data_ptr(), v.data_ptr(), launch.args[-1])))
+        ("write", launch.grid[0], k.data_ptr(), v.data_ptr(), launch.args[-3])))
     monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv, **_: calls.append(
         ("decode", new_kv is not None)))
     monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(

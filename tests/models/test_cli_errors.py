@@ -35,6 +35,13 @@ def test_generate_needs_a_prompt_or_random_prompts(capsys):
     one_line(capsys, "dynamo-once generate: give --prompt or --random-prompts, not both")
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_kv_cache_dtype_is_one_line(command, capsys):
+    extra = ["--random-prompts"] if command == "generate" else ["--port", "0"]
+    assert main([command, "--model", "tiny-llama", "--device", "cpu", *extra, "--kv-cache-dtype", "int4"]) == 2
+    one_line(capsys, f"dynamo-once {command}: LLM: kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got 'int4'")
+
+
 @pytest.mark.parametrize("command", ["generate", "diagnose", "env", "serve"])
 def test_bad_env_value_is_one_line(command, monkeypatch, capsys):
     monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", "banana")

@@ -209,8 +209,11 @@ CONFIG_ERRORS = {
                     r"group_0: fp8 weights with int8 activations are not supported"),
     "packed format": (lambda qc, _: qc.update(format="pack-quantized"),
                       r"group_0: format 'pack-quantized' is not supported; supported: float-quantized, int-quantized"),
-    "kv cache": (lambda qc, _: qc.update(kv_cache_scheme=dict(num_bits=8, type="float")),
-                 r"quantization_config\.kv_cache_scheme: a quantized KV cache is not supported"),
+    "int8 kv cache": (lambda qc, _: qc.update(kv_cache_scheme=dict(num_bits=8, type="int")),
+                      r"quantization_config\.kv_cache_scheme: 8-bit int KV-cache quantization is not supported; "
+                      r"supported: an fp8 \(e4m3\) KV cache, static per tensor, symmetric"),
+    "per-head kv cache": (lambda qc, _: qc.update(kv_cache_scheme=dict(num_bits=8, type="float", strategy="attn_head")),
+                          r"kv_cache_scheme: strategy 'attn_head', dynamic False, symmetric True is not supported"),
     "unknown method": (lambda qc, _: qc.update(quant_method="gptq"),
                        r"quantization_config\.quant_method: 'gptq' is not supported; supported: 'compressed-tensors' "
                        r"and 'fp8' \(AutoFP8\)"),

@@ -359,13 +359,14 @@ def test_interpreted_new_kv_form_as_the_attention_op_calls_it(config):
 
 def test_new_kv_form_binds_k_v_and_their_strides_in_the_kernels_order():
     """bind_prefill's argument list against the kernel's parameters: with new_kv, k, v and their row strides from
-    the call; without, q and zero strides in their places (unused), and NEW_KV off."""
+    the call; without, q and zero strides in their places (unused), and NEW_KV off; the fp8 cache's inverse scales
+    and value scale after the window."""
     from ops.paged_prefill import _prefill_kernel, bind_prefill
 
     q, k, v, cache, md = prefill_batch(SPECS, 8, 2, 64)
     out = torch.empty_like(q)
     names = [p.name for p in _prefill_kernel.params if not p.is_constexpr]
-    scalars = tuple(range(100, 111))
+    scalars = tuple(range(100, 114))
     for new_kv in (False, True):
         launch = bind_prefill(md.block_table, md.seq_lens, md.query_start_loc, 40, 8, 2, 64, BLOCK, q.dtype, False,
                               False, new_kv=new_kv)
@@ -373,9 +374,10 @@ def test_new_kv_form_binds_k_v_and_their_strides_in_the_kernels_order():
         bound = dict(zip(names, launch.full_args((q, cache, out, k, v), scalars), strict=True))
         assert bound["q_ptr"] is q and bound["kv_cache_ptr"] is cache and bound["out_ptr"] is out
         assert (bound["stride_q_t"], bound["stride_o_t"], bound["window"]) == (100, 101, 108)
+        assert (bound["k_inv"], bound["v_inv"], bound["v_scale"]) == (109, 110, 111)
         if new_kv:
             assert bound["k_ptr"] is k and bound["v_ptr"] is v
-            assert (bound["stride_k_t"], bound["stride_v_t"]) == (109, 110)
+            assert (bound["stride_k_t"], bound["stride_v_t"]) == (112, 113)
         else:
             assert bound["k_ptr"] is q and bound["v_ptr"] is q and bound["stride_k_t"] == bound["stride_v_t"] == 0
 
