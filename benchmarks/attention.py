@@ -48,6 +48,8 @@ from ops.paged_decode_config import DecodeConfig, decode_config
 
 HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B; the engine's block size
 DTYPE = torch.bfloat16
+#: The cache's dtype: DTYPE, or fp8 with ``--kv-cache-dtype fp8`` (``ops.kv_quant``, scales 1); set by main.
+CACHE_DTYPE = DTYPE
 SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
@@ -59,7 +61,7 @@ FORMS = ({"heads_first": True}, {"fused_merge": True}, {"fused_write": True}, {"
 
 def kv_bytes(batch: int, context: int) -> int:
     """Every key and value byte of one call."""
-    return 2 * batch * context * KV_HEADS * HEAD * DTYPE.itemsize
+    return 2 * batch * context * KV_HEADS * HEAD * CACHE_DTYPE.itemsize
 
 
 def io_bytes(batch: int, context: int) -> int:
@@ -97,7 +99,7 @@ def make_case(batch: int, context: int, device: str) -> Case:
     per_seq = context // PAGE
     total = copies * batch * per_seq
     g = torch.Generator(device=device).manual_seed(batch * 7919 + context)
-    cache = torch.randn(2, total, PAGE, KV_HEADS, HEAD, generator=g, device=device, dtype=DTYPE)
+    cache = torch.randn(2, total, PAGE, KV_HEADS, HEAD, generator=g, device=device, dtype=DTYPE).to(CACHE_DTYPE)
     perm = torch.randperm(total, generator=g, device=device).to(torch.int32).view(copies, batch, per_seq)
     q = torch.randn(batch, HEADS * HEAD, generator=g, device=device, dtype=DTYPE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -107,14 +109,14 @@ def make_case(batch: int, context: int, device: str) -> Case:
     tables = list(perm.unbind(0))
     slots = [new_token_slots(t, seq_lens) for t in tables]
     # The new tokens' keys and values: what copy 0's cache holds at their slots (the write leaves it unchanged).
-    k_new, v_new = (cache[i].flatten(0, 1)[slots[0]].flatten(1) for i in (0, 1))
+    k_new, v_new = (cache[i].flatten(0, 1)[slots[0]].flatten(1).to(DTYPE) for i in (0, 1))
     return Case(batch, context, copies, cache, tables, seq_lens, q, out, ws, counters, k_new, v_new, slots)
 
 
 def plans(case: Case, config: DecodeConfig | None) -> list[DecodePlan]:
     """One plan per copy's block table (the partial results share the case's workspace: stream-ordered)."""
     return [DecodePlan(t, case.seq_lens, HEADS, KV_HEADS, HEAD, PAGE, case.q.device, workspace=case.workspace,
-                       config=config, counters=case.counters) for t in case.tables]
+                       config=config, counters=case.counters, kv_fp8=CACHE_DTYPE != DTYPE) for t in case.tables]
 
 
 def call(case: Case, plan: DecodePlan, slots: torch.Tensor, compile_only: bool = False) -> None:
@@ -225,7 +227,7 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
                 deadline: float) -> list[dict[str, Any]]:
     case = make_case(batch, context, device)
     ref = reference(case)
-    table = _resolved(decode_config(batch, HEAD), batch, num_sms)
+    table = _resolved(decode_config(batch, HEAD, CACHE_DTYPE != DTYPE), batch, num_sms)
     rows: list[dict[str, Any]] = []
 
     def measure(configs: list[DecodeConfig]) -> None:
@@ -303,8 +305,8 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
     order = [b for b in (32, 128, 8, 1) if b in batches] + [b for b in batches if b not in (32, 128, 8, 1)]
     precompile(order, device, num_sms, workers)
     rows: list[dict[str, Any]] = []
-    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, bf16, "
-             f"{PAGE}-token pages); one CUDA graph of one call per block-table copy, median of {replays} replays",
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, "
+             f"{_kv_name()} KV, {PAGE}-token pages); one CUDA graph of one call per block-table copy, median of {replays} replays",
              "correct: within 2e-2 of the fp32 reference; table: what DECODE_TABLE launches at this batch"]
     for b in order:
         for ctx in contexts:
@@ -312,16 +314,25 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
                 print(f"sweep: deadline reached, batch {b} context {ctx} not measured", flush=True)
                 continue
             rows += sweep_shape(b, ctx, device, copy_gbps, num_sms, replays, deadline)
-            common.write_results("attention_sweep", rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
+            common.write_results("attention_sweep" + _tag(), rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
                                  title="Paged decode attention: every candidate config")
     best = best_rows(rows)
-    common.write_results("attention_sweep_best", best, title="Fastest paged decode config per shape",
+    common.write_results("attention_sweep_best" + _tag(), best, title="Fastest paged decode config per shape",
                          notes=[*notes[:1], f"sweep took {time.perf_counter() - start:.0f} s"], device=device,
                          out_dir=out_dir)
-    print("suggested DECODE_TABLE rows (ops/paged_decode_config.py; max_seqs: the batch measured):")
+    print(f"suggested {'DECODE_TABLE_FP8' if _tag() else 'DECODE_TABLE'} rows (ops/paged_decode_config.py; "
+          "max_seqs: the batch measured):")
     for line in suggested_rows(rows):
         print("best " + line.strip(), flush=True)
 
+
+
+def _tag() -> str:
+    return "_kvfp8" if CACHE_DTYPE != DTYPE else ""
+
+
+def _kv_name() -> str:
+    return "fp8 (e4m3)" if CACHE_DTYPE != DTYPE else "bf16"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -333,8 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline", type=float, default=220.0, help="seconds the sweep may take (then it stops)")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="threads compiling the sweep's configs (1: one by one, without Triton's AsyncCompileMode)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="the cache's dtype: auto (bf16, as q) or fp8 (e4m3, scales 1; files end in _kvfp8)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
+    global CACHE_DTYPE
+    CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else DTYPE
     batches, contexts = common.int_list(p, "--batches", a.batches), common.int_list(p, "--contexts", a.contexts)
     if any(c % PAGE for c in contexts):
         p.error(f"--contexts: multiples of {PAGE} (whole pages); got {a.contexts!r}")
@@ -345,14 +360,14 @@ def main(argv: list[str] | None = None) -> None:
     print(common.env_header(device), flush=True)
     copy_gbps = common.measure_copy_bandwidth(device=device)
     rows = bench_table(batches, contexts, device, copy_gbps, a.replays)
-    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, bf16 KV, "
-             f"{PAGE}-token pages scattered); the config DECODE_TABLE picks",
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, "
+             f"{_kv_name()} KV, {PAGE}-token pages scattered); the config the decode table picks",
              f"one CUDA graph of `copies` calls, each over its own pages (KV read from HBM), median of {a.replays} "
              "replays, per call; bytes: every K and V byte + q + output",
              "correct: within 2e-2 of the fp32 reference (ops.paged_decode_ref)"]
-    common.write_results("attention", rows, title="Paged decode attention alone, % of copy bandwidth", notes=notes,
-                         device=device, out_dir=a.out)
-    common.plot_lines("attention", rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,
+    common.write_results("attention" + _tag(), rows, title="Paged decode attention alone, % of copy bandwidth",
+                         notes=notes, device=device, out_dir=a.out)
+    common.plot_lines("attention" + _tag(), rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,
                       title=f"Paged decode attention, Llama-3-8B shape ({common.device_name(device)})",
                       xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
     if a.sweep:

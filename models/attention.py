@@ -202,7 +202,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     # Every layer of a step calls with the same key (only the tensors' addresses differ): one lookup, not one per
     # plan and bound launch. A key is everything the step call is built from, so a miss builds anew, never a stale
     # one; under CUDA-graph capture a plan without the persistent workspace is the capture's own (decode_plan).
-    key = (num_heads, head_size, shape, contiguous, q.device, q.dtype, k.shape[0], sliding_window is not None,
+    key = (num_heads, head_size, shape, contiguous, q.device, q.dtype, kv_cache.dtype, k.shape[0],
+           sliding_window is not None,
            logits_soft_cap is not None, PREFILL_WRITES_KV, UNIFIED_ATTENTION, UNIFIED_MAX_DECODES,
            UNIFIED_DECODE_TOKENS)
     if md.workspace is None and md.num_decodes and q.device.type == "cuda":
@@ -210,7 +211,8 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     call = md.layer_calls.get(key)
     if call is None:
         call = md.layer_calls[key] = _StepCall(md, num_heads, head_size, shape, contiguous, q.device, q.dtype,
-                                               k.shape[0], logits_soft_cap is not None, sliding_window is not None)
+                                               k.shape[0], logits_soft_cap is not None, sliding_window is not None,
+                                               kv_cache.dtype == FP8_KV_DTYPE)
     # Read once a call, not per launch: the current device (a Python call into torch.cuda) and stream, and
     # whether launch hooks are set; the same for the two or three launches below, which switch no stream.
     target = call.fast.target() if call.fast is not None else None
@@ -290,12 +292,12 @@ class _StepCall:
 
     def __init__(self, md: AttentionMetadata, num_heads: int, head_size: int, shape: torch.Size, contiguous: bool,
                  device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
-                 use_window: bool) -> None:
+                 use_window: bool, kv_fp8: bool) -> None:
         nd = md.num_decodes
         page, num_kv_heads = shape[2], shape[3]
         unified = (UNIFIED_ATTENTION and contiguous and nd <= UNIFIED_MAX_DECODES
                    and md.decodes_fit_unified(UNIFIED_DECODE_TOKENS))
-        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device) \
+        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device, kv_fp8) \
             if nd and not unified else None
         self.fused_write = plan is not None and plan.fused_write and contiguous
         self.prefill_writes = unified or (PREFILL_WRITES_KV and contiguous and nd < md.num_seqs)

@@ -119,21 +119,21 @@ class AttentionMetadata:
         return True
 
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
-                    device: torch.device) -> DecodePlan:
-        """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape, built at its first
-        call in this step (one dict lookup after)."""
-        key = (num_heads, num_kv_heads, head_size, page, device)
+                    device: torch.device, kv_fp8: bool = False) -> DecodePlan:
+        """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape (``kv_fp8``: over an
+        fp8 cache), built at its first call in this step (one dict lookup after)."""
+        key = (num_heads, num_kv_heads, head_size, page, device, kv_fp8)
         if self.workspace is None and device.type == "cuda":
             # Scratch of its own, which a CUDA graph must not capture from outside it: this object may die
             # before the graph. Under capture, a plan allocated there (in the graph's pool), as before plans.
             key += (torch.cuda.is_current_stream_capturing(),)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._new_plan(num_heads, num_kv_heads, head_size, page, device)
+            plan = self._plans[key] = self._new_plan(num_heads, num_kv_heads, head_size, page, device, kv_fp8)
         return plan
 
     def _new_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
-                  device: torch.device) -> DecodePlan:
+                  device: torch.device, kv_fp8: bool) -> DecodePlan:
         nd = self.num_decodes
         whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
         ws = self.workspace
@@ -141,7 +141,8 @@ class AttentionMetadata:
         counters = ws.counters(num_kv_heads, device) if ws is not None else None
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
-                          num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters)
+                          num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters,
+                          kv_fp8=kv_fp8)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -4,7 +4,8 @@ A cache of dtype ``float8_e4m3fn`` holds ``k / k_scale`` and ``v / v_scale``
 (one scale a layer and half, the compressed-tensors ``kv_cache_scheme``:
 static, per tensor, symmetric), rounded to nearest even after clamping to
 +-448. The kernels read a key tile as q's dtype and fold ``k_scale`` into the
-softmax scale, and multiply each output by ``v_scale``; so a step reads one
+softmax scale, and multiply each output by ``v_scale`` (a bf16 q and the tiles in
+fp16 for the dots: :func:`dot_operand`); so a step reads one
 byte an element, half of a bf16 cache. A cache of any other dtype stores the
 values as they are and ignores the scales (their product with the stored
 value would round to the same number).
@@ -84,6 +85,16 @@ def to_cache(x, inv_scale, cache_ptr):
     else:
         y = x.to(cache_ptr.dtype.element_ty)
     return y
+
+
+@triton.jit
+def dot_operand(q, cache_ptr):
+    """q as the attention's dot operand over ``cache_ptr``'s cache: fp16 where a bf16 q meets an fp8 cache (an fp8
+    tile converts to fp16 in one instruction a pair, to bf16 only through fp32; fp16 holds every bf16 value of q's
+    range to within its 10-bit mantissa, and the softmax's p in [0, 1] more finely than bf16), else unchanged."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
 
 
 @triton.jit

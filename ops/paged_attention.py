@@ -51,7 +51,8 @@ import functools
 
 import torch
 
-from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, from_cache, inverse_scale, quantize_kv_ref, to_cache
+from .kv_quant import (FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, from_cache, inverse_scale,
+                       quantize_kv_ref, to_cache)
 from .paged_decode_config import DecodeConfig, decode_config
 from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
 
@@ -195,6 +196,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = dot_operand(q, cache_ptr)
     k_new = tl.zeros([BLOCK_D], cache_ptr.dtype.element_ty)
     v_new = tl.zeros([BLOCK_D], cache_ptr.dtype.element_ty)
     if FUSED_WRITE:
@@ -481,19 +483,21 @@ class DecodePlan:
         counters: the fused merge's arrival counters (int32 zeros, at least ``B * Hkv``: a
             :meth:`DecodeWorkspace.counters`); too small or None: allocated here, except under CUDA-graph capture,
             where the plan then merges with the merge kernel (``fused_merge`` False).
+        kv_fp8: the cache is fp8 (``ops.kv_quant``): with ``config`` None, the fp8 table's config
+            (:data:`~ops.paged_decode_config.DECODE_TABLE_FP8`).
     """
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_size: int, page: int, device: torch.device, num_splits: int | None = None,
                  workspace: torch.Tensor | None = None, config: DecodeConfig | None = None,
-                 counters: torch.Tensor | None = None) -> None:
+                 counters: torch.Tensor | None = None, kv_fp8: bool = False) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
                              f"them in one block) or None; got {num_splits}")
         b = self.num_seqs = block_table.shape[0]
         self.num_heads, self.head_size = num_heads, head_size
         self.block_table, self.seq_lens = block_table, seq_lens
-        cfg = self.config = config or decode_config(b, head_size)
+        cfg = self.config = config or decode_config(b, head_size, kv_fp8)
         splits = self.num_splits = num_splits or cfg.splits(b, num_kv_heads, _num_sms(device))
         group = num_heads // num_kv_heads
         block_d = next_power_of_2(head_size)
@@ -655,7 +659,7 @@ def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """
     _, _, page, num_kv_heads, _ = kv_cache.shape
     plan = DecodePlan(block_table, seq_lens, num_heads, num_kv_heads, head_size, page, q.device, num_splits,
-                      config=config)
+                      config=config, kv_fp8=kv_cache.dtype == FP8_KV_DTYPE)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape[0], num_heads * head_size, dtype=q.dtype, device=q.device)

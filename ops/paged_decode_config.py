@@ -16,7 +16,7 @@ import dataclasses
 
 from .triton_utils import cdiv, next_power_of_2
 
-__all__ = ["DecodeConfig", "DecodeRule", "DECODE_TABLE", "decode_config"]
+__all__ = ["DecodeConfig", "DecodeRule", "DECODE_TABLE", "DECODE_TABLE_FP8", "decode_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +112,15 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )
+#: The rules for an fp8 cache (``ops.kv_quant``: half the bytes a token, fp16 dots), as :data:`DECODE_TABLE`.
+DECODE_TABLE_FP8: tuple[DecodeRule, ...] = DECODE_TABLE
 del _C, _R
 
 
-def decode_config(num_seqs: int, head_size: int) -> DecodeConfig:
-    """The table's config for a decode batch of ``num_seqs`` sequences and heads of ``head_size``."""
-    for rule in DECODE_TABLE:
+def decode_config(num_seqs: int, head_size: int, kv_fp8: bool = False) -> DecodeConfig:
+    """The table's config for a decode batch of ``num_seqs`` sequences and heads of ``head_size``; ``kv_fp8``: of
+    :data:`DECODE_TABLE_FP8`, for an fp8 cache."""
+    for rule in DECODE_TABLE_FP8 if kv_fp8 else DECODE_TABLE:
         if num_seqs <= rule.max_seqs and head_size <= rule.max_head_size:
             return rule.config
     return DecodeConfig()  # past every row (the table's last row covers everything): the dataclass's defaults

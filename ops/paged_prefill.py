@@ -46,7 +46,7 @@ import functools
 
 import torch
 
-from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, from_cache, to_cache
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, from_cache, to_cache
 from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
@@ -219,7 +219,8 @@ def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_le
     head = kvh * GROUP + offs_m
     io_mask = (offs_m < GROUP)[:, None] & d_mask[None, :]
     row = q_start.to(tl.int64)
-    q = tl.load(q_ptr + row * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask, other=0.0)
+    q = dot_operand(tl.load(q_ptr + row * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
+                            other=0.0), k_cache_ptr)
     if NEW_KV:
         _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                         stride_c_b, stride_c_s, 0, 1, ctx_len, offs_d, d_mask, k_inv, v_inv, 2, PAGE)
@@ -282,6 +283,7 @@ def _prefill_kernel(
         rows = (q_start + t).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_q_t + head[:, None] * HEAD_D + offs_d[None, :], mask=io_mask,
                     other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = dot_operand(q, k_cache_ptr)
         if NEW_KV:
             _write_block_kv(k_new_ptr, v_new_ptr, stride_k_t, stride_v_t, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                             stride_c_b, stride_c_s, mb * BLOCK_Q, q_len, ctx_len, offs_d, d_mask, k_inv, v_inv,

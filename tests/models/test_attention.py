@@ -402,7 +402,7 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     assert attention_module.PREFILL_WRITES_KV is True  # on by default
     monkeypatch.setattr(attention_module, "PREFILL_WRITES_KV", on)
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's routes
-    monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=1, BLOCK_N=16,
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=1, BLOCK_N=16,
                                                                         fused_write=fused_write))
     calls = []
     # the write: the whole k and v, its first row bound (the kernel's `first`, before the fp8 cache's inverse

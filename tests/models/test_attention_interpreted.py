@@ -145,7 +145,7 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
 
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the mixed step in the split form
     fused = DecodeConfig(num_splits=splits, BLOCK_N=16, fused_merge=True, fused_write=True)
-    monkeypatch.setattr(pa, "decode_config", lambda b, d: fused)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: fused)
     decodes = [(9, 1), (70, 1), (0, 1), (BLOCK * 5, 1)]
     for specs in (decodes, decodes + [(0, 6), (5, 3)]):
         layer = new_layer(num_blocks=len(specs) * 20, **kw)
@@ -169,7 +169,7 @@ def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monke
     from ops.paged_decode_config import DecodeConfig
 
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's launches
-    monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=2, BLOCK_N=16, fused_merge=False,
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16, fused_merge=False,
                                                                         fused_write=fused_write))
     layers = [new_layer("l0", num_blocks=len(SPECS) * 20), new_layer("l1", num_blocks=len(SPECS) * 20 + 3)]
     q, k, v, md = make_batch(layers[0], SPECS)
@@ -199,7 +199,7 @@ def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, 
     from ops.paged_decode_config import DecodeConfig
 
     if fused_write:
-        monkeypatch.setattr(pa, "decode_config", lambda b, d: DecodeConfig(num_splits=2, BLOCK_N=16,
+        monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16,
                                                                             fused_merge=True, fused_write=True))
     for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
         layer = new_layer(num_blocks=len(specs) * 20, **kw)

@@ -113,7 +113,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_native(kw, splits, fused, monke
     from ops.paged_decode_config import DecodeConfig
 
     config = DecodeConfig(num_splits=splits, BLOCK_N=16, fused_merge=fused, fused_write=fused)
-    monkeypatch.setattr(pa, "decode_config", lambda b, d: config)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: config)
     layer = fp8_layer(num_blocks=len(DECODES) * 20, **kw)
     q, k, v, md = make_batch(layer, DECODES)
     md = dataclasses.replace(md, workspace=DecodeWorkspace(8))
