@@ -112,8 +112,20 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )
-#: The rules for an fp8 cache (``ops.kv_quant``: half the bytes a token, fp16 dots), as :data:`DECODE_TABLE`.
-DECODE_TABLE_FP8: tuple[DecodeRule, ...] = DECODE_TABLE
+#: The rules for an fp8 cache (``ops.kv_quant``: half the bytes a token, fp16 dots): ``benchmarks.attention
+#: --kv-cache-dtype fp8 --sweep``'s suggested rows at batch 8, 32 and 128 (results/attention_sweep_best_kvfp8.md;
+#: comments: µs at contexts 512 and 4096, this row / :data:`DECODE_TABLE`'s row on the fp8 cache,
+#: results/attention_kvfp8_bf16_rows.md). The kernel does not read an fp8 cache at its bytes' speed: 48-55% of the copy
+#: bandwidth at batch 128 (its bf16 reads: 85-92%), about the bf16 cache's time less 5-17%, so the per-token work
+#: (page lookups, addresses, conversions) bounds it there. Batch 1: the bf16 row (not swept on fp8).
+DECODE_TABLE_FP8: tuple[DecodeRule, ...] = (
+    DECODE_TABLE[0],
+    _R(8, 128, _C(num_splits=4, BLOCK_N=128, num_warps=4, num_stages=4, fused_merge=True)),  # 11.22 / 40.11, 15.19 / 66.49
+    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=4)),  # b32: 21.87 / 135.9, 22.47 / 141.5
+    _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=2, num_stages=3, fused_merge=True,
+                     fused_write=True)),  # b128: 67.58 / 466.14, 79.73 / 551.55
+    DECODE_TABLE[-1],
+)
 del _C, _R
 
 
