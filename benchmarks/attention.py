@@ -48,8 +48,8 @@ from ops.paged_decode_config import DecodeConfig, decode_config
 
 HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B; the engine's block size
 DTYPE = torch.bfloat16
-#: The cache's dtype: DTYPE, or fp8 with ``--kv-cache-dtype fp8`` (``ops.kv_quant``, scales 1); set by main.
-CACHE_DTYPE = DTYPE
+#: The cache's dtype: None (DTYPE's), or fp8 with ``--kv-cache-dtype fp8`` (``ops.kv_quant``, scales 1); set by main.
+CACHE_DTYPE: torch.dtype | None = None
 SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
@@ -61,7 +61,7 @@ FORMS = ({"heads_first": True}, {"fused_merge": True}, {"fused_write": True}, {"
 
 def kv_bytes(batch: int, context: int) -> int:
     """Every key and value byte of one call."""
-    return 2 * batch * context * KV_HEADS * HEAD * CACHE_DTYPE.itemsize
+    return 2 * batch * context * KV_HEADS * HEAD * _cache_dtype().itemsize
 
 
 def io_bytes(batch: int, context: int) -> int:
@@ -99,7 +99,7 @@ def make_case(batch: int, context: int, device: str) -> Case:
     per_seq = context // PAGE
     total = copies * batch * per_seq
     g = torch.Generator(device=device).manual_seed(batch * 7919 + context)
-    cache = torch.randn(2, total, PAGE, KV_HEADS, HEAD, generator=g, device=device, dtype=DTYPE).to(CACHE_DTYPE)
+    cache = torch.randn(2, total, PAGE, KV_HEADS, HEAD, generator=g, device=device, dtype=DTYPE).to(_cache_dtype())
     perm = torch.randperm(total, generator=g, device=device).to(torch.int32).view(copies, batch, per_seq)
     q = torch.randn(batch, HEADS * HEAD, generator=g, device=device, dtype=DTYPE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -116,7 +116,7 @@ def make_case(batch: int, context: int, device: str) -> Case:
 def plans(case: Case, config: DecodeConfig | None) -> list[DecodePlan]:
     """One plan per copy's block table (the partial results share the case's workspace: stream-ordered)."""
     return [DecodePlan(t, case.seq_lens, HEADS, KV_HEADS, HEAD, PAGE, case.q.device, workspace=case.workspace,
-                       config=config, counters=case.counters, kv_fp8=CACHE_DTYPE != DTYPE) for t in case.tables]
+                       config=config, counters=case.counters, kv_fp8=_fp8()) for t in case.tables]
 
 
 def call(case: Case, plan: DecodePlan, slots: torch.Tensor, compile_only: bool = False) -> None:
@@ -227,7 +227,7 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
                 deadline: float) -> list[dict[str, Any]]:
     case = make_case(batch, context, device)
     ref = reference(case)
-    table = _resolved(decode_config(batch, HEAD, CACHE_DTYPE != DTYPE), batch, num_sms)
+    table = _resolved(decode_config(batch, HEAD, _fp8()), batch, num_sms)
     rows: list[dict[str, Any]] = []
 
     def measure(configs: list[DecodeConfig]) -> None:
@@ -327,12 +327,20 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
 
 
 
+def _cache_dtype() -> torch.dtype:
+    return CACHE_DTYPE or DTYPE
+
+
+def _fp8() -> bool:
+    return CACHE_DTYPE == torch.float8_e4m3fn
+
+
 def _tag() -> str:
-    return "_kvfp8" if CACHE_DTYPE != DTYPE else ""
+    return "_kvfp8" if _fp8() else ""
 
 
 def _kv_name() -> str:
-    return "fp8 (e4m3)" if CACHE_DTYPE != DTYPE else "bf16"
+    return "fp8 (e4m3)" if _fp8() else "bf16"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -349,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     global CACHE_DTYPE
-    CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else DTYPE
+    CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     batches, contexts = common.int_list(p, "--batches", a.batches), common.int_list(p, "--contexts", a.contexts)
     if any(c % PAGE for c in contexts):
         p.error(f"--contexts: multiples of {PAGE} (whole pages); got {a.contexts!r}")
