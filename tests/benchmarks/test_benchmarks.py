@@ -367,6 +367,7 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
 @pytest.mark.parametrize("script, argv, says", [
     ("kernel_profile", ["--models", "tiny-llama"], "CUDA"),
     ("gemm_step_ab", ["--variant", "table="], "CUDA only"),
+    ("attention_operands", [], "needs a CUDA GPU"),
 ])
 def test_gpu_only_benchmarks_refuse_without_a_gpu(script, argv, says, capsys):
     import importlib
