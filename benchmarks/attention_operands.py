@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
+from ops.kv_quant import dot_operand
 from ops.paged_attention import paged_decode_ref
 from ops.triton_utils import tl, triton
 
@@ -39,8 +40,7 @@ def _kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_bt, stride_h
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + b * (GROUP * tl.num_programs(1) * HEAD_D) + heads[:, None] * HEAD_D + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0)
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        q = q.to(tl.float16)
+    q = dot_operand(q, cache_ptr)  # fp16 for a bf16 q over an fp8 cache, as ops.paged_attention's
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_D], tl.float32)

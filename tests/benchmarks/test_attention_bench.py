@@ -106,3 +106,24 @@ def read_rows(path):
 
     with open(path) as f:
         return list(csv.DictReader(ln for ln in f if not ln.startswith("#")))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("form", [0, 1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_operand_orders_compute_the_reference_attention(form, cache_dtype):
+    """benchmarks.attention_operands' kernel, each of its dot orders, against ops.paged_decode_ref (fp32 q: the
+    interpreter's half-precision dots are wrong), sequences shorter and longer than a key tile, pages scattered."""
+    from benchmarks import attention_operands as O
+    from ops.paged_attention import paged_decode_ref
+
+    g = torch.Generator().manual_seed(form)
+    seq_lens = torch.tensor([5, 70], dtype=torch.int32)
+    per_seq = 5
+    cache = torch.randn(2, 2 * per_seq, O.PAGE, O.KV_HEADS, O.D, generator=g).to(cache_dtype)
+    table = torch.randperm(2 * per_seq, generator=g).to(torch.int32).view(2, per_seq)
+    q = torch.randn(2, O.HEADS * O.D, generator=g)
+    out = torch.full_like(q, float("nan"))
+    O.run(form, q, cache, table, seq_lens, out, 64, 4, 2)
+    ref = paged_decode_ref(q, cache, table, seq_lens, O.HEADS, O.D, O.D**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
