@@ -38,13 +38,6 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "llama-3-8b-fp8); a checkpoint directory must already be quantized so")
 
 
-def kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    """``--kv-cache-dtype``, as ``models.LLM``'s ``kv_cache_dtype``, which checks it (no torch import for --help)."""
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="the paged KV cache's dtype: auto (default: the model's, or fp8 where the checkpoint "
-                             "has a kv_cache_scheme), fp8 / fp8_e4m3 (half a bf16 cache's bytes a token)")
-
-
 def _quantized_model(model: str, quantization: str | None) -> str:
     """The model ``--quantization`` asks for: the built-in's quantized variant, or the checkpoint directory
     itself once its ``quantization_config`` is of that kind.
@@ -121,7 +114,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks holding a shard of the model each, one process (and GPU) a rank (default 1)")
-    kv_cache_dtype_arg(p)
+    p.add_argument("--kv-cache-dtype", default="auto",  # checked by LLM (no torch import for --help)
+                   help="the paged KV cache's dtype: auto (default: the model's, or fp8 where the checkpoint has a "
+                        "kv_cache_scheme), fp8 / fp8_e4m3 (half a bf16 cache's bytes a token)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None, help="default: all tokens")

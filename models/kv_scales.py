@@ -33,4 +33,4 @@ def apply_kv_scales(module: nn.Module, attn: Attention) -> None:
     """``attn``'s scales from ``module``'s loaded parameters (see :func:`register_kv_scales`), if it has them."""
     k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
     if k_scale is not None and v_scale is not None:
-        attn.set_kv_scales(float(k_scale.detach().float().cpu()), float(v_scale.detach().float().cpu()))
+        attn.set_kv_scales(k_scale.item(), v_scale.item())

@@ -21,17 +21,17 @@ from typing import NamedTuple
 
 import torch
 
+from .quant_fp8 import FP8_DTYPE, FP8_MAX
 from .triton_utils import tl, triton
 
 __all__ = ["FP8_KV_DTYPE", "KV_CACHE_DTYPES", "KVScales", "UNIT_KV_SCALES", "cache_dtype", "inverse_scale",
            "quantize_kv_ref"]
 
-#: The cache dtype of ``kv_cache_dtype="fp8"``.
-FP8_KV_DTYPE = torch.float8_e4m3fn
+#: The cache dtype of ``kv_cache_dtype="fp8"``: the activations' fp8 (e4m3).
+FP8_KV_DTYPE = FP8_DTYPE
 #: What ``kv_cache_dtype`` accepts (vLLM's names): "auto" is the model's dtype (or the checkpoint's
 #: ``kv_cache_scheme``); "fp8" and "fp8_e4m3" are :data:`FP8_KV_DTYPE`.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-_FP8_MAX = 448.0
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, checkpoint_fp8: bool = False) -> torch.dtype:
@@ -74,7 +74,7 @@ def quantize_kv_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
     if dtype != FP8_KV_DTYPE:
         return x.to(dtype)
     inv = torch.tensor(inverse_scale(scale), dtype=torch.float32, device=x.device)
-    return (x.float() * inv).clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
+    return (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 @triton.jit
@@ -96,10 +96,3 @@ def dot_operand(q, cache_ptr):
         q = q.to(tl.float16)
     return q
 
-
-@triton.jit
-def from_cache(x, dtype: tl.constexpr):
-    """A tile loaded from the cache as ``dtype`` (q's) for ``tl.dot``; unchanged when it already is."""
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    return x

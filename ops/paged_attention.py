@@ -51,8 +51,7 @@ import functools
 
 import torch
 
-from .kv_quant import (FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, from_cache, inverse_scale,
-                       quantize_kv_ref, to_cache)
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, inverse_scale, quantize_kv_ref, to_cache
 from .paged_decode_config import DecodeConfig, decode_config
 from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
 
@@ -284,7 +283,7 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
             kv_mask = n_mask[:, None]
         else:
             kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = from_cache(tl.load(cache_ptr + off, mask=kv_mask, other=0.0), q.dtype)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8: to q's
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -300,7 +299,7 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = from_cache(tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0), q.dtype)
+        v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:

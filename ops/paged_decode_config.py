@@ -116,7 +116,7 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
 #: --kv-cache-dtype fp8 --sweep``'s suggested rows at batch 8, 32 and 128 (results/attention_sweep_best_kvfp8.md;
 #: comments: µs at contexts 512 and 4096, this row / :data:`DECODE_TABLE`'s row on the fp8 cache,
 #: results/attention_kvfp8_bf16_rows.md). The kernel does not read an fp8 cache at its bytes' speed: 48-55% of the copy
-#: bandwidth at batch 128 (its bf16 reads: 85-92%), about the bf16 cache's time less 5-17%: the tiles' conversion
+#: bandwidth at batch 128 (its bf16 reads: 85-92%), about the bf16 cache's time less 5-19%: the tiles' conversion
 #: before the dots bounds it (results/attention_operands.md: a minimal kernel reads bf16 at 93-102%, fp8 at 51-57%,
 #: whatever the dots' operand order). Batch 1: the bf16 row (not swept on fp8).
 DECODE_TABLE_FP8: tuple[DecodeRule, ...] = (

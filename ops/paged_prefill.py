@@ -46,7 +46,7 @@ import functools
 
 import torch
 
-from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, from_cache, to_cache
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, to_cache
 from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
@@ -122,8 +122,7 @@ def _prefill_tile(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = from_cache(_load_kv(v_cache_ptr, off, kv_mask, v_new_ptr, stride_v_t, k_pos, ctx_len, offs_d, v_inv, SRC),
-                   q.dtype)
+    v = _load_kv(v_cache_ptr, off, kv_mask, v_new_ptr, stride_v_t, k_pos, ctx_len, offs_d, v_inv, SRC).to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
