@@ -123,8 +123,8 @@ for step in $steps; do
     passes)   # issue 13: native code / custom ops / custom ops + graph passes, quantized 8B decode and a 2048-token
               # prefill; bf16 8B: the passes with the ops on against the default
               for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8 llama-3-8b}; do
-                modes="level 3,level 3 +ops,level 3 +ops +passes"; [ $m = llama-3-8b ] && modes="level 3,level 3 +ops +passes"
-                timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
+                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}; [ $m = llama-3-8b ] && modes="level 3,level 3 +ops +passes"
+                timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" ${PASS_ARGS:-} \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
               done ;;
     kprof0|kprof1) # issue 16: kernel time by kind in level-3 decode graphs and the GEMM stack; Inductor's PDL off / on

@@ -25,14 +25,19 @@ Usage: ``python -m benchmarks.prologue_gemm [--ms 1,2,4,8,16] [--iters 20] [--qu
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import ops
 from benchmarks import common
+
+prologue_gemm = importlib.import_module("ops.prologue_gemm")
 
 BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
 SCHEMES = {"fp8": FP8, "int8": INT8}
@@ -121,16 +126,29 @@ def chain(impl: str, layers: list, lm_head: torch.Tensor, m: int,
     r0 = torch.randn(m, h, generator=g, device="cuda", dtype=BF16)
     a_scale = torch.tensor([8.0 / 448.0], device="cuda") if dtype == FP8 else None
 
+    base, _, prefetch = impl.partition(" sp")
+
     def step() -> list[torch.Tensor]:
         x, r = x0, r0
         first = []
-        for i, p in enumerate(layers):
-            x, r = layer(impl, p, x, r, a_scale)
-            first = [x, r] if i == 0 else first
+        with _stage_prefetch(int(prefetch) if prefetch else None):
+            for i, p in enumerate(layers):
+                x, r = layer(base, p, x, r, a_scale)
+                first = [x, r] if i == 0 else first
         normed, _ = ops.fused_add_rms_norm(x, r, layers[-1]["norm1"], EPS)
         return first + [F.linear(normed, lm_head)]
 
     return step
+
+
+@contextlib.contextmanager
+def _stage_prefetch(steps: int | None) -> Iterator[None]:
+    """``ops.prologue_gemm.STAGE_PREFETCH`` set to ``steps`` for the block (None: as it is)."""
+    if steps is None:
+        yield
+        return
+    with mock.patch.object(prologue_gemm, "STAGE_PREFETCH", steps):
+        yield
 
 
 def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -150,17 +168,18 @@ def _launches(step: Callable[[], list[torch.Tensor]], layers: int) -> float:
     return round(len(kernels) / layers, 1)
 
 
-def run(shape: tuple[int, ...], ms: list[int], iters: int, copy_gbps: float) -> list[dict[str, Any]]:
+def run(shape: tuple[int, ...], ms: list[int], iters: int, copy_gbps: float,
+        impls: tuple[str, ...] = IMPLS) -> list[dict[str, Any]]:
     rows = []
     nbytes = _weight_bytes(shape)
     for name, dtype in SCHEMES.items():
         layers, lm_head = build(shape, dtype)
         for m in ms:
-            steps = {impl: chain(impl, layers, lm_head, m, dtype) for impl in IMPLS}
+            steps = {impl: chain(impl, layers, lm_head, m, dtype) for impl in impls}
             outs = {impl: s()[:2] for impl, s in steps.items()}
             times = {impl: common.bench_gpu(s, warmup=2, iters=iters, cuda_graph=True, graph_iters=1)
                      for impl, s in steps.items()}
-            for impl in IMPLS:
+            for impl in impls:
                 diff = max(_rel_diff(o, ref) for o, ref in zip(outs[impl], outs["unfused"]))
                 rows.append({"scheme": name, "impl": impl, "M": m, "us": round(times[impl], 1),
                              "pct_of_copy_bw": round(100 * nbytes / (times[impl] * 1e-6) / (copy_gbps * 1e9), 1),
@@ -177,23 +196,30 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,2,4,8,16", help="M (tokens) of the chain runs")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per run (median)")
+    p.add_argument("--stage-prefetch", default="", help="also time the prologue with these STAGE_PREFETCH values "
+                                                          "(rows 'prologue spN'), e.g. 0,4,16")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     ms = common.int_list(p, "--ms", a.ms)
+    sps = [v.strip() for v in a.stage_prefetch.split(",") if v.strip()]
+    if not all(v.isdigit() for v in sps):
+        p.error(f"--stage-prefetch: expected comma-separated integers >= 0; got {a.stage_prefetch!r}")
+    extra = tuple(f"prologue sp{v}" for v in sps)
     if not torch.cuda.is_available():
         p.error("the prologue GEMM benchmark needs a CUDA GPU; torch.cuda.is_available() is False")
     shape = QUICK if a.quick else LLAMA_3_8B
     print(common.env_header("cuda"), flush=True)
     copy_gbps = common.measure_copy_bandwidth(device="cuda")
-    rows = run(shape, ms, a.iters, copy_gbps)
+    rows = run(shape, ms, a.iters, copy_gbps, IMPLS + extra)
     name = "prologue_gemm" + ("_quick" if a.quick else "")
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {shape[0]} layers (hidden {shape[1]}, qkv {shape[2]}, "
              f"intermediate {shape[3]}) + bf16 lm_head {shape[4]}, distinct weights per layer; one CUDA graph of the "
              f"chain, median of {a.iters} replays; attention left out",
              "fp8: static per-tensor activations and weights; int8: per-token activations, per-channel weights "
              "(its SiLU-and-mul + per-token quant stays unfused in both rows)",
-             "speedup: unfused / this row; launches: kernels a layer (profiler)"]
+             f"speedup: unfused / this row; launches: kernels a layer (profiler); prologue: STAGE_PREFETCH = "
+             f"{prologue_gemm.STAGE_PREFETCH} loop steps of weights prefetched into L2 before stage 1, spN: N"]
     common.write_results(name, rows, title="8B quantized layer chain: producer kernels against the GEMM prologue",
                          notes=notes, device="cuda", out_dir=a.out)
     common.plot_panels(name, rows, x="M", y="us", series="impl", panel="scheme", logx=True, out_dir=a.out,

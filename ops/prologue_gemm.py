@@ -32,6 +32,8 @@ These are the ops the ``gemm_prologue`` pass (``dispatcher/passes/gemm_prologue.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dispatcher import envs
@@ -75,10 +77,12 @@ __all__ = [
     "PROLOGUE_MAX_K",
 ]
 
-#: The fused kernel's largest M: its row statistics are one loop step a row (benchmarks.gemm --prologue).
-PROLOGUE_MAX_M = 16
+#: The fused kernel's largest M: its first stage makes one row at a time (results/prologue_gemm*.md).
+PROLOGUE_MAX_M = 1
 #: The widest row whose statistics (sum of squares, amax) a program holds at once.
 PROLOGUE_MAX_K = 8192
+#: Loop steps (``BLOCK_K`` columns) of its weights a program prefetches into L2 before its first stage (on CUDA).
+STAGE_PREFETCH = 8
 
 # PRO, the kernel's prologue: what the GEMM's operand is made of.
 _QUANT, _NORM, _ADD_NORM, _ACT = 0, 1, 2, 3
@@ -168,6 +172,15 @@ def _row_stat(x_ptr, r_ptr, g_ptr, res_out_ptr, scale_out_ptr, row, K, stride_xm
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, offs_n, N, stride_wn, k0, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Start the read of ``LINES`` 128-byte lines of each of the program's weight rows, from column ``k0``, into L2."""
+    pf_k = tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)  # clamped: valid addresses
+    pf = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _make_operand(x_ptr, r_ptr, g_ptr, res_out_ptr, scale_out_ptr, a_ptr, slot, m0, M, K, K_SPLIT, pid_k, stride_xm,
                   stride_rm, eps, lead, static_scale, PRO: tl.constexpr, ACT: tl.constexpr, GEMMA: tl.constexpr,
                   DYNAMIC: tl.constexpr, INTEGER: tl.constexpr, MIN_S: tl.constexpr, ROW_BLOCK: tl.constexpr,
@@ -202,7 +215,7 @@ def _prologue_gemm_kernel(
     MIN_S: tl.constexpr, ROW_BLOCK: tl.constexpr, KS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, W_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
-    LINE: tl.constexpr,
+    LINE: tl.constexpr, PF_STAGE: tl.constexpr,
 ):
     # Two stages a program. 1: each row of its block made, quantized and stored to its own slice of the scratch
     # a_ptr ([programs, A_ROWS, KS_BLOCK]: its K split's columns), one row a step, the whole split at once (one
@@ -219,12 +232,11 @@ def _prologue_gemm_kernel(
         offs_n = offs_n.to(tl.int64)
     if PDL:
         if PF_LINES > 0:  # the weights do not depend on the kernel before: start their read into L2 first
-            pf_k = tl.minimum(pid_k * K_SPLIT + tl.arange(0, PF_LINES) * LINE, K - 1)
-            pf = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            _prefetch_l2(w_ptr, offs_n, N, stride_wn, pid_k * K_SPLIT, K, PF_LINES, LINE)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if PF_STAGE > 0:  # more of the weights into L2 while stage 1 waits on its round trips (HBM idle otherwise)
+        _prefetch_l2(w_ptr, offs_n, N, stride_wn, pid_k * K_SPLIT, K, PF_STAGE, LINE)
     m_ok = offs_m < M
     n_ok = offs_n < N
     lead = (pid // num_m == 0) & (pid_k == 0)  # the one program a row block that stores what is not the GEMM's
@@ -318,6 +330,7 @@ def prologue_scaled_mm(
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K,
         EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
         PF_LINES=prefetch_lines(c, k_split, line) if pdl else 0, LINE=line,
+        PF_STAGE=prefetch_lines(dataclasses.replace(c, PREFETCH=STAGE_PREFETCH), k_split, line) if x.is_cuda else 0,
         num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1:

@@ -45,11 +45,11 @@ def _unfused(kind, x, r, gamma, a_scale, w, w_scale, bias=None):
 
 
 def _fused(kind, x, r, gamma, a_scale, w, w_scale, bias=None):
+    """The fused kernel at any M (its launcher; the ops take it up to ``PROLOGUE_MAX_M``)."""
     if kind == "act":
-        return ops.act_and_mul_quant_mm(x, "silu", a_scale, w, w_scale, BF16, bias), None
-    if kind == "add-norm":
-        return ops.fused_add_rms_norm_quant_mm(x, r, gamma, EPS, a_scale, w, w_scale, BF16, bias)
-    return ops.rms_norm_quant_mm(x, gamma, EPS, a_scale, w, w_scale, BF16, bias), None
+        return ops.prologue_scaled_mm(x, w, a_scale, w_scale, BF16, bias, act="silu")
+    return ops.prologue_scaled_mm(x, w, a_scale, w_scale, BF16, bias, norm_weight=gamma, eps=EPS,
+                                  residual=r if kind == "add-norm" else None)
 
 
 def _inputs(kind, m, k, device):
@@ -74,7 +74,7 @@ def _assert_matches(out, ref, qdtype):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "per-token"])
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=["qkv", "gate_up"])
 @pytest.mark.parametrize("m", DECODE_M)
-def test_norm_quant_mm_is_the_unfused_ops_on_the_gpu(qdtype, kind, dynamic, shape, m):
+def test_the_norm_prologue_is_the_unfused_ops_on_the_gpu(qdtype, kind, dynamic, shape, m):
     k, n = shape
     x, r, gamma = _inputs(kind, m, k, "cuda")
     w, w_scale = _weight(qdtype, n, k, "cuda")
@@ -82,6 +82,10 @@ def test_norm_quant_mm_is_the_unfused_ops_on_the_gpu(qdtype, kind, dynamic, shap
     out, res = _fused(kind, x, r, gamma, a_scale, w, w_scale)
     ref, ref_res = _unfused(kind, x, r, gamma, a_scale, w, w_scale)
     _assert_matches(out, ref, qdtype)
+    if m <= ops.PROLOGUE_MAX_M:  # the op runs the kernel
+        via_op = (ops.fused_add_rms_norm_quant_mm(x, r, gamma, EPS, a_scale, w, w_scale, BF16) if kind == "add-norm"
+                  else (ops.rms_norm_quant_mm(x, gamma, EPS, a_scale, w, w_scale, BF16), None))
+        assert torch.equal(via_op[0], out) and (res is None or torch.equal(via_op[1], res))
     assert (res is None) == (ref_res is None) and (res is None or torch.equal(res, ref_res))
     assert torch.equal(x, _inputs(kind, m, k, "cuda")[0])  # inputs untouched
 
@@ -94,6 +98,8 @@ def test_act_and_mul_quant_mm_and_quant_mm_on_the_gpu(qdtype, m):
     w, w_scale = _weight(qdtype, 4096, 14336, "cuda")
     a_scale = torch.tensor([SCALE], device="cuda")
     bias = randn((4096,), BF16, "cuda", seed=3)
+    _assert_matches(_fused("act", x, None, None, a_scale, w, w_scale, bias)[0],
+                    _unfused("act", x, None, None, a_scale, w, w_scale, bias)[0], qdtype)
     _assert_matches(ops.act_and_mul_quant_mm(x, "silu", a_scale, w, w_scale, BF16, bias),
                     _unfused("act", x, None, None, a_scale, w, w_scale, bias)[0], qdtype)
     wo, wo_scale = _weight(qdtype, 4096, 4096, "cuda")
@@ -102,6 +108,8 @@ def test_act_and_mul_quant_mm_and_quant_mm_on_the_gpu(qdtype, m):
         q, qs = _quant(attn_out, s, qdtype)
         mm = ops.fp8_scaled_mm if qdtype == FP8 else ops.int8_scaled_mm
         _assert_matches(ops.quant_mm(attn_out, s, wo, wo_scale, BF16), mm(q, wo, qs, wo_scale, BF16), qdtype)
+        _assert_matches(ops.prologue_scaled_mm(attn_out, wo, s, wo_scale, BF16)[0], mm(q, wo, qs, wo_scale, BF16),
+                        qdtype)
 
 
 def _quant(x, scale, qdtype):
@@ -116,7 +124,7 @@ def _quant(x, scale, qdtype):
 def test_from_a_cuda_graph_past_the_fused_range_and_switched_off(monkeypatch):
     k, n = 4096, 6144
     w, w_scale = _weight(INT8, n, k, "cuda")
-    for m in (4, ops.PROLOGUE_MAX_M + 1):
+    for m in (1, ops.PROLOGUE_MAX_M + 1):
         x, r, gamma = _inputs("add-norm", m, k, "cuda")
         eager = ops.fused_add_rms_norm_quant_mm(x, r, gamma, EPS, None, w, w_scale, BF16)
         graph = torch.cuda.CUDAGraph()

@@ -20,13 +20,14 @@ pytestmark = [pytest.mark.interpret]
 
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 # (M, K, N, config): one row; a few rows over two K splits, the second partly past K; a full 16-row tile with
-# N past the last column block.
+# N past the last column block; two row blocks, the second partly past M.
 CASES = [
     (1, 64, 64, SmallMConfig(16, 32, 32, num_stages=2)),
     (3, 96, 32, SmallMConfig(16, 32, 32, SPLIT_K=2)),
     (16, 64, 80, SmallMConfig(16, 32, 32)),
+    (20, 64, 32, SmallMConfig(16, 32, 32, SPLIT_K=2)),
 ]
-CASE_IDS = ["m1", "m3-splitk", "m16-masked-n"]
+CASE_IDS = ["m1", "m3-splitk", "m16-masked-n", "m20-two-row-blocks"]
 
 
 def _weights(n, k, qdtype, per_channel, seed=1):
