@@ -13,9 +13,7 @@ each), the µs of one step (decoder + LM head), for:
 - ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
 - ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``level 3 +ops +passes``: as ``level 3 +ops`` with every graph pass of ``dispatcher.passes`` on (the
-  fused-add recognition, the norm / activation + quantization fusions, and the producers moved into the
-  quantized GEMMs' prologue);
-- ``level 3 +ops +passes -gemm_prologue``: the same without ``gemm_prologue`` (its gain, in one run);
+  fused-add recognition and the norm / activation + quantization fusions);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weights+KV floor``: the bytes a decode step must read (every weight once, and the K and V of every
   cached token of every sequence in every layer) / measured copy bandwidth; ``pct_of_floor`` is that floor
@@ -209,14 +207,12 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
     """
     level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
     graph_mode = {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise",
-                  "level 3 +ops": "full_and_piecewise", "level 3 +ops +passes": "full_and_piecewise",
-                  "level 3 +ops +passes -gemm_prologue": "full_and_piecewise"}.get(mode, "none")
+                  "level 3 +ops": "full_and_piecewise", "level 3 +ops +passes": "full_and_piecewise"}.get(mode, "none")
     graph_mode = graph_mode if cuda and graphs else "none"
     return CompilationConfig(level=level, backend="inductor" if level == 1 else None,
                              custom_ops=(["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor")
                                          else ["all"] if mode.startswith("level 3 +ops") else []),
-                             pass_config={"level 3 +ops +passes": "all",
-                                          "level 3 +ops +passes -gemm_prologue": "all,-gemm_prologue"}.get(mode, ""),
+                             pass_config="all" if mode == "level 3 +ops +passes" else "",
                              use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
                              cudagraph_capture_sizes=sorted(set(capture_sizes)) if cuda else [1])
 
@@ -259,8 +255,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw)
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
-        full = cuda and mode in ("level 3", "level 3 +ops", "level 3 +ops +passes", "level 3 +ops +passes -gemm_prologue",
-                                 "full-graph floor")
+        full = cuda and mode in ("level 3", "level 3 +ops", "level 3 +ops +passes", "full-graph floor")
         pieces = cuda and graph_mode == "piecewise"
         # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
         graphs = CUDAGraphs() if full or pieces else None
@@ -480,7 +475,7 @@ def measure_startup(name: str, kinds: tuple[str, ...] = ("cold", "warm")) -> lis
 MODES = ["level 3", "reduce-overhead", "level 1", "full-graph floor", "eager"]
 # Also available: "level 3 piecewise" (attention eager between captured pieces, no whole-step graphs) and
 # "level 3 +ops" (level 3 with every dynamo-once Triton op on instead of Inductor's fusion of the native ops),
-# "level 3 +ops +passes" (that with every graph pass on), "level 3 +ops +passes -gemm_prologue".
+# "level 3 +ops +passes" (that with every graph pass on).
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -528,8 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         device, dtype = torch.device("cpu"), torch.float32
         names, batches, context, prefill = ["tiny-llama"], [2, 4], 32, 64
         modes = [m for m in a.modes.split(",") if m in ("eager", "level 1", "level 3", "level 3 piecewise",
-                                                        "level 3 +ops", "level 3 +ops +passes",
-                                                        "level 3 +ops +passes -gemm_prologue")]
+                                                        "level 3 +ops", "level 3 +ops +passes")]
         iters = 5
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16

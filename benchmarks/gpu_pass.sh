@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|prologue ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -196,9 +196,6 @@ for step in $steps; do
     fqconfigs) # issue 13: the quant kernels' launch configs at a symbolic token count (as a compiled graph launches them)
               timeout ${FQ_TIMEOUT:-240} python3 -m benchmarks.fused_quant_configs --out "$R/fused_quant_configs" 2>&1 \
                 > "$R/fused_quant_configs.log" 2>&1; grep -E "Error|'default': True|'inductor'" "$R/fused_quant_configs.log" ;;
-    prologue) # issue 12/13: the 8B quantized layer chain, producer kernels against the GEMM prologue (ops.prologue_gemm)
-              timeout ${PROLOGUE_TIMEOUT:-300} python3 -m benchmarks.prologue_gemm ${PROLOGUE_ARGS:-} --out "$R/prologue_gemm" \
-                2>&1 | tee "$R/prologue_gemm.log" | grep -E "^\{|Error" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -82,18 +82,6 @@ from .scaled_mm import (
     int8_scaled_mm_ref,
 )
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
-from .prologue_gemm import (
-    PROLOGUE_MAX_M,
-    act_and_mul_quant_mm,
-    act_and_mul_quant_mm_ref,
-    fused_add_rms_norm_quant_mm,
-    fused_add_rms_norm_quant_mm_ref,
-    prologue_scaled_mm,
-    quant_mm,
-    quant_mm_ref,
-    rms_norm_quant_mm,
-    rms_norm_quant_mm_ref,
-)
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
 #: every op registered under ``torch.ops.dynamo_once``
@@ -121,10 +109,6 @@ TORCH_OP_NAMES = (
     "fused_add_rms_norm_dynamic_quant",
     "act_and_mul_static_quant",
     "act_and_mul_dynamic_quant",
-    "rms_norm_quant_mm",
-    "fused_add_rms_norm_quant_mm",
-    "act_and_mul_quant_mm",
-    "quant_mm",
 )
 
 __all__ = [
@@ -152,16 +136,6 @@ __all__ = [
     "int8_scaled_mm",
     "small_m_scaled_mm",
     "small_m_mm",
-    "rms_norm_quant_mm",
-    "fused_add_rms_norm_quant_mm",
-    "act_and_mul_quant_mm",
-    "quant_mm",
-    "rms_norm_quant_mm_ref",
-    "fused_add_rms_norm_quant_mm_ref",
-    "act_and_mul_quant_mm_ref",
-    "quant_mm_ref",
-    "prologue_scaled_mm",
-    "PROLOGUE_MAX_M",
     "small_m_config",
     "SmallMConfig",
     "SMALL_M_MAX",

@@ -57,7 +57,6 @@ __all__ = [
     "int8_scaled_mm",
     "fp8_scaled_mm_ref",
     "int8_scaled_mm_ref",
-    "scaled_mm_capable",
     "FP8_MM_ALIGN",
     "INT8_MM_ALIGN",
     "INT8_MM_MAX_K",
@@ -133,12 +132,6 @@ def _cuda_at_least(t: torch.Tensor, capability: tuple[int, int]) -> bool:
     if t.device.type != "cuda":
         return False
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= capability
-
-
-def scaled_mm_capable(w: torch.Tensor) -> bool:
-    """Whether a CUDA device runs the ops' GPU paths for weights ``w`` (fp8: compute capability >= 8.9, int8:
-    >= 8.0); False off CUDA."""
-    return _cuda_at_least(w, (8, 9) if w.dtype == FP8 else (8, 0))
 
 
 def _scale_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

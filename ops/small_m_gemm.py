@@ -50,9 +50,6 @@ __all__ = [
     "small_m_config",
     "small_m_scaled_mm",
     "small_m_mm",
-    "default_small_m_config",
-    "prefetch_lines",
-    "split_k_epilogue_launch",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -378,7 +375,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         **pdl_args(pdl),
     )
     line = max(1, _LINE_BYTES // a.element_size())  # elements a 128-byte line
-    pf_lines = prefetch_lines(c, k_split, line) if pdl else 0
+    pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
+        if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
@@ -394,28 +392,11 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
-        split_k_epilogue_launch(ws, a_scale, w_scale, bias, out, c.SPLIT_K, pdl)
+        _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
+            ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
+            enable_fp_fusion=False, **flags,
+        )
     return out
-
-
-def prefetch_lines(c: SmallMConfig, k_split: int, line: int) -> int:
-    """``PF_LINES``: the 128-byte lines of its weights a program prefetches into L2 before it waits (PDL on)."""
-    return next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) if c.PREFETCH else 0
-
-
-def split_k_epilogue_launch(ws: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-                            bias: torch.Tensor | None, out: torch.Tensor, split_k: int, pdl: bool) -> None:
-    """Sum the split-K partials ``ws [SPLIT_K, M, N]`` in split order and apply the epilogue into ``out``
-    (``a_scale`` ``[1]``, ``[M]`` or ``[M, 1]``, contiguous; None, with ``w_scale`` None: unscaled)."""
-    m, n = out.shape
-    scaled = a_scale is not None
-    a_scale = a_scale.reshape(-1) if scaled else None
-    _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
-        ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=split_k, SCALED=scaled,
-        A_PER_TOKEN=scaled and a_scale.numel() > 1,  # a per-token scale of one row reads as a per-tensor one
-        W_PER_CHANNEL=scaled and w_scale.shape[0] != 1, HAS_BIAS=bias is not None,
-        INT64=needs_int64(split_k * m * n), num_warps=4, enable_fp_fusion=False, **pdl_args(pdl),
-    )
 
 
 def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -460,14 +441,11 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
-    return default_small_m_config(a.shape[0], w.shape[0], a.shape[1], a.dtype)
-
-
-def default_small_m_config(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
     """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs).
     fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's runner-up for fp8)."""
-    largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
+    (m, k), n = a.shape, w.shape[0]
+    largest = max(rule.max_m for rule in SMALL_M_TABLE if a.dtype in rule.dtypes)
     m = max(min(m, largest), 1)
-    config = small_m_config(m, n, k, dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
+    config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
     assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
     return config

@@ -27,7 +27,6 @@ import torch.fx
 from .. import compat, plugins
 from .counters import pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
-from .gemm_prologue import GemmProloguePass
 from .graph_pass import GraphPass, module_source_hash
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
@@ -44,8 +43,7 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 @functools.cache
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
-    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), GemmProloguePass(),
-              SequenceParallelPass())
+    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), SequenceParallelPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

@@ -20,7 +20,7 @@ __all__ = ["PassConfig"]
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "gemm_prologue": False, "sequence_parallel": False}
+                               "act_quant": False, "sequence_parallel": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +42,6 @@ class PassConfig:
     library's Triton ops opaque in the compile (see ``dispatcher.passes.quant_fusion``)."""
     act_quant: bool | None = None
     """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above."""
-    gemm_prologue: bool | None = None
-    """Norm / activation + quant (after the two passes above) + W8A8 GEMM -> one op whose small-M kernel makes its
-    input (``ops.prologue_gemm``), in the symbolic compile and compiles of at most 16 tokens."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least

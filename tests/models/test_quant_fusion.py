@@ -88,7 +88,7 @@ def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, af
     counted_unfused = dict(after)
     after.clear()
     torch._dynamo.reset()
-    fused, counts = run(checkpoint(name), "all,-gemm_prologue")  # that pass's own test: test_gemm_prologue.py
+    fused, counts = run(checkpoint(name), "all")
     quant, kind = SCHEMES[name]
     norm_quant, add_norm_quant, act_quant = fused_ops(kind)
     layers, plain_down = 2, 2 - UNQUANTIZED_DOWN.get(name, 0)
