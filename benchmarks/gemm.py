@@ -236,12 +236,22 @@ _DOT_WIDE = [(64, 64, 128, 1, True, 4, 5), (64, 128, 128, 1, True, 4, 4), (64, 1
              (64, 128, 64, 1, True, 4, 6)]
 
 
+# The product swapped (w @ a.T, SmallMConfig.SWAP): weight tiles of 64-256 rows as the MMA's tall side (Hopper's
+# wgmma), at 17-64 rows of a; with split K for the long-K down_proj.
+_SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, True, 4, 4, 1, False, True),
+             (32, 128, 128, 1, True, 8, 4, 1, False, True), (32, 64, 256, 1, True, 4, 3, 1, False, True),
+             (32, 128, 256, 1, True, 8, 3, 1, False, True), (32, 256, 128, 1, True, 8, 3, 1, False, True),
+             (32, 64, 128, 1, True, 4, 6, 1, False, True), (32, 64, 256, 2, True, 4, 4, 1, False, True),
+             (32, 128, 128, 2, True, 4, 4, 1, False, True)]
+
+
 def sweep_grid(m: int) -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``)."""
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
-        rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else [(bm,) + r[1:] for r in _DOT_MID])
+        rows = [(bm,) + r[1:] for r in _DOT_16] + (_DOT_WIDE if m > 64 else
+                                                   [(bm,) + r[1:] for r in _DOT_MID + _SWAP_MID])
     return [SmallMConfig(*r) for r in rows]
 
 

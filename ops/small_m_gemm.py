@@ -69,7 +69,7 @@ def _small_m_gemm_kernel(
     stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr,
+    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr, SWAP: tl.constexpr,
 ):
     # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
     # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
@@ -98,10 +98,13 @@ def _small_m_gemm_kernel(
     n_ok = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    if INTEGER:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    # SWAP: the product as w @ a.T, [BLOCK_N, BLOCK_M] (the weights the MMA's M side: Hopper's wgmma wants >= 64
+    # rows there, which a decode batch's rows are not), transposed back after the loop.
+    acc_type = tl.int32 if INTEGER else tl.float32
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
     for k in range(0, K_SPLIT, BLOCK_K):
         # a: a few rows every program reads (kept in L2); w: streamed once
         if EVEN:
@@ -111,14 +114,20 @@ def _small_m_gemm_kernel(
             k_ok = (offs_k + k < K)[None, :]
             a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
             w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-        if DOT and INTEGER:
+        if DOT and INTEGER and SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
+        elif DOT and INTEGER:
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+        elif DOT and SWAP:
+            acc = tl.dot(w, tl.trans(a), acc)
         elif DOT:
             acc = tl.dot(a, tl.trans(w), acc)  # fp32 accumulation
         elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
             acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
         else:  # fp8 and bf16 products are exact in fp32
             acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if SWAP:
+        acc = tl.trans(acc)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
@@ -213,6 +222,11 @@ class SmallMConfig:
             weight read of this GEMM then starts while the previous kernel finishes. 0: none. Default 1: on the
             H200 the 8B stack at M = 1 took 4076 / 2301 µs (bf16 / fp8) with 1, 4156 / 2318 with 0, 4204 / 2322
             with 4 (``benchmarks.gemm --prefetch``); after a kernel that does not signal early it costs nothing.
+        SWAP: ``tl.dot(w, a.T)`` instead of ``tl.dot(a, w.T)`` (``DOT`` only): the weight tile is the MMA's tall
+            side, so that ``BLOCK_N >= 64`` tiles can take Hopper's wgmma at a decode batch's few rows. No table row
+            uses it: at M = 32 the sweep timed it fastest alone on 7 of the 8 fp8 / int8 shapes
+            (results/gemm_sweep_swap_m32_best.md), but inside the int8 step at batch 32 it was no faster
+            (results/int8_table_step_ab_swap.md: 3928 / 3897 against 3876 / 3891 µs).
         SERIAL: split K reduced in the kernel: each tile's last split to arrive (an arrival counter a tile) sums
             the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
             M = 1 6% slower with the table's split-K rows (2765 against 2602 µs), and no decode step faster.
@@ -227,6 +241,7 @@ class SmallMConfig:
     num_stages: int = 3
     PREFETCH: int = 1
     SERIAL: bool = False
+    SWAP: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -388,7 +403,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP and c.DOT, num_warps=c.num_warps, num_stages=c.num_stages,
         enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
