@@ -114,18 +114,7 @@ def _small_m_gemm_kernel(
             k_ok = (offs_k + k < K)[None, :]
             a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
             w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-        if DOT and INTEGER and SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
-        elif DOT and INTEGER:
-            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
-        elif DOT and SWAP:
-            acc = tl.dot(w, tl.trans(a), acc)
-        elif DOT:
-            acc = tl.dot(a, tl.trans(w), acc)  # fp32 accumulation
-        elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
-            acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
-        else:  # fp8 and bf16 products are exact in fp32
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -149,6 +138,24 @@ def _small_m_gemm_kernel(
         y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED,
                       A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)  # int32 -> fp32: one rounding, as the reference's
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _accumulate(acc, a, w, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr):
+    """``acc + a @ w.T`` (``acc`` ``[BLOCK_N, BLOCK_M]`` and ``w @ a.T`` with ``SWAP``): int32 for int8, else fp32."""
+    if DOT and INTEGER and SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
+    elif DOT and INTEGER:
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    elif DOT and SWAP:
+        acc = tl.dot(w, tl.trans(a), acc)
+    elif DOT:
+        acc = tl.dot(a, tl.trans(w), acc)  # fp32 accumulation
+    elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
+        acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
+    else:  # fp8 and bf16 products are exact in fp32
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
 
 
 @triton.jit
