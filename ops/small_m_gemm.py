@@ -143,18 +143,13 @@ def _small_m_gemm_kernel(
 @triton.jit
 def _accumulate(acc, a, w, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr):
     """``acc + a @ w.T`` (``acc`` ``[BLOCK_N, BLOCK_M]`` and ``w @ a.T`` with ``SWAP``): int32 for int8, else fp32."""
-    if DOT and INTEGER and SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
-    elif DOT and INTEGER:
-        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
-    elif DOT and SWAP:
-        acc = tl.dot(w, tl.trans(a), acc)
+    acc_type = tl.int32 if INTEGER else tl.float32
+    if DOT and SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, out_dtype=acc_type)
     elif DOT:
-        acc = tl.dot(a, tl.trans(w), acc)  # fp32 accumulation
-    elif INTEGER:  # int8 * int8 overflows int8: widen first (the int32 sum is exact: |acc| < 2**31)
-        acc += tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
-    else:  # fp8 and bf16 products are exact in fp32
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=acc_type)
+    else:  # int8 widened first (int8 * int8 overflows int8; the int32 sum is exact); fp8 / bf16 products exact in fp32
+        acc += tl.sum(a.to(acc_type)[:, None, :] * w.to(acc_type)[None, :, :], axis=2)
     return acc
 
 
@@ -257,6 +252,8 @@ class SmallMConfig:
                 raise ValueError(f"SmallMConfig: {name} must be a power of 2; got {v}")
         if self.DOT and min(self.BLOCK_M, self.BLOCK_N, self.BLOCK_K) < 16:
             raise ValueError(f"SmallMConfig: tl.dot (DOT=True) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16; got {self}")
+        if self.SWAP and not self.DOT:
+            raise ValueError(f"SmallMConfig: SWAP (w @ a.T) is a tl.dot form: it needs DOT=True; got {self}")
         if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0:
             raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH >= 0; got {self}")
 
@@ -410,8 +407,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP and c.DOT, num_warps=c.num_warps, num_stages=c.num_stages,
-        enable_fp_fusion=False, **flags,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, num_warps=c.num_warps,
+        num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
         _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](

@@ -226,6 +226,8 @@ def test_config_checks():
         SmallMConfig(4, 16, 64, DOT=True)
     with pytest.raises(ValueError, match="SPLIT_K and num_stages must be >= 1"):
         SmallMConfig(1, 16, 64, SPLIT_K=0, DOT=False)
+    with pytest.raises(ValueError, match="SWAP .* needs DOT=True"):
+        SmallMConfig(4, 16, 64, DOT=False, SWAP=True)
 
 
 @pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False), ("off", False)])
