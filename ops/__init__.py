@@ -71,7 +71,8 @@ from .rms_norm import (
     rms_norm,
     rms_norm_ref,
 )
-from .rotary_embedding import RotaryEmbedding, compute_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from .rotary_embedding import (RotaryEmbedding, compute_cos_sin_cache, rotary_embedding, rotary_embedding_native,
+                               rotary_embedding_ref)
 from .scaled_mm import (
     FP8_MM_ALIGN,
     INT8_MM_ALIGN,
@@ -165,6 +166,7 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "silu_and_mul_ref",
     "gelu_and_mul_ref",
+    "rotary_embedding_native",
     "rotary_embedding_ref",
     "static_scaled_fp8_quant_ref",
     "dynamic_scaled_fp8_quant_ref",

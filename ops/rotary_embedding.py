@@ -19,7 +19,7 @@ from torch.library import wrap_triton
 from .triton_utils import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
-__all__ = ["rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref"]
+__all__ = ["rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref", "rotary_embedding_native"]
 
 
 @triton.jit
@@ -252,7 +252,7 @@ class RotaryEmbedding(CustomOp):
     def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_embedding_ref(positions, q, k, self.cos_sin_cache, self.head_size, self.is_neox_style)
+        return rotary_embedding_native(positions, q, k, self.cos_sin_cache, self.head_size, self.is_neox_style)
 
     def forward_cuda(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -274,22 +274,49 @@ def rotary_embedding_ref(
     head_size: int,
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 reference: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` on each rotated pair."""
-    rot_dim = cos_sin_cache.shape[-1]
+    """The fp32 reference: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` on each rotated pair; new
+    contiguous ``(q, k)``."""
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return tuple(_rotate(x, cos, sin, head_size, is_neox).reshape(x.shape).contiguous() for x in (q, k))
+
+
+def rotary_embedding_native(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_embedding_ref`'s values, q's and k's heads rotated as one ``[T, n_q + n_k, head_size]``
+    tensor: under Inductor one pointwise kernel a layer rather than one for q and one for k (their head counts
+    differ, so Inductor fuses nothing across them). The outputs are views of that tensor, each row ``(n_q + n_k)
+    * head_size`` elements apart (contiguous rows, as the attention layer and the rotary op take them)."""
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    q3, k3 = (x if x.dim() == 3 else x.unflatten(-1, (-1, head_size)) for x in (q, k))
+    both = _rotate(torch.cat((q3, k3), dim=1), cos, sin, head_size, is_neox)
+    q_out, k_out = both.split([q3.shape[1], k3.shape[1]], dim=1)
+    return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, 1, rotary_dim / 2]`` fp32 cos and sin of each token's position."""
     cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rot_dim / 2]
+    return cos[:, None, :], sin[:, None, :]
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        if xf.dim() == 2:
-            xf = xf.unflatten(-1, (-1, head_size))  # [T, n_heads, head_size]
-        x_rot, x_pass = xf[..., :rot_dim], xf[..., rot_dim:]
-        if is_neox:
-            x1, x2 = x_rot.chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        else:
-            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        return torch.cat((rotated, x_pass), dim=-1).reshape(x.shape).to(x.dtype).contiguous()
 
-    return rotate(q), rotate(k)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, is_neox: bool) -> torch.Tensor:
+    """``x`` (``[T, heads * head_size]`` or ``[T, heads, head_size]``) rotated in fp32, cast back: ``[T, heads,
+    head_size]``."""
+    rot_dim = cos.shape[-1] * 2
+    xf = x.float()
+    if xf.dim() == 2:
+        xf = xf.unflatten(-1, (-1, head_size))
+    x_rot, x_pass = xf[..., :rot_dim], xf[..., rot_dim:]
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x_pass), dim=-1).to(x.dtype)

@@ -84,6 +84,24 @@ def test_compiled(device, dtype, heads):
     assert_close(out[1], ref[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("heads", [(12, 4, 64, 64), (5, 1, 128, 64)])
+def test_native_form_equals_reference(device, heads, is_neox):
+    """The module's native form (q and k heads rotated as one tensor, one kernel under Inductor) gives the
+    reference's values bit for bit, eager and compiled, 2-d and 3-d; its outputs are views with unit last stride."""
+    positions, q, k = _inputs(83, heads, torch.bfloat16, device)
+    cache = ops.compute_cos_sin_cache(heads[3], MAX_POSITION, 500000.0, LLAMA3_SCALING, torch.bfloat16, device)
+    ref = ops.rotary_embedding_ref(positions, q, k, cache, heads[2], is_neox)
+    native = lambda p, q, k: ops.rotary_embedding_native(p, q, k, cache, heads[2], is_neox)
+    for out in (native(positions, q, k), compiled(native)(positions, q, k)):
+        assert out[0].shape == q.shape and out[1].shape == k.shape
+        assert out[0].stride(-1) == 1 and out[1].stride(-1) == 1
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    q3, k3 = native(positions, q.unflatten(-1, (heads[0], -1)), k.unflatten(-1, (heads[1], -1)))
+    assert torch.equal(q3.flatten(1), ref[0]) and torch.equal(k3.flatten(1), ref[1])
+
+
 def test_reference_matches_transformers_llama():
     """Our cache + NeoX rotation equal HF Llama's rotate_half formulation (fp32)."""
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
