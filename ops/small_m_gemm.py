@@ -74,8 +74,8 @@ def _small_m_gemm_kernel(
     PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr, SWAP: tl.constexpr,
     A_ACT: tl.constexpr,
 ):
-    # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
-    # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
+    # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions. Program
+    # (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
     # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
     # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
     # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
@@ -108,17 +108,20 @@ def _small_m_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
-    a_quant = tl.load(a_scale_ptr) if A_ACT > 0 else 1.0  # A_ACT: the static input scale the prologue divides by
-    for k in range(0, K_SPLIT, BLOCK_K):
-        # a: a few rows every program reads (kept in L2); w: streamed once
-        if EVEN:
-            a = _load_a(a_ptrs + k, m_ok[:, None], a_quant, K, w_ptr, A_ACT)
-            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-        else:
-            k_ok = (offs_k + k < K)[None, :]
-            a = _load_a(a_ptrs + k, m_ok[:, None] & k_ok, a_quant, K, w_ptr, A_ACT)
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-        acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
+    if A_ACT > 0:  # A made in registers, quantized with the static scale (the epilogue's a_scale too)
+        acc = _prologue_loop(acc, a_ptrs, w_ptrs, offs_k, m_ok, n_ok, K, K_SPLIT, tl.load(a_scale_ptr), w_ptr,
+                             BLOCK_K, EVEN, DOT, INTEGER, SWAP, A_ACT)
+    else:
+        for k in range(0, K_SPLIT, BLOCK_K):
+            # a: a few rows every program reads (kept in L2); w: streamed once
+            if EVEN:
+                a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+            else:
+                k_ok = (offs_k + k < K)[None, :]
+                a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
+                w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
+            acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -145,16 +148,44 @@ def _small_m_gemm_kernel(
 
 
 @triton.jit
-def _load_a(a_ptrs, mask, scale, up_offset, w_ptr, A_ACT: tl.constexpr):
-    """The A tile in w's dtype. A_ACT 0: as stored. 1: made in registers from the model-dtype input as
-    ``ops.quant_fp8`` / ``ops.quant_int8`` quantize it with the static per-tensor ``scale``; 2: from its gate and
-    up halves (``up_offset`` columns apart) as ``ops.act_quant`` makes it, SiLU-and-mul rounded to the input's dtype,
-    then that quantization (the same arithmetic, statement for statement: the unfused ops' values)."""
-    if A_ACT == 0:
-        return tl.load(a_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-    y = tl.load(a_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+def _prologue_loop(acc, a_ptrs, w_ptrs, offs_k, m_ok, n_ok, K, K_SPLIT, scale, w_ptr, BLOCK_K: tl.constexpr,
+                   EVEN: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr,
+                   A_ACT: tl.constexpr):
+    """The K loop when the A tile is made in registers (``_make_a``): Triton pipelines a load only into a dot, so
+    the next step's input rows are loaded by hand one step ahead, their L2 latency behind this step's work."""
+    x, up = _load_a_raw(a_ptrs, m_ok[:, None] & (offs_k < K)[None, :], K, A_ACT)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        x_cur, up_cur = x, up
+        k_next = offs_k + k + BLOCK_K
+        x, up = _load_a_raw(a_ptrs + k + BLOCK_K, m_ok[:, None] & ((k_next < K) & (k + BLOCK_K < K_SPLIT))[None, :],
+                            K, A_ACT)
+        if EVEN:
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & (offs_k + k < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc = _accumulate(acc, _make_a(x_cur, up_cur, scale, a_ptrs, w_ptr, A_ACT), w, DOT, INTEGER, SWAP)
+    return acc
+
+
+@triton.jit
+def _load_a_raw(a_ptrs, mask, up_offset, A_ACT: tl.constexpr):
+    """The model-dtype input tile in fp32 and (A_ACT 2) its up half, ``up_offset`` columns on (else zeros)."""
+    x = tl.load(a_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if A_ACT == 2:
         up = tl.load(a_ptrs + up_offset, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    else:
+        up = tl.zeros_like(x)
+    return x, up
+
+
+@triton.jit
+def _make_a(y, up, scale, a_ptrs, w_ptr, A_ACT: tl.constexpr):
+    """The A tile in w's dtype, made from the model-dtype input ``y`` as ``ops.quant_fp8`` / ``ops.quant_int8``
+    quantize it with the static per-tensor ``scale`` (A_ACT 1), or from its gate ``y`` and ``up`` halves as
+    ``ops.act_quant`` makes it (2: SiLU-and-mul rounded to the input's dtype, then that quantization): the same
+    arithmetic, statement for statement, so the unfused ops' values."""
+    if A_ACT == 2:
         y = (y * tl.sigmoid(y) * up).to(a_ptrs.dtype.element_ty).to(tl.float32)
     inv = tl.div_rn(1.0, scale)  # y / scale correctly rounded in three operations (ops.quant_fp8's quotient)
     q0 = y * inv
