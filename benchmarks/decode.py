@@ -13,7 +13,7 @@ each), the µs of one step (decoder + LM head), for:
 - ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
 - ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``level 3 +ops +passes``: as ``level 3 +ops`` with every graph pass of ``dispatcher.passes`` on (the
-  fused-add recognition, the norm / activation + quantization fusions, the quantization into the GEMM);
+  fused-add recognition and the norm / activation + quantization fusions);
   ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weights+KV floor``: the bytes a decode step must read (every weight once, and the K and V of every

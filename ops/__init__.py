@@ -83,9 +83,7 @@ from .scaled_mm import (
     int8_scaled_mm_ref,
 )
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
-from .small_m_gemm import (SMALL_M_MAX, SmallMConfig, small_m_act_quant_scaled_mm, small_m_config, small_m_mm,
-                           small_m_scaled_mm)
-from .act_quant_mm import ACT_QUANT_ACTS, act_quant_scaled_mm, act_quant_scaled_mm_ref
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
 #: every op registered under ``torch.ops.dynamo_once``
 TORCH_OP_NAMES = (
@@ -169,10 +167,6 @@ __all__ = [
     "silu_and_mul_ref",
     "gelu_and_mul_ref",
     "rotary_embedding_native",
-    "act_quant_scaled_mm",
-    "act_quant_scaled_mm_ref",
-    "ACT_QUANT_ACTS",
-    "small_m_act_quant_scaled_mm",
     "rotary_embedding_ref",
     "static_scaled_fp8_quant_ref",
     "dynamic_scaled_fp8_quant_ref",

@@ -60,7 +60,6 @@ __all__ = [
     "FP8_MM_ALIGN",
     "INT8_MM_ALIGN",
     "INT8_MM_MAX_K",
-    "small_m_path",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -179,19 +178,6 @@ def _small_m(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
         return None
     max_m = INT8_TRITON_MAX_M if a.dtype == torch.int8 else SMALL_M_MAX
     return small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
-
-
-def small_m_path(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> SmallMConfig | None:
-    """The config with which :func:`fp8_scaled_mm` / :func:`int8_scaled_mm` (``dtype``) run an ``M x K`` by
-    ``N x K`` GEMM on ``device`` in the small-M Triton kernel, or None where they do not (cuBLAS, the CPU
-    reference, a GPU without the dtype's tensor cores). Concrete sizes: for op bodies, which run eagerly."""
-    if device.type != "cuda" or not HAS_TRITON or not envs.small_m_gemm():
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if _capability(index) < ((8, 0) if dtype == torch.int8 else (8, 9)):
-        return None
-    max_m = INT8_TRITON_MAX_M if dtype == torch.int8 else SMALL_M_MAX
-    return small_m_config(m, n, k, dtype, max_m=max_m)
 
 
 @torch.library.custom_op("dynamo_once::fp8_scaled_mm", mutates_args=())

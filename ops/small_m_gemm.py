@@ -50,8 +50,6 @@ __all__ = [
     "small_m_config",
     "small_m_scaled_mm",
     "small_m_mm",
-    "small_m_act_quant_scaled_mm",
-    "A_PROLOGUES",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -72,10 +70,9 @@ def _small_m_gemm_kernel(
     DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
     PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr, SWAP: tl.constexpr,
-    A_ACT: tl.constexpr,
 ):
-    # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions. Program
-    # (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
+    # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
+    # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
     # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
     # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
     # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
@@ -108,20 +105,16 @@ def _small_m_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
-    if A_ACT > 0:  # A made in registers, quantized with the static scale (the epilogue's a_scale too)
-        acc = _prologue_loop(acc, a_ptrs, w_ptrs, offs_k, m_ok, n_ok, K, K_SPLIT, tl.load(a_scale_ptr), w_ptr,
-                             BLOCK_K, EVEN, DOT, INTEGER, SWAP, A_ACT)
-    else:
-        for k in range(0, K_SPLIT, BLOCK_K):
-            # a: a few rows every program reads (kept in L2); w: streamed once
-            if EVEN:
-                a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
-                w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-            else:
-                k_ok = (offs_k + k < K)[None, :]
-                a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
-                w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-            acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        # a: a few rows every program reads (kept in L2); w: streamed once
+        if EVEN:
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+        else:
+            k_ok = (offs_k + k < K)[None, :]
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
+        acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -145,57 +138,6 @@ def _small_m_gemm_kernel(
         y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED,
                       A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)  # int32 -> fp32: one rounding, as the reference's
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _prologue_loop(acc, a_ptrs, w_ptrs, offs_k, m_ok, n_ok, K, K_SPLIT, scale, w_ptr, BLOCK_K: tl.constexpr,
-                   EVEN: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr,
-                   A_ACT: tl.constexpr):
-    """The K loop when the A tile is made in registers (``_make_a``): Triton pipelines a load only into a dot, so
-    the next step's input rows are loaded by hand one step ahead, their L2 latency behind this step's work."""
-    x, up = _load_a_raw(a_ptrs, m_ok[:, None] & (offs_k < K)[None, :], K, A_ACT)
-    for k in range(0, K_SPLIT, BLOCK_K):
-        x_cur, up_cur = x, up
-        k_next = offs_k + k + BLOCK_K
-        x, up = _load_a_raw(a_ptrs + k + BLOCK_K, m_ok[:, None] & ((k_next < K) & (k + BLOCK_K < K_SPLIT))[None, :],
-                            K, A_ACT)
-        if EVEN:
-            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & (offs_k + k < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc = _accumulate(acc, _make_a(x_cur, up_cur, scale, a_ptrs, w_ptr, A_ACT), w, DOT, INTEGER, SWAP)
-    return acc
-
-
-@triton.jit
-def _load_a_raw(a_ptrs, mask, up_offset, A_ACT: tl.constexpr):
-    """The model-dtype input tile in fp32 and (A_ACT 2) its up half, ``up_offset`` columns on (else zeros)."""
-    x = tl.load(a_ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    if A_ACT == 2:
-        up = tl.load(a_ptrs + up_offset, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        up = tl.zeros_like(x)
-    return x, up
-
-
-@triton.jit
-def _make_a(y, up, scale, a_ptrs, w_ptr, A_ACT: tl.constexpr):
-    """The A tile in w's dtype, made from the model-dtype input ``y`` as ``ops.quant_fp8`` / ``ops.quant_int8``
-    quantize it with the static per-tensor ``scale`` (A_ACT 1), or from its gate ``y`` and ``up`` halves as
-    ``ops.act_quant`` makes it (2: SiLU-and-mul rounded to the input's dtype, then that quantization): the same
-    arithmetic, statement for statement, so the unfused ops' values."""
-    if A_ACT == 2:
-        y = (y * tl.sigmoid(y) * up).to(a_ptrs.dtype.element_ty).to(tl.float32)
-    inv = tl.div_rn(1.0, scale)  # y / scale correctly rounded in three operations (ops.quant_fp8's quotient)
-    q0 = y * inv
-    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-    if (inv > 1.0e27) | (inv < 1.0e-27):
-        q = tl.div_rn(y, scale)
-    if w_ptr.dtype.element_ty == tl.int8:
-        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-        return ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
-    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(w_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -428,8 +370,7 @@ def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig, a_act: int = 0) -> torch.Tensor:
-    # a_act: _load_a's A_ACT (a in the model's dtype, [M, K] or, gated, [M, 2K]; a_scale the static input scale)
+            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
     if not HAS_TRITON:
         raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
@@ -437,7 +378,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     a = a if a.stride(1) == 1 else a.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    m, (n, k) = a.shape[0], w.shape
+    (m, k), n = a.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -452,12 +393,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
         **pdl_args(pdl),
     )
-    line = max(1, _LINE_BYTES // w.element_size())  # elements a 128-byte line (of the prefetched weights)
+    line = max(1, _LINE_BYTES // a.element_size())  # elements a 128-byte line
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
-                                                 dtype=torch.int32 if w.dtype == torch.int8 else torch.float32)
+                                                 dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
     locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 and c.SERIAL else None
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
@@ -465,8 +406,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     _small_m_gemm_kernel[grid](
         a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
-        INTEGER=w.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, A_ACT=a_act, num_warps=c.num_warps,
+        INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, num_warps=c.num_warps,
         num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
@@ -506,40 +447,6 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
     return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, bias, config)
 
 
-#: ``small_m_act_quant_scaled_mm``'s activations: the prologue's A_ACT (``_load_a``).
-A_PROLOGUES = {"none": 1, "silu": 2}
-
-
-def small_m_act_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, w_scale: torch.Tensor,
-                                out_dtype: torch.dtype, bias: torch.Tensor | None = None, act: str = "none",
-                                config: SmallMConfig | None = None) -> torch.Tensor:
-    """:func:`small_m_scaled_mm` of ``quant(x)`` (``act="none"``) or ``quant(silu(x[:, :K]) * x[:, K:])``
-    (``"silu"``) with the static per-tensor ``scale``, the quantized rows made in the kernel from ``x`` in the
-    model's dtype (no kernel of their own, no round trip through memory): ``ops.act_quant_scaled_mm``'s small-M
-    path.
-
-    Args:
-        x: bf16 / fp16 ``[M, K]`` (``"none"``) or ``[M, 2K]`` (``"silu"``: gate, then up), unit last stride.
-        w: ``float8_e4m3fn`` or ``int8 [N, K]``; scale: fp32 ``[1]``; w_scale: fp32 ``[1]`` or ``[N]``.
-        out_dtype, bias, config: as for :func:`small_m_scaled_mm` (``config``'s default: the table's row).
-    """
-    if act not in A_PROLOGUES:
-        raise ValueError(f"small_m_act_quant_scaled_mm: act must be one of {tuple(A_PROLOGUES)}; got {act!r}")
-    if x.dtype not in _FLOAT_DTYPES or w.dtype not in _SCALED_DTYPES:
-        raise TypeError(f"small_m_act_quant_scaled_mm: x must be one of {_FLOAT_DTYPES} and w one of "
-                        f"{_SCALED_DTYPES}; got {x.dtype} and {w.dtype}")
-    k = w.shape[1] * (2 if act == "silu" else 1)
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"small_m_act_quant_scaled_mm: x must be [M, {k}] for w [N, K] = {list(w.shape)} and "
-                         f"act {act!r}; got {list(x.shape)}")
-    if scale.dtype != torch.float32 or scale.numel() != 1 or w_scale.dtype != torch.float32:
-        raise TypeError(f"small_m_act_quant_scaled_mm: scale must be one fp32 element and w_scale fp32; got "
-                        f"{scale.dtype} {list(scale.shape)} and {w_scale.dtype}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    config = config or _config_for(x.shape[0], w.shape[0], w.shape[1], w.dtype)
-    return _launch(x, w, scale.reshape(1), w_scale.contiguous(), out_dtype, bias, config, A_PROLOGUES[act])
-
-
 def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                config: SmallMConfig | None = None) -> torch.Tensor:
     """``a @ w.T (+ bias)`` in ``a``'s dtype, ``[M, N]``: products exact in fp32, fp32 sums, one rounding.
@@ -555,13 +462,9 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
     """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs).
     fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's runner-up for fp8)."""
-    return _config_for(a.shape[0], w.shape[0], w.shape[1], a.dtype)
-
-
-def _config_for(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
-    """:func:`_default_config` by sizes and the operands' dtype."""
-    largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
+    (m, k), n = a.shape, w.shape[0]
+    largest = max(rule.max_m for rule in SMALL_M_TABLE if a.dtype in rule.dtypes)
     m = max(min(m, largest), 1)
-    config = small_m_config(m, n, k, dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
+    config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
     assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
     return config

@@ -8,7 +8,6 @@ The library's passes are switched by ``CompilationConfig.pass_config`` (:class:`
 
 from .counters import PassCounter, PassCounts, pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
-from .gemm_quant_fusion import ActQuantGemmPass
 from .graph_pass import GraphPass
 from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
 from .noop_elimination import NoOpEliminationPass
@@ -18,7 +17,6 @@ from .quant_fusion import ActQuantPass, RMSNormQuantPass
 from .sequence_parallel import SequenceParallelPass
 
 __all__ = [
-    "ActQuantGemmPass",
     "ActQuantPass",
     "FusedAddRMSNormPass",
     "GraphPass",

@@ -31,7 +31,6 @@ from .graph_pass import GraphPass, module_source_hash
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
-from .gemm_quant_fusion import ActQuantGemmPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
 from .sequence_parallel import SequenceParallelPass
 
@@ -44,8 +43,7 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 @functools.cache
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
-    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), ActQuantGemmPass(),
-              SequenceParallelPass())
+    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), SequenceParallelPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

@@ -20,7 +20,7 @@ __all__ = ["PassConfig"]
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "act_quant_gemm": False, "sequence_parallel": False}
+                               "act_quant": False, "sequence_parallel": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,6 @@ class PassConfig:
     library's Triton ops opaque in the compile (see ``dispatcher.passes.quant_fusion``)."""
     act_quant: bool | None = None
     """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above."""
-    act_quant_gemm: bool | None = None
-    """A static per-tensor quantization (alone, or ``act_quant``'s SiLU-and-mul + quantization) + the W8A8 GEMM
-    that reads it -> ``dynamo_once::act_quant_scaled_mm``, whose small-M kernel quantizes as it streams the
-    weights (see ``dispatcher.passes.gemm_quant_fusion``). Keeps the Triton ops opaque, as above."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least

@@ -88,7 +88,7 @@ def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, af
     counted_unfused = dict(after)
     after.clear()
     torch._dynamo.reset()
-    fused, counts = run(checkpoint(name), "all,-act_quant_gemm")  # that pass: test_gemm_takes_the_quantization
+    fused, counts = run(checkpoint(name), "all")
     quant, kind = SCHEMES[name]
     norm_quant, add_norm_quant, act_quant = fused_ops(kind)
     layers, plain_down = 2, 2 - UNQUANTIZED_DOWN.get(name, 0)
@@ -165,26 +165,3 @@ def test_patterns_trace_under_a_bf16_default_dtype():
             assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 12}[p.name]  # norms: 2 x 2 forms x 4 quants; acts: 3 x 4
     finally:
         torch.set_default_dtype(previous)
-
-
-@pytest.mark.parametrize("name", sorted(SCHEMES))
-def test_gemm_takes_the_quantization(checkpoint, op_path, name):
-    """``act_quant_gemm`` after the other passes: with a static input scale, o_proj's quantization and down's
-    SiLU-and-mul + quantization go into their GEMMs (``act_quant_scaled_mm``: 2 a layer); per-token scales are
-    left as they were. The logits are the unfused graph's."""
-    torch._dynamo.reset()
-    unfused, _ = run(checkpoint(name), "none", opaque=True)
-    torch._dynamo.reset()
-    with counted_after("act_quant_gemm") as after:
-        fused, counts = run(checkpoint(name), "all")
-    quant, kind = SCHEMES[name]
-    layers, plain_down = 2, 2 - UNQUANTIZED_DOWN.get(name, 0)
-    gemm = D.int8_scaled_mm.default if name.startswith("int8") else D.fp8_scaled_mm.default
-    if kind == "static":
-        assert counts.matches["act_quant_gemm"] == after[D.act_quant_scaled_mm.default] == layers + plain_down
-        assert after[quant.default] == 0 and after[fused_ops(kind)[2]] == 0
-        assert after[gemm] == 2 * layers  # QKV's and gate-up's, their inputs from the fused norms
-    else:
-        assert counts.matches["act_quant_gemm"] == after[D.act_quant_scaled_mm.default] == 0
-        assert after[quant.default] == layers and after[gemm] == 3 * layers + plain_down
-    assert_logits_match(fused, unfused)
