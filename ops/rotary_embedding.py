@@ -19,7 +19,9 @@ from torch.library import wrap_triton
 from .triton_utils import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
-__all__ = ["rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref", "rotary_embedding_native"]
+__all__ = [
+    "rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref", "rotary_embedding_native",
+]
 
 
 @triton.jit
