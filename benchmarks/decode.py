@@ -13,8 +13,9 @@ each), the µs of one step (decoder + LM head), for:
 - ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
 - ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``level 3 +ops +passes``: as ``level 3 +ops`` with every graph pass of ``dispatcher.passes`` on (the
-  fused-add recognition and the norm / activation + quantization fusions);
-  ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names);
+  fused-add recognition, the norm / activation + quantization fusions, the small-M linear rewrite);
+  ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names); ``level 3 +NAME``,
+  ``level 3 +ops +NAME``: the default passes and pass NAME;
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weights+KV floor``: the bytes a decode step must read (every weight once, and the K and V of every
   cached token of every sequence in every layer) / measured copy bandwidth; ``pct_of_floor`` is that floor
@@ -207,23 +208,26 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
     opaque user kernels instead. ``graphs=False``: no CUDA graphs whatever the mode.
     """
     level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
-    graph_mode = "full_and_piecewise" if mode.startswith("level 3 +ops") else \
-        {"level 3 piecewise": "piecewise", "level 3": "full_and_piecewise"}.get(mode, "none")
+    graph_mode = {"level 3 piecewise": "piecewise"}.get(mode, "full_and_piecewise" if level == 3 else "none")
     graph_mode = graph_mode if cuda and graphs else "none"
-    return CompilationConfig(level=level, backend="inductor" if level == 1 else None,
-                             custom_ops=(["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor")
-                                         else ["all"] if mode.startswith("level 3 +ops") else []),
+    custom_ops = ["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor") else \
+        ["all"] if "+ops" in _level3_words(mode) else []
+    return CompilationConfig(level=level, backend="inductor" if level == 1 else None, custom_ops=custom_ops,
                              pass_config=_mode_passes(mode),
                              use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
                              cudagraph_capture_sizes=sorted(set(capture_sizes)) if cuda else [1])
 
 
+def _level3_words(mode: str) -> list[str]:
+    """The switches after ``level 3`` in a mode (``["+ops", "+passes", "-noop"]``); none for other modes."""
+    return mode.split()[2:] if mode.startswith("level 3 ") and mode != "level 3 piecewise" else []
+
+
 def _mode_passes(mode: str) -> str:
-    """The pass switches of a benchmark mode: ``all`` less each ``-NAME`` after ``level 3 +ops +passes``."""
-    base = "level 3 +ops +passes"
-    if not mode.startswith(base):
-        return ""
-    return ",".join(["all", *mode[len(base):].split()])
+    """The pass switches of a benchmark mode: ``all`` with ``+passes``, then each ``+NAME`` / ``-NAME`` (a
+    ``PassConfig`` name); passes not named keep their default."""
+    words = _level3_words(mode)
+    return ",".join((["all"] if "+passes" in words else []) + [w for w in words if w not in ("+ops", "+passes")])
 
 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
@@ -264,7 +268,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw)
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
-        full = cuda and (mode in ("level 3", "full-graph floor") or mode.startswith("level 3 +ops"))
+        full = cuda and (mode in ("level 3", "full-graph floor") or bool(_level3_words(mode)))
         pieces = cuda and graph_mode == "piecewise"
         # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
         graphs = CUDAGraphs() if full or pieces else None

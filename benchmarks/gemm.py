@@ -24,7 +24,10 @@ and cuBLAS, on ONE layer's weights in ~32 distinct copies (read from HBM, not L2
 prints the best config per (dtype, M, N, K) and saves ``gemm_sweep`` (every config) and ``gemm_sweep_best``. Triton's
 compiles (~20 configs x 3 dtypes, ~1 s each) take most of its ~2-3 minutes on an H200.
 
-Usage: ``python -m benchmarks.gemm [--ms 1,8,32,128] [--sweep [--sweep-ms 1,4,16]] [--quick] [--out DIR]``; files
+``--model llama-3.2-1b``: the 1B's stack instead (16 layers x qkv 2048 -> 3072, o 2048 -> 2048, gate_up 2048 ->
+16384, down 8192 -> 2048 + lm_head 2048 -> 128256); its files end in ``_llama-3.2-1b``.
+
+Usage: ``python -m benchmarks.gemm [--model M] [--ms 1,8,32,128] [--sweep [--sweep-ms 1,4,16]] [--quick] [--out DIR]``; files
 are written only with ``--out``. ``--quick``: tiny shapes on CUDA (a harness check); without CUDA it says so and
 stops (the kernels run on CPU only in Triton's interpreter, far too slowly for these sizes).
 """
@@ -68,6 +71,10 @@ class Model:
 
 LLAMA_3_8B = Model(32, (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)),
                    ("lm_head", 4096, 128256))
+LLAMA_3_2_1B = Model(16, (("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048)),
+                     ("lm_head", 2048, 128256))
+#: ``--model`` -> the stack (files of a model other than the 8B end in ``_<model>``).
+MODELS = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
 # --quick: the same structure shrunk 16x (K and N multiples of 16), two layers.
 QUICK = Model(2, (("qkv", 256, 384), ("o", 256, 256), ("gate_up", 256, 1792), ("down", 896, 256)),
               ("lm_head", 256, 8016))
@@ -125,7 +132,8 @@ def _activation(dtype: torch.dtype, m: int, k: int, device: str, g: torch.Genera
 def gemm(impl: str, dtype: torch.dtype, a: tuple, w: tuple, config: SmallMConfig | None) -> torch.Tensor:
     """One GEMM of the stack: ``a`` and ``w`` as (tensor, scale). cuBLAS rows run under ``cublas_switch``."""
     if dtype == BF16:
-        return F.linear(a[0], w[0]) if impl == "cuBLAS" else ops.small_m_mm(a[0], w[0], config=config)
+        # "ours" where the table says cuBLAS (config None) is what ops.linear runs there: F.linear
+        return F.linear(a[0], w[0]) if impl == "cuBLAS" or config is None else ops.small_m_mm(a[0], w[0], config=config)
     if impl == "ours" and config is not None:
         return ops.small_m_scaled_mm(a[0], w[0], a[1], w[1], BF16, config=config)
     op = ops.fp8_scaled_mm if dtype == FP8 else ops.int8_scaled_mm
@@ -260,15 +268,29 @@ def _copies(nbytes: int) -> int:
     return max(2, min(32, (8 << 30) // nbytes))
 
 
-def _time_calls(fn: Callable[[tuple], Any], arg_sets: list[tuple]) -> float:
-    """µs a call: a CUDA graph of one call per copy in ``arg_sets``, replayed 10 times (median)."""
+def _time_calls(fn: Callable[[tuple], Any], arg_sets: list[tuple], separated: bool = False) -> float:
+    """µs a call: a CUDA graph of one call per copy in ``arg_sets``, replayed 10 times (median).
+
+    ``separated``: each call follows a small elementwise kernel launched without PDL, as a decode step's GEMMs
+    follow a norm or an activation, so no call overlaps the one before it; that kernel's own time (measured
+    alone the same way) is subtracted."""
     n = len(arg_sets)
-    return common.bench_gpu(common.rotating(lambda *a: fn(a), arg_sets), warmup=n, iters=10 * n, cuda_graph=True,
-                            graph_iters=n)
+    if not separated:
+        return common.bench_gpu(common.rotating(lambda *a: fn(a), arg_sets), warmup=n, iters=10 * n,
+                                cuda_graph=True, graph_iters=n)
+    scratch = torch.zeros(8192, device="cuda", dtype=BF16)
+
+    def both(*a):
+        scratch.add_(1)
+        return fn(a)
+
+    alone = common.bench_gpu(lambda: scratch.add_(1), warmup=n, iters=10 * n, cuda_graph=True, graph_iters=n)
+    return common.bench_gpu(common.rotating(both, arg_sets), warmup=n, iters=10 * n, cuda_graph=True,
+                            graph_iters=n) - alone
 
 
-def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, copy_gbps: float
-                ) -> list[dict[str, Any]]:
+def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, copy_gbps: float,
+                separated: bool = False) -> list[dict[str, Any]]:
     """Every candidate for one (dtype, N, K) at each M, and cuBLAS; rows as the sweep table's."""
     g = torch.Generator(device=device).manual_seed(n + k)
     nbytes = n * k * dtype.itemsize
@@ -280,7 +302,7 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         arg_sets = [(a, w) for w in weights]
         with cublas_switch("cuBLAS"):
             ref = gemm("cuBLAS", dtype, a, weights[0], None)
-            us = _time_calls(lambda args: gemm("cuBLAS", dtype, args[0], args[1], None), arg_sets)
+            us = _time_calls(lambda args: gemm("cuBLAS", dtype, args[0], args[1], None), arg_sets, separated)
         base = {"dtype": name, "M": m, "N": n, "K": k}
         rows.append({**base, "impl": "cuBLAS", "us": round(us, 2),
                      "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1)})
@@ -288,7 +310,8 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         for cfg in dict.fromkeys(sweep_grid(m) + ([table] if table is not None else [])):  # the table's pick, once
             try:
                 out = gemm("ours", dtype, a, weights[0], cfg)
-                us = _time_calls(lambda args, cfg=cfg: gemm("ours", dtype, args[0], args[1], cfg), arg_sets)
+                us = _time_calls(lambda args, cfg=cfg: gemm("ours", dtype, args[0], args[1], cfg), arg_sets,
+                                 separated)
             except Exception as e:  # a config Triton cannot build (shared memory, registers)
                 print(f"sweep {name} M={m} N={n} K={k} {cfg}: {type(e).__name__}: {e}", flush=True)
                 continue
@@ -323,19 +346,21 @@ SWEEP_COLUMNS = ["dtype", "M", "N", "K", "impl", *SmallMConfig.__dataclass_field
 
 
 def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None,
-          dtypes: Sequence[str] = tuple(DTYPES)) -> None:
+          dtypes: Sequence[str] = tuple(DTYPES), suffix: str = "", separated: bool = False) -> None:
     cells = [(DTYPES[d], n, k) for d in dtypes for _, k, n in model.shapes]
     if "bf16" in dtypes:
         cells.append((BF16, model.lm_head[2], model.lm_head[1]))  # the lm_head, unquantized in every model
     rows: list[dict[str, Any]] = []
     for dtype, n, k in dict.fromkeys(cells):
-        rows += sweep_shape(dtype, n, k, ms, device, copy_gbps)
+        rows += sweep_shape(dtype, n, k, ms, device, copy_gbps, separated)
         # After every shape, so that a run cut short keeps what it measured.
         notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; one CUDA graph of one call per weight copy (~32 copies, "
                  "<= 8 GiB) so every call reads its weights from HBM; median of 10 replays",
+                 "separated: each call after a small elementwise kernel (no PDL), its time subtracted: no call "
+                 f"overlaps the one before, as in a decode step ({'yes' if separated else 'no'})",
                  "correct: int8 bit for bit with cuBLAS (both exact), fp8 / bf16 within 2**-6 of the largest output; "
                  "table: the config SMALL_M_TABLE picks"]
-        common.write_results("gemm_sweep", rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
+        common.write_results(f"gemm_sweep{suffix}", rows, SWEEP_COLUMNS, notes=notes, device=device, out_dir=out_dir,
                              title="Small-M GEMM configs against cuBLAS, one layer's shapes")
     best = best_rows(rows)
     for r in best:
@@ -343,7 +368,7 @@ def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: s
               f"BLOCK_K={r['BLOCK_K']} SPLIT_K={r['SPLIT_K']} DOT={r['DOT']} warps={r['num_warps']} "
               f"stages={r['num_stages']}: {r['us']} us ({r['pct_of_copy_bw']}% of copy), cuBLAS {r['cublas_us']} us, "
               f"table {r['table_us']} us", flush=True)
-    common.write_results("gemm_sweep_best", best, title="Best small-M GEMM config per dtype and shape",
+    common.write_results(f"gemm_sweep_best{suffix}", best, title="Best small-M GEMM config per dtype and shape",
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s; from gemm_sweep"], device=device,
                          out_dir=out_dir)
 
@@ -354,10 +379,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens) of the stack runs")
     p.add_argument("--sweep", action="store_true", help="only sweep the kernel's configs on one layer's shapes")
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
+    p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
+                   "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
                                                     "'ours pfN'), e.g. 0,2,8")
+    p.add_argument("--model", default="llama-3-8b", choices=tuple(MODELS), help="whose linear stack (default the 8B)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers, on CUDA: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
@@ -376,14 +404,16 @@ def main(argv: list[str] | None = None) -> None:
             return
         p.error("the GEMM benchmark needs a CUDA GPU; torch.cuda.is_available() is False")
     device = "cuda"
-    model = QUICK if a.quick else LLAMA_3_8B
+    model = QUICK if a.quick else MODELS[a.model]
     if a.quick:
         ms, sweep_ms = [m for m in ms if m <= 8] or [1], [1, 4]
     print(common.env_header(device), flush=True)
     copy_gbps = common.measure_copy_bandwidth(device=device)
-    suffix = "_quick" if a.quick else ""
+    suffix = "_quick" if a.quick else "" if a.model == "llama-3-8b" else f"_{a.model}"
+    label = "tiny" if a.quick else a.model
     if a.sweep:
-        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes)
+        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else ""),
+              a.separated)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "
@@ -401,10 +431,10 @@ def main(argv: list[str] | None = None) -> None:
              "ours pfN: the table's configs with PREFETCH = N (BLOCK_K steps of each program's weights prefetched into "
              "L2 before it waits for the kernel before), on every shape (fp8's cuBLAS shapes take int8's row); "
              "every small-M GEMM launches with programmatic dependent launch on Hopper"]
-    common.write_results(f"gemm{suffix}", rows, title="Llama-3-8B linear stack + lm_head: cuBLAS vs the small-M GEMM",
+    common.write_results(f"gemm{suffix}", rows, title=f"{label} linear stack + lm_head: cuBLAS vs the small-M GEMM",
                          notes=notes, device=device, out_dir=a.out)
     common.plot_panels(f"gemm{suffix}", rows, x="M", y="pct_of_copy_bw", series="impl", panel="dtype", logx=True,
-                       out_dir=a.out, title=f"8B linear stack + lm_head ({common.device_name(device)})",
+                       out_dir=a.out, title=f"{label} linear stack + lm_head ({common.device_name(device)})",
                        xlabel="M (tokens)", ylabel="% of copy bandwidth (weight bytes / time)")
 
 

@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine (no network): carry the pure-Python wheels the image
 # lacks (bytecode, depyf, astor, dill) in ./wheels, e.g.
 #   pip download bytecode depyf astor dill --no-deps --only-binary=:all: --python-version 3.12 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -103,7 +103,7 @@ for step in $steps; do
                 --out "$R/attention" 2>&1 | tee "$R/attention.log" | grep -E "^\{|^best|precompiled|deadline|Error" ;;
     gemmsweep) # the small-M GEMM's configs on each layer shape (int8, fp8, bf16): the best per shape, for its table
               timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.gemm --sweep --sweep-ms ${SWEEP_MS:-1,4,16} \
-                --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \
+                --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} ${SWEEP_ARGS:-} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \
                 | grep -E "^best|Error" ;;
     compare1b|compare8b) # this tree against an earlier checkout in $BEFORE (e.g. `git archive <rev> | tar -x -C before`),
               # one after the other: level 3 decode and LLM.generate (1b: also the piecewise path)
@@ -123,7 +123,8 @@ for step in $steps; do
     passes)   # issue 13: native code / custom ops / custom ops + graph passes, quantized 8B decode and a 2048-token
               # prefill; bf16 8B: the passes with the ops on against the default
               for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8 llama-3-8b}; do
-                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}; [ $m = llama-3-8b ] && modes="level 3,level 3 +ops +passes"
+                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}
+                [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" ${PASS_ARGS:-} \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
               done ;;
@@ -196,6 +197,13 @@ for step in $steps; do
     fqconfigs) # issue 13: the quant kernels' launch configs at a symbolic token count (as a compiled graph launches them)
               timeout ${FQ_TIMEOUT:-240} python3 -m benchmarks.fused_quant_configs --out "$R/fused_quant_configs" 2>&1 \
                 > "$R/fused_quant_configs.log" 2>&1; grep -E "Error|'default': True|'inductor'" "$R/fused_quant_configs.log" ;;
+    kprofmodes) # issue 16: the decode graphs' kernels per level-3 mode (KPM_MODES, comma-separated), one process a mode
+              IFS=, read -ra kpm <<< "${KPM_MODES:-level 3}"; i=0
+              for md in "${kpm[@]}"; do i=$((i+1))
+                timeout ${KPM_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models ${KPM_MODELS:-llama-3.2-1b} \
+                  --batches ${KPM_BATCHES:-1} --mode "$md" --tag "$md" --out "$R/kprofmode$i" > "$R/kprofmode$i.log" 2>&1
+                grep -E "\| total \||Error" "$R/kprofmode$i.log" | tail -6
+              done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -147,11 +147,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8-ours", action="store_true", help="fp8 GEMMs up to SMALL_M_MAX on the small-M kernel "
                                                            "everywhere (int8's rows where the table says cuBLAS)")
     p.add_argument("--prefetch", type=int, default=None, help="every small-M config's PREFETCH")
-    p.add_argument("--mode", default="level 3", choices=("level 3", "level 3 +ops", "level 3 +ops +passes"),
-                   help="the decode graphs' mode (benchmarks.decode's): native code, the Triton ops, ops + graph passes")
+    p.add_argument("--mode", default="level 3",
+                   help="the decode graphs' mode, a level-3 mode of benchmarks.decode: 'level 3' (native code), "
+                        "'level 3 +ops' (the Triton ops), 'level 3 +ops +passes', 'level 3 +NAME' (pass NAME on), ...")
     p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
+    if not (a.mode == "level 3" or a.mode.startswith("level 3 +") or a.mode.startswith("level 3 -")):
+        p.error(f"--mode: expected a level-3 mode of benchmarks.decode ('level 3', 'level 3 +ops', 'level 3 +NAME', "
+                f"...); got {a.mode!r}")
     if not torch.cuda.is_available():
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)

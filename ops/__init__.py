@@ -6,7 +6,8 @@ ops (``paged_attention``, ``paged_prefill``) have no module: the attention layer
 launchers. The W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
 norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the graph passes put them in place of
 the unfused sequences. The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
-small M on CUDA, public for benchmarks and for bf16 linears (``small_m_mm``).
+small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque op that runs it at decode sizes,
+put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass.
 """
 
 from .triton_utils import HAS_TRITON
@@ -82,6 +83,7 @@ from .scaled_mm import (
     int8_scaled_mm,
     int8_scaled_mm_ref,
 )
+from .linear import LINEAR_DTYPES, linear, linear_uses_small_m
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
@@ -101,6 +103,7 @@ TORCH_OP_NAMES = (
     "dynamic_scaled_int8_quant",
     "fp8_scaled_mm",
     "int8_scaled_mm",
+    "linear",
     "write_kv_cache",
     "paged_decode",
     "paged_prefill",
@@ -135,6 +138,9 @@ __all__ = [
     "dynamic_scaled_int8_quant",
     "fp8_scaled_mm",
     "int8_scaled_mm",
+    "linear",
+    "linear_uses_small_m",
+    "LINEAR_DTYPES",
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_config",

@@ -291,11 +291,14 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
     _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4)),  # down: 18.2 / 19.6
     _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
-    # bf16 / fp16 (small_m_mm; the models' linears do not call it yet).
-    _R(16, _F16, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 30.8 / 32.0
-    _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head 128256: 236.6 / 247.8
-    _R(16, _F16, 0.0, 16384, _C(16, 64, 256, num_warps=8, num_stages=3)),  # gate-up: 57.3 / 56.5 (M=16 59.2 / 61.9)
-    _R(16, _F16, 0.0, 0, _C(16, 32, 256, num_warps=4, num_stages=4)),  # qkv 15.2 / 16.0, o 11.3 / 13.3
+    # bf16 / fp16 (ops.linear, which the small_m_linear graph pass puts in place of a compiled linear's GEMM), from
+    # the separated sweeps (results/gemm_sweep_separated.csv, gemm_sweep_llama-3.2-1b_separated.csv: each call after
+    # a small kernel, as in a decode step; back to back, the kernel's PDL overlap flattered it by up to 1.3 µs), µs
+    # ours / cuBLAS at M = 1, 8B then 1B.
+    _R(16, _F16, 1.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 31.5 / 32.7, 12.4 / 13.5;
+    # o 11.9 / 13.5, 6.0 / 6.2
+    _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head: 238.2 / 247.6, 121.2 / 126.9
+    _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8; gate-up 58.9 / 57.1, 18.8 / 18.8 (best configs)
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
     _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 19.4 / 41.6

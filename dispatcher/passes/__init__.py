@@ -15,6 +15,7 @@ from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
 from .sequence_parallel import SequenceParallelPass
+from .small_m_linear import SmallMLinearPass
 
 __all__ = [
     "ActQuantPass",
@@ -28,6 +29,7 @@ __all__ = [
     "PostGradPassManager",
     "RMSNormQuantPass",
     "SequenceParallelPass",
+    "SmallMLinearPass",
     "build_pass_manager",
     "builtin_passes",
     "compile_context",

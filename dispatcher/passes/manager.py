@@ -33,6 +33,7 @@ from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
 from .sequence_parallel import SequenceParallelPass
+from .small_m_linear import SmallMLinearPass
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 @functools.cache
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
-    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), SequenceParallelPass())
+    passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), SequenceParallelPass(),
+              SmallMLinearPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

@@ -20,7 +20,7 @@ __all__ = ["PassConfig"]
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "sequence_parallel": False}
+                               "act_quant": False, "sequence_parallel": False, "small_m_linear": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,10 @@ class PassConfig:
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least
     ``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS`` tokens (see ``dispatcher.passes.sequence_parallel``; matches
     the fused-add op: with native code, also turn on ``fused_add_rms_norm``)."""
+    small_m_linear: bool | None = None
+    """bf16 / fp16 linear layers' GEMMs -> ``dynamo_once::linear``: the library's small-M Triton GEMM at decode
+    sizes (M <= 16) on the shapes where it is faster than cuBLAS, cuBLAS elsewhere (see
+    ``dispatcher.passes.small_m_linear``)."""
 
     def __post_init__(self) -> None:
         for name in self.names():

@@ -96,3 +96,43 @@ def test_llama_native_norms_are_fused(pass_free, after, dtype):
     assert counts.matches["fused_add_rms_norm"] == FUSED_ADD_NORMS
     assert after[FUSED] == FUSED_ADD_NORMS and after[RSQRT] == 1  # left: layer 0's norm of the embeddings
     assert_close(out, pass_free[dtype], dtype)
+
+
+LINEAR = torch.ops.dynamo_once.linear.default
+LINEARS = 8  # 2 layers x (qkv, o, gate_up, down); the lm_head runs outside the compiled graph
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_linears_take_the_small_m_op(pass_free, dtype):
+    """bf16: every linear layer's GEMM becomes ``dynamo_once::linear`` (on the CPU it is ``F.linear``: the same
+    logits bit for bit); fp32, which the op does not take, keeps its GEMMs."""
+    with counted_after("small_m_linear") as after:
+        out, counts = logits("none,+small_m_linear", dtype=dtype)
+    assert counts.runs["small_m_linear"] == PIECES
+    expected = LINEARS if dtype == torch.bfloat16 else 0
+    assert counts.matches["small_m_linear"] == after[LINEAR] == expected
+    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - expected
+    assert torch.equal(out, pass_free[dtype])
+
+
+@pytest.mark.cuda
+def test_llama_small_m_linear_on_cuda():
+    """On the GPU the steps' GEMMs run the small-M kernel at decode sizes (whole-step graphs) and cuBLAS for the
+    prompts: the logits within the bf16 tolerance of the pass-free model's."""
+    cfg = {passes: CompilationConfig(level=3, pass_config=passes) for passes in ("none", "none,+small_m_linear")}
+    runs = {}
+    for passes, c in cfg.items():
+        torch._dynamo.reset()
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=c, dtype=torch.bfloat16, device="cuda")
+            steps = []
+
+            def choose(seqs, step_logits, steps=steps):
+                steps.append(step_logits.float().cpu())
+                return [7] * len(seqs)
+
+            llm.run(PROMPTS, 4, choose)
+        runs[passes] = torch.cat(steps), counts.matches["small_m_linear"]
+    (ref, none), (out, matched) = runs["none"], runs["none,+small_m_linear"]
+    assert none == 0 and matched >= LINEARS
+    assert_close(out, ref, torch.bfloat16)
