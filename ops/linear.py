@@ -49,6 +49,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @torch.library.custom_op("dynamo_once::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # A compiled graph calls this for every token count, a prefill's too: there the first test is the only one
+    # (the arguments were checked when the graph was traced, by the fake kernel, and by linear() when called).
+    if x.shape[0] > SMALL_M_MAX:
+        return F.linear(x, weight, bias)
     _check(x, weight, bias)
     if linear_uses_small_m(x, weight):
         config = small_m_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
@@ -72,4 +76,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Raises:
         TypeError: another dtype. ValueError: another shape.
     """
+    _check(x, weight, bias)
     return torch.ops.dynamo_once.linear(x, weight, bias)

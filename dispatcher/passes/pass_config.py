@@ -19,6 +19,8 @@ __all__ = ["PassConfig"]
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
+#: ``small_m_linear``: off; on the H200 it made the bf16 1B's batch-1 decode step 1.4-4.1% faster and the 8B's
+#: 1.0-1.4% slower (README "Decode kernels", ``benchmarks/results/small_m_linear_ab.md``).
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
                                "act_quant": False, "sequence_parallel": False, "small_m_linear": False}
 

@@ -79,12 +79,12 @@ def test_cublas_above_small_m_switched_off_and_for_strided_rows(monkeypatch, tri
 
 @pytest.mark.cuda
 def test_replayed_from_a_cuda_graph(triton_calls):
-    x, w, _ = _operands(2, 2048, 3072)
+    x, w, _ = _operands(2, 2048, 2048)  # o_proj's shape: the kernel's (qkv's is cuBLAS's)
     expected = ops.linear(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.linear(x, w)
-    x.copy_(_operands(2, 2048, 3072, seed=1)[0])
+    x.copy_(_operands(2, 2048, 2048, seed=1)[0])
     graph.replay()
     torch.cuda.synchronize()
     _assert_mm_within_bound(out, x, w, None)
@@ -117,3 +117,9 @@ def test_errors_name_the_argument(change, exc, match):
     args = dict(x=torch.zeros(2, 8, dtype=BF16), weight=torch.zeros(4, 8, dtype=BF16), bias=None) | change
     with pytest.raises(exc, match=match):
         ops.linear(**args)
+
+
+def test_errors_above_small_m_too():
+    """The op's body takes F.linear at once above SMALL_M_MAX; the public call still checks its arguments."""
+    with pytest.raises(TypeError, match="x and weight must both be bfloat16 or float16; got torch.float32"):
+        ops.linear(torch.zeros(ops.SMALL_M_MAX + 1, 8), torch.zeros(4, 8, dtype=BF16))
