@@ -125,3 +125,17 @@ def fake_jit(monkeypatch):
 
     monkeypatch.setattr(fast, "_resolve", resolve)
     return fast, runs, launcher
+
+
+def spy_on_rows(monkeypatch, module, name: str) -> list[int]:
+    """Replace ``module.name`` (a launcher taking the ``[M, K]`` operand first) by a spy that records each call's
+    M and calls it; returns the list of M's."""
+    calls: list[int] = []
+    launcher = getattr(module, name)
+
+    def spy(a, *args, **kwargs):
+        calls.append(a.shape[0])
+        return launcher(a, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

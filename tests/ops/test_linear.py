@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_testing import spy_on_rows
 from test_small_m_gemm import _assert_mm_within_bound
 
 import ops
@@ -31,15 +32,7 @@ def _operands(m, k, n, dtype=BF16, device="cuda", bias=False, seed=0):
 @pytest.fixture
 def triton_calls(monkeypatch):
     """The M of every call ``ops.linear`` makes to the small-M launcher."""
-    calls = []
-    launcher = linear_module.small_m_mm
-
-    def spy(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return launcher(x, *args, **kwargs)
-
-    monkeypatch.setattr(linear_module, "small_m_mm", spy)
-    return calls
+    return spy_on_rows(monkeypatch, linear_module, "small_m_mm")
 
 
 @pytest.mark.cuda

@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+from ops_testing import spy_on_rows
 from test_scaled_mm import U32, U_OUT, _bound
 
 import ops
@@ -95,15 +96,7 @@ def _assert_mm_within_bound(out, a, w, bias):
 @pytest.fixture
 def triton_calls(monkeypatch):
     """The M of every call the public ops make to the Triton kernel's launcher."""
-    calls = []
-    launcher = scaled_mm.small_m_scaled_mm
-
-    def spy(a, *args, **kwargs):
-        calls.append(a.shape[0])
-        return launcher(a, *args, **kwargs)
-
-    monkeypatch.setattr(scaled_mm, "small_m_scaled_mm", spy)
-    return calls
+    return spy_on_rows(monkeypatch, scaled_mm, "small_m_scaled_mm")
 
 
 def _needs_fp8(qdtype):
