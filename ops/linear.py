@@ -17,10 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dispatcher import envs
-
-from .small_m_gemm import SMALL_M_MAX, small_m_config, small_m_mm
-from .triton_utils import HAS_TRITON
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, runtime_config, small_m_mm
 
 __all__ = ["LINEAR_DTYPES", "linear", "linear_uses_small_m"]
 
@@ -28,13 +25,16 @@ __all__ = ["LINEAR_DTYPES", "linear", "linear_uses_small_m"]
 LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _config(x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig | None:
+    """The small-M kernel's config for these operands, or None: ``F.linear``. M first: a prefill pays one test."""
+    if x.shape[0] > SMALL_M_MAX or not (x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
+        return None
+    return runtime_config(x, weight)
+
+
 def linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` runs these operands on the small-M Triton GEMM (else ``F.linear``)."""
-    if not (x.is_cuda and HAS_TRITON and x.stride(1) == 1 and weight.is_contiguous()):
-        return False
-    if small_m_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, max_m=SMALL_M_MAX) is None:
-        return False
-    return envs.small_m_gemm()
+    return _config(x, weight) is not None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -48,15 +48,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # A compiled graph calls this for every token count, a prefill's too: there the first test is the only one
-    # (the arguments were checked when the graph was traced, by the fake kernel, and by linear() when called).
-    if x.shape[0] > SMALL_M_MAX:
-        return F.linear(x, weight, bias)
-    _check(x, weight, bias)
-    if linear_uses_small_m(x, weight):
-        config = small_m_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
-        return small_m_mm(x, weight, bias, config)
-    return F.linear(x, weight, bias)
+    # The arguments were checked when the graph was traced (the fake kernel) or by linear(); small_m_mm checks
+    # what its kernel relies on.
+    config = _config(x, weight)
+    return F.linear(x, weight, bias) if config is None else small_m_mm(x, weight, bias, config)
 
 
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,10 +47,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dispatcher import envs
-
-from .small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SmallMConfig, small_m_config, small_m_scaled_mm
-from .triton_utils import HAS_TRITON
+from .small_m_gemm import runtime_config, small_m_scaled_mm
 
 __all__ = [
     "fp8_scaled_mm",
@@ -171,21 +168,12 @@ def _int8_scaled_mm_cuda(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor
     return _scale_epilogue(acc.float(), a_scale, w_scale, bias, out_dtype)
 
 
-def _small_m(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
-    """The Triton small-M GEMM's config for these CUDA operands, or None: the cuBLAS path (no Triton,
-    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table). Sizes are concrete here: the op body runs eagerly."""
-    if not HAS_TRITON or not envs.small_m_gemm():
-        return None
-    max_m = INT8_TRITON_MAX_M if a.dtype == torch.int8 else SMALL_M_MAX
-    return small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
-
-
 @torch.library.custom_op("dynamo_once::fp8_scaled_mm", mutates_args=())
 def _fp8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
     if _cuda_at_least(a, (8, 9)):
-        config = _small_m(a, w)
+        config = runtime_config(a, w)
         if config is not None:
             return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
         return _fp8_scaled_mm_cuda(a, w, a_scale, w_scale, out_dtype, bias)
@@ -204,7 +192,7 @@ def _int8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, 
                        out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_int8_args(a, w, a_scale, w_scale, out_dtype, bias)
     if _cuda_at_least(a, (8, 0)):
-        config = _small_m(a, w)
+        config = runtime_config(a, w)
         if config is not None:
             return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
         return _int8_scaled_mm_cuda(a, w, a_scale, w_scale, out_dtype, bias)

@@ -39,6 +39,8 @@ import dataclasses
 
 import torch
 
+from dispatcher import envs
+
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
 
 __all__ = [
@@ -333,6 +335,17 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
         if m <= rule.max_m and dtype in rule.dtypes and k >= rule.min_ratio * n and n >= rule.min_n:
             return rule.config
     return None
+
+
+def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
+    """The kernel's config for these CUDA operands at an op's call, or None: the cuBLAS path (no Triton,
+    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table: ``INT8_TRITON_MAX_M`` for int8, else ``SMALL_M_MAX``).
+    Sizes are concrete here: the ops that call it (``ops.scaled_mm``, ``ops.linear``) run eagerly."""
+    if not HAS_TRITON:
+        return None
+    max_m = INT8_TRITON_MAX_M if a.dtype == torch.int8 else SMALL_M_MAX
+    config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
+    return config if config is not None and envs.small_m_gemm() else None
 
 
 def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
