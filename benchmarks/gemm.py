@@ -213,12 +213,15 @@ def bench_stack(model: Model, ms: list[int], device: str, copy_gbps: float, iter
     return rows
 
 
-# The sweep's candidates (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT, num_warps, num_stages): GEMV rows of 1 (M = 1) and
-# 4 (M = 2-4), 16-row dot tiles (every M <= 16), with split K in each family. 20 configs; Triton compiles each once a
-# dtype (M is not specialized), ~1 s each on the H200 machine.
-_GEMV_1 = [(1, 16, 256, 1, False, 4, 3), (1, 16, 512, 1, False, 4, 3), (1, 32, 256, 1, False, 4, 3),
-           (1, 32, 512, 1, False, 8, 3), (1, 16, 1024, 1, False, 8, 3), (1, 64, 128, 1, False, 4, 3),
-           (1, 16, 512, 2, False, 4, 3), (1, 16, 512, 4, False, 4, 3)]
+# The sweep's candidates (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT, num_warps, num_stages[, PREFETCH, SERIAL, SWAP,
+# UNROLL]): the unrolled GEMV (M = 1: one row a program), rolled GEMV rows of 4 (M = 2-4), 16-row dot tiles (every
+# M <= 16), with split K in the rolled families. Triton compiles each once a dtype (M is not specialized; the
+# unrolled GEMV once a K), ~1 s each on the H200 machine. The unrolled GEMV's rows: the fastest in
+# benchmarks.l2_prefetch's first run (results/l2_prefetch_gemv.md) and their neighbours; the rolled GEMV rows of 1
+# they replace never won a shape.
+_GEMV_1 = [(1, b_n, b_k, 1, False, warps, 1, 1, False, False, True)
+           for b_n, b_k, warps in ((2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
+                                   (8, 512, 8), (16, 256, 8))]
 _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 128, 1, False, 8, 3),
            (4, 16, 128, 2, False, 4, 3)]
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
@@ -253,8 +256,11 @@ _SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, Tru
              (32, 128, 128, 2, True, 4, 4, 1, False, True)]
 
 
-def sweep_grid(m: int) -> list[SmallMConfig]:
-    """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``)."""
+def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
+    """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
+    GEMV's alone (M = 1)."""
+    if forms == "unroll":
+        return [SmallMConfig(*r) for r in _GEMV_1] if m == 1 else []
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
@@ -290,7 +296,7 @@ def _time_calls(fn: Callable[[tuple], Any], arg_sets: list[tuple], separated: bo
 
 
 def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, copy_gbps: float,
-                separated: bool = False) -> list[dict[str, Any]]:
+                separated: bool = False, forms: str = "all") -> list[dict[str, Any]]:
     """Every candidate for one (dtype, N, K) at each M, and cuBLAS; rows as the sweep table's."""
     g = torch.Generator(device=device).manual_seed(n + k)
     nbytes = n * k * dtype.itemsize
@@ -307,7 +313,7 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         rows.append({**base, "impl": "cuBLAS", "us": round(us, 2),
                      "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1)})
         table = ours_config(m, n, k, dtype)
-        for cfg in dict.fromkeys(sweep_grid(m) + ([table] if table is not None else [])):  # the table's pick, once
+        for cfg in dict.fromkeys(sweep_grid(m, forms) + ([table] if table is not None else [])):  # the table's pick, once
             try:
                 out = gemm("ours", dtype, a, weights[0], cfg)
                 us = _time_calls(lambda args, cfg=cfg: gemm("ours", dtype, args[0], args[1], cfg), arg_sets,
@@ -346,13 +352,14 @@ SWEEP_COLUMNS = ["dtype", "M", "N", "K", "impl", *SmallMConfig.__dataclass_field
 
 
 def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None,
-          dtypes: Sequence[str] = tuple(DTYPES), suffix: str = "", separated: bool = False) -> None:
+          dtypes: Sequence[str] = tuple(DTYPES), suffix: str = "", separated: bool = False,
+          forms: str = "all") -> None:
     cells = [(DTYPES[d], n, k) for d in dtypes for _, k, n in model.shapes]
     if "bf16" in dtypes:
         cells.append((BF16, model.lm_head[2], model.lm_head[1]))  # the lm_head, unquantized in every model
     rows: list[dict[str, Any]] = []
     for dtype, n, k in dict.fromkeys(cells):
-        rows += sweep_shape(dtype, n, k, ms, device, copy_gbps, separated)
+        rows += sweep_shape(dtype, n, k, ms, device, copy_gbps, separated, forms)
         # After every shape, so that a run cut short keeps what it measured.
         notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; one CUDA graph of one call per weight copy (~32 copies, "
                  "<= 8 GiB) so every call reads its weights from HBM; median of 10 replays",
@@ -381,6 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll"), help="sweep: every family of "
+                   "candidates, or the unrolled GEMV's alone (M = 1), beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
@@ -412,8 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if a.quick else "" if a.model == "llama-3-8b" else f"_{a.model}"
     label = "tiny" if a.quick else a.model
     if a.sweep:
-        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else ""),
-              a.separated)
+        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
+              + ("_unroll" if a.sweep_forms == "unroll" else ""), a.separated, a.sweep_forms)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

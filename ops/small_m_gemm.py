@@ -173,6 +173,48 @@ def _epilogue(y, offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
     return y
 
 
+# The unrolled GEMV form (SmallMConfig.UNROLL): K a compile-time constant, so every loop step is unrolled and its
+# loads can all be issued before the first multiply; one [BLOCK_N, BLOCK_K] accumulator, reduced once at the end.
+# One row of a a program (program (row, column block): the rows of one column block adjacent, sharing its weights
+# in L2). On the H200 at M = 1 it read bf16 weights faster than cuBLAS (benchmarks.l2_prefetch, results/
+# l2_prefetch_gemv.md: the 1B's o_proj 4.3 against 6.0 µs, the 8B's 10.8 against 13.6).
+@triton.jit(do_not_specialize=["M"])
+def _small_m_gemv_kernel(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        row = row.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    n_ok = offs_n < N
+    acc_type = tl.int32 if INTEGER else tl.float32
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=acc_type)
+    for k in tl.static_range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            a = tl.load(a_ptr + row * stride_am + offs_k, eviction_policy="evict_last")
+        else:
+            k_ok = offs_k < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            a = tl.load(a_ptr + row * stride_am + offs_k, mask=k_ok, other=0.0, eviction_policy="evict_last")
+        acc += w.to(acc_type) * a.to(acc_type)[None, :]
+    y = tl.sum(acc, axis=1).to(tl.float32)[None, :]
+    offs_m = tl.zeros((1,), dtype=offs_n.dtype) + row
+    y = _epilogue(y, offs_m, offs_n, offs_m < M, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN,
+                  W_PER_CHANNEL, HAS_BIAS)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["MN"])
 def _small_m_split_k_epilogue_kernel(
     ws_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, MN, N, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -234,6 +276,9 @@ class SmallMConfig:
         SERIAL: split K reduced in the kernel: each tile's last split to arrive (an arrival counter a tile) sums
             the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
             M = 1 6% slower with the table's split-K rows (2765 against 2602 µs), and no decode step faster.
+        UNROLL: the unrolled GEMV form (``DOT=False``, ``BLOCK_M=1``, ``SPLIT_K=1``): one compile a K, every loop
+            step unrolled so that all of a program's weight loads are in flight at once, and one reduction a
+            program instead of one a loop step (the rolled GEMV form's). ``num_stages`` does not apply.
     """
 
     BLOCK_M: int
@@ -246,6 +291,7 @@ class SmallMConfig:
     PREFETCH: int = 1
     SERIAL: bool = False
     SWAP: bool = False
+    UNROLL: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -256,6 +302,9 @@ class SmallMConfig:
             raise ValueError(f"SmallMConfig: tl.dot (DOT=True) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16; got {self}")
         if self.SWAP and not self.DOT:
             raise ValueError(f"SmallMConfig: SWAP (w @ a.T) is a tl.dot form: it needs DOT=True; got {self}")
+        if self.UNROLL and (self.DOT or self.BLOCK_M != 1 or self.SPLIT_K != 1):
+            raise ValueError(f"SmallMConfig: UNROLL (the unrolled GEMV) needs DOT=False, BLOCK_M=1 and SPLIT_K=1; "
+                             f"got {self}")
         if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0:
             raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH >= 0; got {self}")
 
@@ -283,13 +332,22 @@ _C, _R = SmallMConfig, SmallMRule
 _I8, _F8, _F16 = (torch.int8,), (torch.float8_e4m3fn,), (torch.bfloat16, torch.float16)
 #: The first rule that fits wins. Measured on the H200 (torch 2.11, Triton 3.6; ``benchmarks.gemm --sweep``,
 #: results/gemm_sweep*.csv) on Llama-3-8B's shapes at M = 1, 4, 16, µs ours / cuBLAS at M = 1; a config's time
-#: hardly moves with M up to 16 (the weight read is the cost). ``tl.dot`` on 16-row tiles won every shape; the
-#: GEMV form never did. Rows past ``SMALL_M_MAX`` exist for ``benchmarks.gemm`` to find the crossover with cuBLAS.
+#: hardly moves with M up to 16 (the weight read is the cost). From M = 2 ``tl.dot`` on 16-row tiles won every
+#: shape; the rolled GEMV form never did, the unrolled one does at M = 1. Rows past ``SMALL_M_MAX`` exist for
+#: ``benchmarks.gemm`` to find the crossover with cuBLAS.
 SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
     _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
     _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
     _R(16, _I8, 0.0, 0, _C(16, 32, 512, num_warps=4, num_stages=3)),  # qkv 9.2 / 21.8, o 7.5 / 21.5
+    # M = 1: the unrolled GEMV (UNROLL), from the separated sweeps of it (results/gemm_sweep_separated_unroll.csv,
+    # gemm_sweep_llama-3.2-1b_separated_unroll.csv), µs ours / cuBLAS, 8B then 1B. bf16 / fp16: faster on every
+    # shape; fp8: on down_proj only (qkv 11.8 / 10.0, o 8.6 / 7.3 at its best configs).
+    _R(1, _F8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 18.5 / 20.1
+    _R(1, _F16, 2.0, 0, _C(1, 2, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 30.5 / 32.6,
+    # 10.1 / 13.5
+    _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 14.6 / 16.0,
+    # 5.1 / 6.7; o 10.7 / 13.5, 4.1 / 6.1; gate-up 55.3 / 62.3, 17.5 / 18.6; lm_head 231.3 / 252.4, 117.9 / 129.4
     # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
     _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4)),  # down: 18.2 / 19.6
     _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
@@ -413,6 +471,13 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
+    if c.UNROLL:
+        _small_m_gemv_kernel[(m * cdiv(n, c.BLOCK_N),)](
+            a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
+            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0,
+            num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+        )
+        return out
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)

@@ -368,6 +368,9 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
     ("kernel_profile", ["--models", "tiny-llama"], "CUDA"),
     ("gemm_step_ab", ["--variant", "table="], "CUDA only"),
     ("attention_operands", [], "needs a CUDA GPU"),
+    ("l2_prefetch", [], "needs a CUDA GPU"),
+    ("l2_prefetch", ["--shapes", "8b-fp8 o,70b"], "--shapes: expected names of"),
+    ("l2_prefetch", ["--waits", "2,x"], "--waits: expected comma-separated non-negative"),
 ])
 def test_gpu_only_benchmarks_refuse_without_a_gpu(script, argv, says, capsys):
     import importlib

@@ -200,12 +200,15 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
 
 def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
     """Every small M has a config but the shapes where cuBLAS measured as fast: fp8's but down_proj's; bf16's qkv and
-    gate-up (o, down and the lm_head take the kernel)."""
+    gate-up from M = 2 (o, down and the lm_head take the kernel). At M = 1 every bf16 shape takes the unrolled GEMV."""
     for dtype in (INT8, FP8, BF16, torch.float16):
         largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
         for k, n in SHAPES_8B + [(4096, 128256)]:  # and the lm_head
             expected = k >= 2 * n if dtype == FP8 else k >= n or n >= 65536 if dtype != INT8 else True
-            assert all((ops.small_m_config(m, n, k, dtype) is not None) == expected for m in range(1, SMALL_M_MAX + 1))
+            assert all((ops.small_m_config(m, n, k, dtype) is not None) == expected for m in range(2, SMALL_M_MAX + 1))
+            one = ops.small_m_config(1, n, k, dtype)
+            assert (one is not None) == (expected or dtype in (BF16, torch.float16))
+            assert one is None or one.UNROLL == (dtype != INT8)
             assert ops.small_m_config(SMALL_M_MAX + 1, n, k, dtype) is None
             assert ops.small_m_config(largest, n, k, dtype, max_m=largest) is not None
             assert ops.small_m_config(largest + 1, n, k, dtype, max_m=largest + 1) is None
@@ -222,6 +225,9 @@ def test_config_checks():
         SmallMConfig(1, 16, 64, SPLIT_K=0, DOT=False)
     with pytest.raises(ValueError, match="SWAP .* needs DOT=True"):
         SmallMConfig(4, 16, 64, DOT=False, SWAP=True)
+    for bad in (dict(DOT=True, BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=4), dict(SPLIT_K=2)):
+        with pytest.raises(ValueError, match="UNROLL .* needs DOT=False, BLOCK_M=1 and SPLIT_K=1"):
+            SmallMConfig(**{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "DOT": False, **bad}, UNROLL=True)
 
 
 @pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False), ("off", False)])

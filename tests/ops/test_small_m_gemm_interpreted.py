@@ -28,6 +28,8 @@ SHAPES = [(1, 48, 80), (3, 208, 48), (16, 48, 80)]  # (M, K, N)
 TABLE_CONFIGS = list(dict.fromkeys(rule.config for rule in SMALL_M_TABLE if rule.config is not None))
 # The swapped product (w @ a.T), with and without split K, beside the table's rows
 SWAP_CONFIGS = [SmallMConfig(32, 64, 64, SWAP=True), SmallMConfig(16, 64, 32, SPLIT_K=2, SWAP=True)]
+# The unrolled GEMV (K a compile-time constant): K = 208 ends in a partial step of 16 (or 80) at either block
+UNROLL_CONFIGS = [SmallMConfig(1, 4, 64, DOT=False, UNROLL=True), SmallMConfig(1, 16, 128, DOT=False, UNROLL=True)]
 
 U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
@@ -135,7 +137,7 @@ def test_mm_within_the_fp32_accumulation_bound(m, k, n, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
-@pytest.mark.parametrize("config", TABLE_CONFIGS + SWAP_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", list(dict.fromkeys(TABLE_CONFIGS + SWAP_CONFIGS + UNROLL_CONFIGS)), ids=str)
 def test_every_table_config(config, dtype):
     """Each row on a small awkward shape, whatever dtype its row serves: the kernel is one for all three. M = 5
     spans two row blocks of the 4-row GEMV configs and five of the 1-row ones."""
