@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ops
+
 from ..quant_linear import make_linear
 from ..quantization import QuantizationConfig
 from .communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from .linear import refuse_quantized
 from .state import get_tp_state, tp_size
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "vocab_parallel_embedding", "parallel_lm_head"]
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "lm_head_logits", "vocab_parallel_embedding", "parallel_lm_head"]
 
 
 class _VocabSlice:
@@ -64,6 +66,24 @@ class VocabParallelEmbedding(_VocabSlice, nn.Embedding):
         return f"{self.vocab_size}, {self.embedding_dim}, rows={self.vocab_start}:{self.vocab_end}"
 
 
+def _head_gemm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T``: ``ops.linear`` for bf16 / fp16 operands of one dtype (the small-M Triton GEMM at decode
+    batch sizes on CUDA: on the H200 the 8B's head at M = 1 in 231 against cuBLAS's 252 µs,
+    benchmarks/results/gemm_sweep_separated_unroll.md), else ``F.linear``."""
+    if hidden.dim() == 2 and hidden.dtype in ops.LINEAR_DTYPES and weight.dtype == hidden.dtype:
+        return ops.linear(hidden, weight)
+    return F.linear(hidden, weight)
+
+
+def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)``, the logits ``[B, vocab]``, with an unquantized ``nn.Linear`` head's GEMM through
+    ``ops.linear``. The logits are computed outside the compiled forward, where the ``small_m_linear`` graph pass
+    does not reach."""
+    if type(head) is nn.Linear and head.bias is None:
+        return _head_gemm(hidden, head.weight)
+    return head(hidden)
+
+
 class ParallelLMHead(_VocabSlice, nn.Module):
     """``hidden [B, hidden] -> logits [B, vocab]``: this rank's vocabulary slice, then every rank's gathered."""
 
@@ -74,7 +94,7 @@ class ParallelLMHead(_VocabSlice, nn.Module):
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight), -1, self.group_name)  # [B, N * rows]
+        logits = tensor_parallel_all_gather(_head_gemm(hidden, self.weight), -1, self.group_name)  # [B, N * rows]
         return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size].contiguous()
 
     def extra_repr(self) -> str:

@@ -285,6 +285,29 @@ def test_cuda_bf16_llama_decode_batches():
     assert same >= 0.9 * len(prompts)  # bf16: an occasional near-tie may flip
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_cuda_bf16_logits_take_the_small_m_gemm_at_decode_sizes(rows, monkeypatch):
+    """The lm_head's GEMM runs on the small-M Triton kernel at decode batch sizes (it is outside the compiled
+    forward, where the small_m_linear pass does not reach), within bf16 rounding of cuBLAS; cuBLAS above them."""
+    import importlib
+
+    import torch.nn.functional as F
+    linear_module = importlib.import_module("ops.linear")
+    calls, launcher = [], linear_module.small_m_mm
+
+    def spy(a, *args, **kwargs):
+        calls.append(a.shape[0])
+        return launcher(a, *args, **kwargs)
+
+    monkeypatch.setattr(linear_module, "small_m_mm", spy)
+    llm = LLM("tiny-llama", level=0, max_num_tokens=32, dtype="bfloat16", device="cuda")
+    hidden = torch.randn(rows, llm.model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    logits = llm.model.compute_logits(hidden)
+    assert calls == ([rows] if rows <= 16 else [])
+    torch.testing.assert_close(logits.float(), F.linear(hidden, llm.model.lm_head.weight).float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("level", [0, 3])
 def test_del_frees_the_llm_without_a_garbage_collection(level):
     """No reference cycle through the engine: `del llm` frees the model and its KV cache at once (as users
