@@ -12,17 +12,18 @@ from collections.abc import Sequence
 __all__ = ["PassConfig"]
 
 
-#: Each pass's default: off. Measured on the H200 (README "Graph passes"; Llama 3 8B bf16, fp8 and int8 decode
+#: Each pass's default: off but ``small_m_linear``'s. Measured on the H200 (README "Graph passes"; Llama 3 8B bf16, fp8 and int8 decode
 #: and a 2048-token prefill at level 3): against native code with no pass (Inductor fuses the add, the norm and
 #: the quantization itself), the custom ops with every pass were slower for fp8 at every batch size and for int8
 #: but at batch 1, 0.7-1.8% faster for bf16 at batch 1-32 (about the runs' noise) and slower at 128, and the
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
-#: ``small_m_linear``: off; on the H200 it made the bf16 1B's batch-1 decode step 1.4-4.1% faster and the 8B's
-#: 1.0-1.4% slower (README "Decode kernels", ``benchmarks/results/small_m_linear_ab.md``).
+#: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
+#: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
+#: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "sequence_parallel": False, "small_m_linear": False}
+                               "act_quant": False, "sequence_parallel": False, "small_m_linear": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -286,10 +286,11 @@ def test_cuda_bf16_llama_decode_batches():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 4, 32])
+@pytest.mark.parametrize("rows", [1, 32])
 def test_cuda_bf16_logits_take_the_small_m_gemm_at_decode_sizes(rows, monkeypatch):
     """The lm_head's GEMM runs on the small-M Triton kernel at decode batch sizes (it is outside the compiled
-    forward, where the small_m_linear pass does not reach), within bf16 rounding of cuBLAS; cuBLAS above them."""
+    forward, where the small_m_linear pass does not reach), within bf16 rounding of cuBLAS: at M = 1 for any shape
+    (the unrolled GEMV's rows), cuBLAS above SMALL_M_MAX."""
     import importlib
 
     import torch.nn.functional as F
