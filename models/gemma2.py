@@ -21,7 +21,7 @@ from .kv_scales import apply_kv_scales, register_kv_scales
 from .layers import ConfigError, config_field
 from .parallel.linear import column_parallel_linear, row_parallel_linear
 from .parallel.state import divide
-from .parallel.vocab import lm_head_logits, vocab_parallel_embedding
+from .parallel.vocab import vocab_parallel_embedding
 from .llama import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["Gemma2Config", "Gemma2Model", "Gemma2ForCausalLM"]
@@ -157,7 +157,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     model_class = Gemma2Model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_logits(self.lm_head, hidden)
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

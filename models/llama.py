@@ -23,7 +23,7 @@ from .kv_scales import apply_kv_scales, register_kv_scales
 from .layers import ConfigError, config_field, rope_from_hf
 from .parallel.linear import column_parallel_linear, row_parallel_linear
 from .parallel.state import divide
-from .parallel.vocab import lm_head_logits, parallel_lm_head, vocab_parallel_embedding
+from .parallel.vocab import parallel_lm_head, vocab_parallel_embedding
 from .quantization import QuantizationConfig, parse_quantization_config
 
 __all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM"]
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return lm_head_logits(self.lm_head, hidden)  # [B, vocab]
+        return self.lm_head(hidden)  # [B, vocab]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -21,7 +21,7 @@ from .communication import tensor_parallel_all_gather, tensor_parallel_all_reduc
 from .linear import refuse_quantized
 from .state import get_tp_state, tp_size
 
-__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "lm_head_logits", "vocab_parallel_embedding", "parallel_lm_head"]
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "LMHead", "vocab_parallel_embedding", "parallel_lm_head"]
 
 
 class _VocabSlice:
@@ -75,13 +75,16 @@ def _head_gemm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, weight)
 
 
-def lm_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``head(hidden)``, the logits ``[B, vocab]``, with an unquantized ``nn.Linear`` head's GEMM through
-    ``ops.linear``. The logits are computed outside the compiled forward, where the ``small_m_linear`` graph pass
-    does not reach."""
-    if type(head) is nn.Linear and head.bias is None:
-        return _head_gemm(hidden, head.weight)
-    return head(hidden)
+class LMHead(nn.Linear):
+    """The unquantized LM head, ``hidden [B, hidden] -> logits [B, vocab]``: an ``nn.Linear`` without bias whose GEMM
+    goes through ``ops.linear``. The logits are computed outside the compiled forward, where the ``small_m_linear``
+    graph pass does not reach; a module (not a function beside it) so that hooks on ``lm_head`` still run."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _head_gemm(hidden, self.weight)
 
 
 class ParallelLMHead(_VocabSlice, nn.Module):
@@ -110,10 +113,12 @@ def vocab_parallel_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
 
 
 def parallel_lm_head(hidden_size: int, vocab_size: int, quant: QuantizationConfig | None) -> nn.Module:
-    """The LM head (``make_linear``'s, named ``lm_head``) without a tensor-parallel group, else this rank's
-    :class:`ParallelLMHead`."""
+    """The LM head without a tensor-parallel group (``make_linear``'s quantized linear when ``quant`` targets
+    ``lm_head``, else an :class:`LMHead`), else this rank's :class:`ParallelLMHead`."""
     if tp_size() == 1:
-        return make_linear(hidden_size, vocab_size, False, quant, "lm_head")
+        if quant is not None and quant.scheme_for("lm_head") is not None:
+            return make_linear(hidden_size, vocab_size, False, quant, "lm_head")
+        return LMHead(hidden_size, vocab_size)
     refuse_quantized(quant)
     state = get_tp_state()
     return ParallelLMHead(hidden_size, vocab_size, state.rank, state.world_size, state.group_name)

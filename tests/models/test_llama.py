@@ -191,6 +191,25 @@ def test_run_hands_fp32_logits_and_greedy_generate_agrees_in_bf16():
     assert llm.generate(PROMPTS, max_new_tokens=6) == via_run
 
 
+@pytest.mark.parametrize("level", [0, 3])
+def test_hooks_on_the_lm_head_run(level):
+    """The head is a module called as one: a forward hook on ``lm_head`` (a logit bias, a probe) sees and may
+    replace every step's logits, at every level."""
+    llm = LLM("tiny-llama", level=level, max_num_tokens=32)
+    banned = llm.generate(PROMPTS, 1)[0][0]
+
+    def ban(module, args, logits):
+        logits[:, banned] = float("-inf")
+        return logits
+
+    handle = llm.model.lm_head.register_forward_hook(ban)
+    try:
+        assert all(banned not in tokens for tokens in llm.generate(PROMPTS, 6))
+    finally:
+        handle.remove()
+    assert llm.generate(PROMPTS, 1)[0][0] == banned
+
+
 def test_sampling_is_reproducible_and_seeded():
     llm = LLM("tiny-llama", level=0, max_num_tokens=32)
     a = llm.generate(PROMPTS, 12, temperature=1.0, seed=1)
