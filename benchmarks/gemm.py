@@ -219,9 +219,17 @@ def bench_stack(model: Model, ms: list[int], device: str, copy_gbps: float, iter
 # unrolled GEMV once a K), ~1 s each on the H200 machine. The unrolled GEMV's rows: the fastest in
 # benchmarks.l2_prefetch's first run (results/l2_prefetch_gemv.md) and their neighbours; the rolled GEMV rows of 1
 # they replace never won a shape.
+# The taller ones (16-32 weight rows a program) give each thread several rows of one K slice: a's conversion (and,
+# for 8-bit weights, the per-element instructions that bound the GEMV) shared by the rows.
 _GEMV_1 = [(1, b_n, b_k, 1, False, warps, 1, 1, False, False, True)
            for b_n, b_k, warps in ((2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
-                                   (8, 512, 8), (16, 256, 8))]
+                                   (8, 512, 8), (16, 256, 8), (8, 1024, 4), (16, 256, 4), (16, 512, 4),
+                                   (16, 1024, 8), (32, 256, 4), (32, 512, 8))]
+# M = 1 on the tensor cores with the product swapped (w @ a.T: 64-128 weight rows the MMA's tall side, a's one row
+# padded to 16): no per-element conversion of 8-bit weights.
+_SWAP_16 = [(16, 64, 128, 1, True, 4, 4, 1, False, True), (16, 64, 256, 1, True, 4, 3, 1, False, True),
+            (16, 128, 128, 1, True, 4, 4, 1, False, True), (16, 128, 256, 1, True, 8, 3, 1, False, True),
+            (16, 64, 256, 2, True, 4, 3, 1, False, True)]
 _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 128, 1, False, 8, 3),
            (4, 16, 128, 2, False, 4, 3)]
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
@@ -258,9 +266,9 @@ _SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, Tru
 
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
-    GEMV's alone (M = 1)."""
-    if forms == "unroll":
-        return [SmallMConfig(*r) for r in _GEMV_1] if m == 1 else []
+    GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1)."""
+    if forms in ("unroll", "m1"):
+        return [SmallMConfig(*r) for r in _GEMV_1 + (_SWAP_16 if forms == "m1" else [])] if m == 1 else []
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
@@ -388,8 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll"), help="sweep: every family of "
-                   "candidates, or the unrolled GEMV's alone (M = 1), beside cuBLAS and the table's pick")
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1"), help="sweep: every family "
+                   "of candidates, the unrolled GEMV's alone (M = 1), or those and swapped 16-row dot tiles (m1: M = 1), "
+                   "beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
@@ -422,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     label = "tiny" if a.quick else a.model
     if a.sweep:
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
-              + ("_unroll" if a.sweep_forms == "unroll" else ""), a.separated, a.sweep_forms)
+              + {"all": "", "unroll": "_unroll", "m1": "_m1"}[a.sweep_forms], a.separated, a.sweep_forms)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

@@ -178,12 +178,20 @@ def _epilogue(y, offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
 # One row of a a program (program (row, column block): the rows of one column block adjacent, sharing its weights
 # in L2). On the H200 at M = 1 it read bf16 weights faster than cuBLAS (benchmarks.l2_prefetch, results/
 # l2_prefetch_gemv.md: the 1B's o_proj 4.3 against 6.0 µs, the 8B's 10.8 against 13.6).
+# At M = 1 a weight element is one multiply-add, so the instructions an element costs bound an 8-bit GEMV (the H200
+# must retire ~18 weight bytes a clock an SM to keep up with HBM; ptxas made 6.4 an element of the fp8 form with a
+# multiply, an add, two conversions and a shared-memory broadcast of a). So for 8-bit weights (BYTES): fp8 products
+# are one fma (exact products: the same sum as a multiply then an add, which enable_fp_fusion=False keeps apart
+# otherwise), int8 takes dp4a (DP4A: four products and their sum into an accumulator, one instruction), and a is
+# read in w's layout; ~3.4-4 and ~0.6-0.8 instructions an element. bf16 / fp16 keep the multiply and add and the
+# broadcast a: with the fma and a read in w's layout their K = 2048 shapes were up to 14% slower on the H200 (the
+# 1B's gate-up 19.7 against 17.3 µs, results/gemv_forms_ab.md).
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemv_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    INT64: tl.constexpr, PDL: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid % M
@@ -200,19 +208,42 @@ def _small_m_gemv_kernel(
     for k in tl.static_range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        # BYTES (8-bit weights): a's row read in w's layout (each row of the tile the same addresses, from L1), no
+        # shared-memory broadcast and barrier a step; else read once and broadcast
+        if BYTES:
+            a_ptrs = a_ptr + row * stride_am + (offs_k[None, :] + 0 * offs_n[:, None])
+        else:
+            a_ptrs = a_ptr + row * stride_am + offs_k
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
             w = tl.load(w_ptrs, eviction_policy="evict_first")
-            a = tl.load(a_ptr + row * stride_am + offs_k, eviction_policy="evict_last")
+            a = tl.load(a_ptrs, eviction_policy="evict_last")
         else:
             k_ok = offs_k < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            a = tl.load(a_ptr + row * stride_am + offs_k, mask=k_ok, other=0.0, eviction_policy="evict_last")
-        acc += w.to(acc_type) * a.to(acc_type)[None, :]
+            a = tl.load(a_ptrs, mask=k_ok[None, :] if BYTES else k_ok, other=0.0, eviction_policy="evict_last")
+        if DP4A:
+            acc = _dp4a(w, a, acc)
+        elif INTEGER:  # widened first: int8 * int8 overflows int8; the int32 sum is exact
+            acc += w.to(acc_type) * a.to(acc_type)
+        elif BYTES:
+            acc = tl.fma(w.to(acc_type), a.to(acc_type), acc)
+        else:
+            acc += w.to(acc_type) * a.to(acc_type)[None, :]
     y = tl.sum(acc, axis=1).to(tl.float32)[None, :]
     offs_m = tl.zeros((1,), dtype=offs_n.dtype) + row
     y = _epilogue(y, offs_m, offs_n, offs_m < M, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN,
                   W_PER_CHANNEL, HAS_BIAS)
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _dp4a(w, a, acc):
+    """``acc`` plus ``w * a`` (int8, one layout), four elements an instruction: the four products' sum goes to the
+    first of the four accumulators, the other three pass through. The four must be one row's adjacent K (the launcher
+    takes this form only where each thread holds 16 of them: ``_dp4a_fits``); the final sum over K is the same."""
+    return tl.inline_asm_elementwise(
+        "{ dp4a.s32.s32 $0, $4, $5, $6; mov.b32 $1, $7; mov.b32 $2, $8; mov.b32 $3, $9; }",
+        "=r,=r,=r,=r,r,r,r,r,r,r", [w, a, acc], dtype=tl.int32, is_pure=True, pack=4)
 
 
 @triton.jit(do_not_specialize=["MN"])
@@ -336,14 +367,23 @@ _I8, _F8, _F16 = (torch.int8,), (torch.float8_e4m3fn,), (torch.bfloat16, torch.f
 #: shape; the rolled GEMV form never did, the unrolled one does at M = 1. Rows past ``SMALL_M_MAX`` exist for
 #: ``benchmarks.gemm`` to find the crossover with cuBLAS.
 SMALL_M_TABLE: tuple[SmallMRule, ...] = (
+    # M = 1, 8-bit weights: the unrolled GEMV with one fma (fp8) or dp4a (int8) a weight element, from the separated
+    # sweep of it beside cuBLAS and swapped 16-row dot tiles (results/gemm_sweep_separated_m1.csv), µs ours / cuBLAS
+    # (int8: / the M <= 16 dot row below). Every 8B shape faster than both.
+    _R(1, _I8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 16.1 / 19.0
+    _R(1, _I8, 0.0, 16384, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 28.7 / 31.7
+    _R(1, _I8, 0.0, 0, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 8.0 / 10.3, o 6.3 / 8.4
+    _R(1, _F8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 16.6 / 20.1
+    _R(1, _F8, 0.0, 16384, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 29.3 / 30.6
+    _R(1, _F8, 0.0, 6144, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 8.5 / 10.2
+    _R(1, _F8, 0.0, 0, _C(1, 16, 1024, DOT=False, num_warps=8, num_stages=1, UNROLL=True)),  # o 6.5 / 7.5
     # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
     _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
     _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
     _R(16, _I8, 0.0, 0, _C(16, 32, 512, num_warps=4, num_stages=3)),  # qkv 9.2 / 21.8, o 7.5 / 21.5
-    # M = 1: the unrolled GEMV (UNROLL), from the separated sweeps of it (results/gemm_sweep_separated_unroll.csv,
-    # gemm_sweep_llama-3.2-1b_separated_unroll.csv), µs ours / cuBLAS, 8B then 1B. bf16 / fp16: faster on every
-    # shape; fp8: on down_proj only (qkv 11.8 / 10.0, o 8.6 / 7.3 at its best configs).
-    _R(1, _F8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 18.5 / 20.1
+    # M = 1, bf16 / fp16: the unrolled GEMV (UNROLL), from the separated sweeps of it (results/
+    # gemm_sweep_separated_unroll.csv, gemm_sweep_llama-3.2-1b_separated_unroll.csv; measured before the fma, which
+    # made the 8-bit rows above win), µs ours / cuBLAS, 8B then 1B: faster on every shape.
     _R(1, _F16, 2.0, 0, _C(1, 2, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 30.5 / 32.6,
     # 10.1 / 13.5
     _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 14.6 / 16.0,
@@ -443,6 +483,15 @@ def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     return locks
 
 
+def _dp4a_fits(c: SmallMConfig, w: torch.Tensor, even: bool) -> bool:
+    """Whether the GEMV may take dp4a for int8: on CUDA (not in Triton's interpreter), unmasked, and with each
+    thread's weights 16 adjacent bytes of one row (the load's 128-bit vector: a 16-byte aligned ``w`` and row
+    stride, and at least 16 elements a thread), so that every four the instruction sums are one row's."""
+    per_thread = c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps)
+    return (w.dtype == torch.int8 and w.device.type == "cuda" and even and per_thread >= 16 and c.BLOCK_K >= 16
+            and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0)
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
     if not HAS_TRITON:
@@ -472,9 +521,10 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     if c.UNROLL:
+        even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_kernel[(m * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
-            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0,
+            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1, DP4A=_dp4a_fits(c, w, even),
             num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out

@@ -189,6 +189,38 @@ def test_launchers_on_every_config(config, dtype):
         _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
 
 
+# The unrolled GEMV at the tile shapes the M = 1 sweep tries: int8 sums four products an instruction (dp4a) where
+# each thread holds 16 adjacent bytes of a row, and falls back to widened products elsewhere; both exact.
+GEMV_CONFIGS = [SmallMConfig(1, bn, bk, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
+                for bn, bk, warps in ((2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
+def test_gemv_forms_on_8b_shapes(config, k, n, dtype):
+    """M = 1 and 3 (one row a program); int8 bit for bit, fp8 / bf16 within their fp32-sum bounds."""
+    _needs_fp8(dtype)
+    for m in (1, 3):
+        if dtype == BF16:
+            a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").to(BF16)
+            w = _weight(BF16, n, k)
+            _assert_mm_within_bound(ops.small_m_mm(a, w, config=config), a, w, None)
+            continue
+        args = _args(dtype, m, k, n, "token", "channel", torch.bfloat16, False)
+        _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", GEMV_CONFIGS[:3], ids=str)
+def test_int8_gemv_on_unaligned_rows(config):
+    """Rows 16-byte aligned or not (K = 4100: a row stride of 4100 bytes), in a masked tail or not: bit for bit."""
+    for k in (4096 + 4, 4096 + 64):
+        args = _args(INT8, 2, k, 96, "token", "channel", torch.float32, True)
+        _assert_matches_reference(INT8, ops.small_m_scaled_mm(*args, config=config), args)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
 @pytest.mark.parametrize("m", [1, 16])
@@ -200,15 +232,15 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
 
 def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
     """Every small M has a config but the shapes where cuBLAS measured as fast: fp8's but down_proj's; bf16's qkv and
-    gate-up from M = 2 (o, down and the lm_head take the kernel). At M = 1 every bf16 shape takes the unrolled GEMV."""
+    gate-up from M = 2 (o, down and the lm_head take the kernel). At M = 1 every shape of every dtype takes the
+    unrolled GEMV."""
     for dtype in (INT8, FP8, BF16, torch.float16):
         largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
         for k, n in SHAPES_8B + [(4096, 128256)]:  # and the lm_head
             expected = k >= 2 * n if dtype == FP8 else k >= n or n >= 65536 if dtype != INT8 else True
             assert all((ops.small_m_config(m, n, k, dtype) is not None) == expected for m in range(2, SMALL_M_MAX + 1))
             one = ops.small_m_config(1, n, k, dtype)
-            assert (one is not None) == (expected or dtype in (BF16, torch.float16))
-            assert one is None or one.UNROLL == (dtype != INT8)
+            assert one is not None and one.UNROLL
             assert ops.small_m_config(SMALL_M_MAX + 1, n, k, dtype) is None
             assert ops.small_m_config(largest, n, k, dtype, max_m=largest) is not None
             assert ops.small_m_config(largest + 1, n, k, dtype, max_m=largest + 1) is None
