@@ -456,3 +456,25 @@ def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
         ab.main(["--variant", text])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--variant" in err and says in err
+
+
+def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
+    """Compiled for Hopper without a GPU: int8's 8-bit form sums with dp4a and the plain one never does; fp8's 8-bit
+    form multiplies and adds in one fma; both take fewer instructions an element than the plain form."""
+    pytest.importorskip("triton")
+    from benchmarks import gemv_instructions as gi
+
+    counts = {}
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        for bytes_form in (True, False):
+            counts[dtype, bytes_form] = gi.count(gi.compile_sass(dtype, 8, 512, 4, 1024, bytes_form))
+    elements = 1024 * 8 // 128  # a thread's: K x BLOCK_N over 4 warps' threads
+    assert counts[torch.int8, True]["IDP.4A.S8.S8"] == elements // 4 and "IDP.4A.S8.S8" not in counts[torch.int8, False]
+    fp8 = counts[torch.float8_e4m3fn, True]
+    assert fp8["FFMA"] == elements and fp8["FMUL"] <= 4  # the epilogue's scales multiply, no product does
+    assert counts[torch.float8_e4m3fn, False]["FMUL"] >= elements
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        assert sum(counts[dtype, True].values()) < sum(counts[dtype, False].values())
+    with pytest.raises(SystemExit) as e:
+        gi.main(["--k", "1000"])
+    assert e.value.code == 2

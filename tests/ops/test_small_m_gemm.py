@@ -189,18 +189,19 @@ def test_launchers_on_every_config(config, dtype):
         _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
 
 
-# The unrolled GEMV at the tile shapes the M = 1 sweep tries: int8 sums four products an instruction (dp4a) where
-# each thread holds 16 adjacent bytes of a row, and falls back to widened products elsewhere; both exact.
-GEMV_CONFIGS = [SmallMConfig(1, bn, bk, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
-                for bn, bk, warps in ((2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8))]
+# The unrolled GEMV's tiles: the table's M = 1 rows for each dtype (int8 sums four products an instruction, dp4a,
+# where each thread holds 16 adjacent bytes of a row, and falls back to widened products elsewhere; both exact).
+GEMV_CASES = [(dtype, rule.config) for dtype in (INT8, FP8, BF16)
+              for rule in dict.fromkeys(r for r in SMALL_M_TABLE if r.max_m == 1 and dtype in r.dtypes)]
+GEMV_CONFIGS = list(dict.fromkeys(config for _, config in GEMV_CASES))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
-@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
-def test_gemv_forms_on_8b_shapes(config, k, n, dtype):
-    """M = 1 and 3 (one row a program); int8 bit for bit, fp8 / bf16 within their fp32-sum bounds."""
+@pytest.mark.parametrize("dtype,config", GEMV_CASES, ids=[f"{str(d)[6:]}-{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}" for d, c in GEMV_CASES])
+def test_gemv_forms_on_8b_shapes(dtype, config, k, n):
+    """Each of the table's M = 1 tiles on every 8B shape, whichever shape its rule serves, at M = 1 and 3 (one row a
+    program); int8 bit for bit, fp8 / bf16 within their fp32-sum bounds."""
     _needs_fp8(dtype)
     for m in (1, 3):
         if dtype == BF16:
@@ -213,7 +214,7 @@ def test_gemv_forms_on_8b_shapes(config, k, n, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", GEMV_CONFIGS[:3], ids=str)
+@pytest.mark.parametrize("config", GEMV_CONFIGS[:3], ids=lambda c: f"{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}")
 def test_int8_gemv_on_unaligned_rows(config):
     """Rows 16-byte aligned or not (K = 4100: a row stride of 4100 bytes), in a masked tail or not: bit for bit."""
     for k in (4096 + 4, 4096 + 64):

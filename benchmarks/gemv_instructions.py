@@ -1,0 +1,137 @@
+"""Instructions a weight element of the small-M GEMM's unrolled GEMV form, counted in its sm_90 machine code.
+
+At M = 1 each weight element is one multiply-add, and to keep up with the H200's HBM an SM must retire ~18 weight
+bytes a clock: for 8-bit weights the instructions an element costs, not the bytes, can bound the kernel. This
+compiles ``ops.small_m_gemm``'s GEMV kernel for Hopper (sm_90) here, with no GPU (Triton's compiler and the ptxas and
+cuobjdump its package carries), and counts the SASS instructions of one program over the elements one thread
+handles: K x BLOCK_N / (32 x num_warps). Per tile of ``SMALL_M_TABLE``'s M = 1 rows, for each 8-bit dtype in two
+forms: the kernel's (``BYTES``: fp8 an fma a product, int8 dp4a where each thread holds 16 adjacent bytes of a row,
+a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a broadcast from shared memory).
+
+    python -m benchmarks.gemv_instructions [--k 4096] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+from benchmarks import common
+
+_SIG = {"a_ptr": "*{t}", "w_ptr": "*{t}", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
+        "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_am": "i32", "stride_wn": "i32"}
+# Arguments Triton specializes as 16-divisible at a launch on the 8B's shapes: the pointers, N and the strides.
+_DIVISIBLE = ("a_ptr", "w_ptr", "a_scale_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "N", "stride_am", "stride_wn")
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
+_NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.int8: "int8"}
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def cuobjdump() -> str:
+    """The cuobjdump Triton's package carries."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool) -> str:
+    """The GEMV kernel's SASS for one tile, per-tensor scales, no bias, every load unmasked (EVEN)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ops import small_m_gemm
+
+    kernel = small_m_gemm._small_m_gemv_kernel
+    t = _TRITON_TYPES[dtype]
+    consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
+                  A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
+                  BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8
+                  and block_n * block_k // (32 * num_warps) >= 16)
+    sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "gemv.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([cuobjdump(), "-sass", path], check=True, capture_output=True, text=True).stdout
+
+
+def count(sass: str) -> collections.Counter:
+    """Instructions by opcode (predicated ones included)."""
+    return collections.Counter(m.group(1) for line in sass.splitlines() if (m := _SASS_LINE.match(line)))
+
+
+def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
+    """(dtype, BLOCK_N, BLOCK_K, num_warps) of every M = 1 unrolled-GEMV row of the table, once each."""
+    from ops.small_m_gemm import SMALL_M_TABLE
+
+    tiles = []
+    for rule in SMALL_M_TABLE:
+        c = rule.config
+        if rule.max_m == 1 and c is not None and c.UNROLL:
+            tiles += [(d, c.BLOCK_N, c.BLOCK_K, c.num_warps) for d in rule.dtypes if d in _TRITON_TYPES]
+    return list(dict.fromkeys(tiles))
+
+
+def measure(k: int) -> list[dict[str, Any]]:
+    rows = []
+    for dtype, block_n, block_k, warps in m1_tiles():
+        forms = (True, False) if dtype.itemsize == 1 else (False,)
+        for bytes_form in forms:
+            ops_count = count(compile_sass(dtype, block_n, block_k, warps, k, bytes_form))
+            elements = k * block_n // (32 * warps)
+            total = sum(ops_count.values())
+            rows.append({"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}",
+                         "form": "8-bit" if bytes_form else "plain",
+                         "elements_a_thread": elements, "instructions": total,
+                         "per_element": round(total / elements, 2),
+                         "top": ", ".join(f"{op} {n}" for op, n in ops_count.most_common(4))})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, default=4096, help="K (a compile-time constant of the GEMV; default the 8B's 4096)")
+    p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
+    a = p.parse_args(argv)
+    if a.k < 1 or a.k % 1024:
+        p.error(f"--k: expected a positive multiple of 1024 (every table tile's BLOCK_K divides it); got {a.k}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        p.error("needs Triton (pip install triton): its compiler, ptxas and cuobjdump make and read the SASS")
+    if not os.path.exists(cuobjdump()):
+        p.error(f"Triton's package has no cuobjdump at {cuobjdump()}")
+    import triton
+
+    rows = measure(a.k)
+    header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
+              f"{torch.__version__}, Python {platform.python_version()}, "
+              f"{common.env_header().rsplit(', ', 1)[-1]}")
+    notes = [f"K = {a.k}; one program's instructions (cuobjdump -sass) over the weight elements one thread handles "
+             "(K x BLOCK_N / (32 x num_warps)); per-tensor scales, no bias, unmasked loads, 16-byte aligned operands",
+             "form 8-bit: the kernel's for fp8 / int8 weights (fp8 an fma a product, int8 dp4a, a read in w's layout); "
+             "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before"]
+    common.write_results("gemv_instructions", rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
+                         notes=notes, out_dir=a.out, header=header)
+    common.plot_stacked_bars("gemv_instructions", rows, label=["dtype", "tile", "form"], parts=["per_element"],
+                             title="SASS instructions a weight element, unrolled GEMV at M = 1 (sm_90)",
+                             ylabel="instructions / element", out_dir=a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
