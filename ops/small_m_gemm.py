@@ -483,13 +483,14 @@ def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     return locks
 
 
-def _dp4a_fits(c: SmallMConfig, w: torch.Tensor, even: bool) -> bool:
+def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) -> bool:
     """Whether the GEMV may take dp4a for int8: on CUDA (not in Triton's interpreter), unmasked, and with each
-    thread's weights 16 adjacent bytes of one row (the load's 128-bit vector: a 16-byte aligned ``w`` and row
-    stride, and at least 16 elements a thread), so that every four the instruction sums are one row's."""
+    thread's bytes of ``w`` and of ``a`` 16 adjacent ones of one row (both loads' 128-bit vectors, one layout: 16-byte
+    aligned operands and row strides, and at least 16 elements a thread), so that every four the instruction sums
+    are one row's."""
     per_thread = c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps)
     return (w.dtype == torch.int8 and w.device.type == "cuda" and even and per_thread >= 16 and c.BLOCK_K >= 16
-            and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0)
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, w)))
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
@@ -524,7 +525,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_kernel[(m * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
-            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1, DP4A=_dp4a_fits(c, w, even),
+            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1, DP4A=_dp4a_fits(c, a, w, even),
             num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out

@@ -216,10 +216,14 @@ def test_gemv_forms_on_8b_shapes(dtype, config, k, n):
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", GEMV_CONFIGS[:3], ids=lambda c: f"{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}")
 def test_int8_gemv_on_unaligned_rows(config):
-    """Rows 16-byte aligned or not (K = 4100: a row stride of 4100 bytes), in a masked tail or not: bit for bit."""
+    """Rows 16-byte aligned or not (K = 4100: a row stride of 4100 bytes), in a masked tail or not, and an activation
+    that starts 1 byte into its storage: bit for bit."""
     for k in (4096 + 4, 4096 + 64):
         args = _args(INT8, 2, k, 96, "token", "channel", torch.float32, True)
         _assert_matches_reference(INT8, ops.small_m_scaled_mm(*args, config=config), args)
+    args = _args(INT8, 2, 4097, 96, "token", "channel", torch.float32, True)
+    args[0], args[1] = args[0][:, 1:], args[1][:, 1:].contiguous()  # a: K = 4096, its data 1 byte past 16-aligned
+    _assert_matches_reference(INT8, ops.small_m_scaled_mm(*args, config=config), args)
 
 
 @pytest.mark.cuda
