@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
     p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1"), help="sweep: every family "
-                   "of candidates, the unrolled GEMV's alone (M = 1), or those and swapped 16-row dot tiles (m1: M = 1), "
-                   "beside cuBLAS and the table's pick")
+                   "of candidates, the unrolled GEMV's alone (M = 1), or those and swapped 16-row dot tiles (m1: "
+                   "M = 1), beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "

@@ -179,11 +179,12 @@ def _epilogue(y, offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
 # in L2). On the H200 at M = 1 it read bf16 weights faster than cuBLAS (benchmarks.l2_prefetch, results/
 # l2_prefetch_gemv.md: the 1B's o_proj 4.3 against 6.0 µs, the 8B's 10.8 against 13.6).
 # At M = 1 a weight element is one multiply-add, so the instructions an element costs bound an 8-bit GEMV (the H200
-# must retire ~18 weight bytes a clock an SM to keep up with HBM; ptxas made 6.4 an element of the fp8 form with a
-# multiply, an add, two conversions and a shared-memory broadcast of a). So for 8-bit weights (BYTES): fp8 products
-# are one fma (exact products: the same sum as a multiply then an add, which enable_fp_fusion=False keeps apart
-# otherwise), int8 takes dp4a (DP4A: four products and their sum into an accumulator, one instruction), and a is
-# read in w's layout; ~3.4-4 and ~0.6-0.8 instructions an element. bf16 / fp16 keep the multiply and add and the
+# must retire ~18 weight bytes a clock an SM to keep up with HBM; ptxas made 5.0-6.6 an element of the fp8 form with
+# a multiply, an add, two conversions and a shared-memory broadcast of a, 3.6-5.6 of the int8 form). So for 8-bit
+# weights (BYTES): fp8 products are one fma (exact products: the same sum as a multiply then an add, which
+# enable_fp_fusion=False keeps apart otherwise), int8 takes dp4a (DP4A: four products and their sum into an
+# accumulator, one instruction), and a is read in w's layout: 3.7-5.1 and 0.8-1.3 instructions an element
+# (benchmarks.gemv_instructions, results/gemv_instructions.md). bf16 / fp16 keep the multiply, the add and the
 # broadcast a: with the fma and a read in w's layout their K = 2048 shapes were up to 14% slower on the H200 (the
 # 1B's gate-up 19.7 against 17.3 µs, results/gemv_forms_ab.md).
 @triton.jit(do_not_specialize=["M"])
@@ -381,9 +382,9 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
     _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
     _R(16, _I8, 0.0, 0, _C(16, 32, 512, num_warps=4, num_stages=3)),  # qkv 9.2 / 21.8, o 7.5 / 21.5
-    # M = 1, bf16 / fp16: the unrolled GEMV (UNROLL), from the separated sweeps of it (results/
-    # gemm_sweep_separated_unroll.csv, gemm_sweep_llama-3.2-1b_separated_unroll.csv; measured before the fma, which
-    # made the 8-bit rows above win), µs ours / cuBLAS, 8B then 1B: faster on every shape.
+    # M = 1, bf16 / fp16: the unrolled GEMV (UNROLL) in its plain form, from the separated sweeps of it (results/
+    # gemm_sweep_separated_unroll.csv, gemm_sweep_llama-3.2-1b_separated_unroll.csv), µs ours / cuBLAS, 8B then 1B:
+    # faster on every shape.
     _R(1, _F16, 2.0, 0, _C(1, 2, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 30.5 / 32.6,
     # 10.1 / 13.5
     _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 14.6 / 16.0,
@@ -525,8 +526,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_kernel[(m * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
-            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1, DP4A=_dp4a_fits(c, a, w, even),
-            num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
+            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,

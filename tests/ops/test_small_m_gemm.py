@@ -198,7 +198,8 @@ GEMV_CONFIGS = list(dict.fromkeys(config for _, config in GEMV_CASES))
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
-@pytest.mark.parametrize("dtype,config", GEMV_CASES, ids=[f"{str(d)[6:]}-{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}" for d, c in GEMV_CASES])
+@pytest.mark.parametrize("dtype,config", GEMV_CASES,
+                         ids=[f"{str(d)[6:]}-{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}" for d, c in GEMV_CASES])
 def test_gemv_forms_on_8b_shapes(dtype, config, k, n):
     """Each of the table's M = 1 tiles on every 8B shape, whichever shape its rule serves, at M = 1 and 3 (one row a
     program); int8 bit for bit, fp8 / bf16 within their fp32-sum bounds."""
