@@ -53,10 +53,10 @@ def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int,
 
     kernel = small_m_gemm._small_m_gemv_kernel
     t = _TRITON_TYPES[dtype]
+    tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=num_warps, num_stages=1, UNROLL=True)
     consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
-                  BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8
-                  and block_n * block_k // (32 * num_warps) >= 16)
+                  BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile))
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)

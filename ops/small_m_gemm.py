@@ -484,13 +484,16 @@ def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
     return locks
 
 
+def _dp4a_tile(c: SmallMConfig) -> bool:
+    """Whether a GEMV tile gives each thread at least 16 bytes of a row (one 128-bit load): dp4a's tiles."""
+    return c.BLOCK_K >= 16 and c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps) >= 16
+
+
 def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) -> bool:
     """Whether the GEMV may take dp4a for int8: on CUDA (not in Triton's interpreter), unmasked, and with each
     thread's bytes of ``w`` and of ``a`` 16 adjacent ones of one row (both loads' 128-bit vectors, one layout: 16-byte
-    aligned operands and row strides, and at least 16 elements a thread), so that every four the instruction sums
-    are one row's."""
-    per_thread = c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps)
-    return (w.dtype == torch.int8 and w.device.type == "cuda" and even and per_thread >= 16 and c.BLOCK_K >= 16
+    aligned operands and row strides, and a ``_dp4a_tile``), so that every four the instruction sums are one row's."""
+    return (w.dtype == torch.int8 and w.device.type == "cuda" and even and _dp4a_tile(c)
             and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, w)))
 
 
