@@ -24,8 +24,10 @@ seconds (default 220) bounds the whole sweep: at the deadline it stops and write
 prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
 geometric-mean loss over the contexts against each context's fastest.
 
-Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--sweep
-[--deadline 220]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
+``--head-size 64``: Llama-3.2-1B's heads (32 query heads, 8 KV heads, head size 64; files end in ``_d64``).
+
+Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--head-size 128]
+[--sweep [--deadline 220]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from benchmarks import common
 from ops.paged_attention import DecodePlan, paged_decode_launch, paged_decode_ref
 from ops.paged_decode_config import DecodeConfig, decode_config
 
-HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B; the engine's block size
+HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B (``--head-size 64``: Llama-3.2-1B); the engine's block size
+MODEL_OF_HEAD = {128: "Llama-3-8B", 64: "Llama-3.2-1B"}
+HEAD_TAG = ""  # the files' suffix for the head size: "" (128), "_d64"; set by main
 DTYPE = torch.bfloat16
 #: The cache's dtype: None (DTYPE's), or fp8 with ``--kv-cache-dtype fp8`` (``ops.kv_quant``, scales 1); set by main.
 CACHE_DTYPE: torch.dtype | None = None
@@ -292,7 +296,7 @@ def suggested_rows(rows: list[dict[str, Any]]) -> list[str]:
         k = min(loss, key=lambda k: math.fsum(math.log(x) for x in loss[k]))
         mean = math.exp(math.fsum(math.log(x) for x in loss[k]) / len(contexts))
         cfg = ", ".join(f"{f}={v}" for f, v in zip(_CONFIG_FIELDS, k))
-        lines.append(f"    _R({b}, 128, _C({cfg})),  # batch {b}, contexts {contexts[0]}-{contexts[-1]}: "
+        lines.append(f"    _R({b}, {HEAD}, _C({cfg})),  # batch {b}, contexts {contexts[0]}-{contexts[-1]}: "
                      f"{mean:.3f}x the fastest on average, {max(loss[k]):.3f}x at worst")
     return lines
 
@@ -305,7 +309,7 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
     order = [b for b in (32, 128, 8, 1) if b in batches] + [b for b in batches if b not in (32, 128, 8, 1)]
     precompile(order, device, num_sms, workers)
     rows: list[dict[str, Any]] = []
-    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, "
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {_shape_name()}, "
              f"{_kv_name()} KV, {PAGE}-token pages); one CUDA graph of one call per block-table copy, median of {replays} replays",
              "correct: within 2e-2 of the fp32 reference; table: what DECODE_TABLE launches at this batch"]
     for b in order:
@@ -320,7 +324,7 @@ def sweep(batches: list[int], contexts: list[int], device: str, copy_gbps: float
     common.write_results("attention_sweep_best" + _tag(), best, title="Fastest paged decode config per shape",
                          notes=[*notes[:1], f"sweep took {time.perf_counter() - start:.0f} s"], device=device,
                          out_dir=out_dir)
-    print(f"suggested {'DECODE_TABLE_FP8' if _tag() else 'DECODE_TABLE'} rows (ops/paged_decode_config.py; "
+    print(f"suggested {'DECODE_TABLE_FP8' if _fp8() else 'DECODE_TABLE'} rows (ops/paged_decode_config.py; "
           "max_seqs: the batch measured):")
     for line in suggested_rows(rows):
         print("best " + line.strip(), flush=True)
@@ -336,7 +340,12 @@ def _fp8() -> bool:
 
 
 def _tag() -> str:
-    return "_kvfp8" if _fp8() else ""
+    return ("_kvfp8" if _fp8() else "") + HEAD_TAG
+
+
+def _shape_name() -> str:
+    """The model whose attention shape this is, and the shape."""
+    return f"{MODEL_OF_HEAD.get(HEAD, 'Llama')} attention ({HEADS} q heads, {KV_HEADS} KV heads, D {HEAD}"
 
 
 def _kv_name() -> str:
@@ -354,10 +363,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="threads compiling the sweep's configs (1: one by one, without Triton's AsyncCompileMode)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="the cache's dtype: auto (bf16, as q) or fp8 (e4m3, scales 1; files end in _kvfp8)")
+    p.add_argument("--head-size", type=int, default=128, choices=sorted(MODEL_OF_HEAD),
+                   help="the heads' size: 128 (Llama-3-8B's) or 64 (Llama-3.2-1B's; files end in _d64); 32 q, 8 KV heads")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
-    global CACHE_DTYPE
+    global CACHE_DTYPE, HEAD, SCALE, HEAD_TAG
     CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
+    HEAD, SCALE, HEAD_TAG = a.head_size, a.head_size**-0.5, "" if a.head_size == 128 else f"_d{a.head_size}"
     batches, contexts = common.int_list(p, "--batches", a.batches), common.int_list(p, "--contexts", a.contexts)
     if any(c % PAGE for c in contexts):
         p.error(f"--contexts: multiples of {PAGE} (whole pages); got {a.contexts!r}")
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     print(common.env_header(device), flush=True)
     copy_gbps = common.measure_copy_bandwidth(device=device)
     rows = bench_table(batches, contexts, device, copy_gbps, a.replays)
-    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B attention (32 q heads, 8 KV heads, D 128, "
+    notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {_shape_name()}, "
              f"{_kv_name()} KV, {PAGE}-token pages scattered); the config the decode table picks",
              f"one CUDA graph of `copies` calls, each over its own pages (KV read from HBM), median of {a.replays} "
              "replays, per call; bytes: every K and V byte + q + output",
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     common.write_results("attention" + _tag(), rows, title="Paged decode attention alone, % of copy bandwidth",
                          notes=notes, device=device, out_dir=a.out)
     common.plot_lines("attention" + _tag(), rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,
-                      title=f"Paged decode attention, Llama-3-8B shape ({common.device_name(device)})",
+                      title=f"Paged decode attention, {MODEL_OF_HEAD.get(HEAD, 'Llama')} shape ({common.device_name(device)})",
                       xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
     if a.sweep:
         sweep(batches, contexts, device, copy_gbps, a.replays, a.deadline, a.out, a.compile_workers)

@@ -262,6 +262,12 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
                                          scalar_workaround=scalars or {})
 
 
+def match_output_values(match: Any) -> list[Any]:
+    """The values (``meta["val"]``: fake tensors) of a pattern match's output nodes, in the search function's
+    return order (None where a node has none)."""
+    return [getattr(node, "meta", {}).get("val") for node in match.output_nodes()]
+
+
 def trace_inference_graph(fn: Callable[..., Any], example_inputs: list[Any]) -> torch.fx.GraphModule:
     """``fn`` traced as ``register_replacement`` traces a pattern (``pattern_matcher.fwd_only``): the aten
     graph Inductor's post-grad passes see for it, for tests of a pass on a graph of its own."""

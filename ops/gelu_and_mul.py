@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import triton_op, use_triton
 from .custom_op import CustomOp
 from .silu_and_mul import GELU, GELU_TANH, launch_act_and_mul
@@ -62,3 +65,6 @@ def gelu_and_mul_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor
     d = x.shape[-1] // 2
     xf = x.float()
     return (F.gelu(xf[..., :d], approximate=approximate) * xf[..., d:]).to(x.dtype).contiguous()
+
+
+register_native_form("gelu_and_mul", gelu_and_mul_ref)

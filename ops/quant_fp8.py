@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
@@ -523,6 +525,9 @@ def dynamic_per_token_scaled_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tenso
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE).contiguous(), scale
+
+
+register_native_form("dynamic_per_token_scaled_fp8_quant", dynamic_per_token_scaled_fp8_quant_ref)
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

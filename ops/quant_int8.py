@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import cdiv, known_int, needs_int64, pdl_args, pdl_launch, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 from .quant_fp8 import check_quant_input, launch_per_token_quant, static_fp8_quant_config
@@ -187,3 +189,6 @@ def dynamic_scaled_int8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=INT8_MIN_SCALE)
     q = torch.round(x.float() / scale).clamp(INT8_MIN, INT8_MAX)
     return q.to(torch.int8).contiguous(), scale
+
+
+register_native_form("dynamic_scaled_int8_quant", dynamic_scaled_int8_quant_ref)

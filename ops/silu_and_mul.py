@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
@@ -199,3 +201,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     xf = x.float()
     return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype).contiguous()
+
+
+register_native_form("silu_and_mul", silu_and_mul_ref)

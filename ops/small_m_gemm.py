@@ -307,7 +307,8 @@ class SmallMConfig:
             (results/int8_table_step_ab_swap.md: 3928 / 3897 against 3876 / 3891 µs).
         SERIAL: split K reduced in the kernel: each tile's last split to arrive (an arrival counter a tile) sums
             the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
-            M = 1 6% slower with the table's split-K rows (2765 against 2602 µs), and no decode step faster.
+            M = 1 6% slower with the table's split-K rows then (2765 against 2602 µs); the int8 down_proj rows at
+            M = 32 and 128 take it (0.3-0.7% off those decode steps).
         UNROLL: the unrolled GEMV form (``DOT=False``, ``BLOCK_M=1``, ``SPLIT_K=1``): one compile a K, every loop
             step unrolled so that all of a program's weight loads are in flight at once, and one reduction a
             program instead of one a loop step (the rolled GEMV form's). ``num_stages`` does not apply.
@@ -402,11 +403,14 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8; gate-up 58.9 / 57.1, 18.8 / 18.8 (best configs)
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
-    _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down: 19.4 / 41.6
+    # down at M <= 32 and <= 128: the two splits summed in the kernel (SERIAL), not by a second kernel: in the int8
+    # 8B step (results/int8_serial_split_k_ab.md, two alternating runs) batch 32 3811.4 / 3812.7 µs against
+    # 3825.4 / 3822.3, batch 128 6037.6 / 6035.5 against 6063.5 / 6090.1; one split instead was 3-4% slower.
+    _R(32, _I8, 2.0, 0, _C(32, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True)),  # down: 19.4 / 41.6
     _R(32, _I8, 0.0, 16384, _C(32, 64, 128, num_warps=4, num_stages=4)),  # gate-up: 33.7 / 52.1; in the step too
     # (results/int8_table_step_ab.md: faster there than the wide sweep's 32x64x256 and the qkv/o row)
     _R(32, _I8, 0.0, 0, _C(32, 32, 256, num_warps=4, num_stages=4)),  # qkv 10.2 / 21.0, o 7.9 / 20.7
-    _R(128, _I8, 2.0, 0, _C(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5)),  # down: 25.7 / 44.8 (was 64x32: 29.2)
+    _R(128, _I8, 2.0, 0, _C(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5, SERIAL=True)),  # down: 25.7 / 44.8
     _R(128, _I8, 0.0, 16384, _C(128, 128, 128, num_warps=8, num_stages=3)),  # gate-up: 37.0 / 92.8 (was 64x64: 48.4)
     _R(128, _I8, 0.0, 6144, _C(64, 64, 128, num_warps=4, num_stages=5)),  # qkv: 12.2 / 33.8 (was 64x32: 14.8)
     _R(128, _I8, 0.0, 0, _C(64, 32, 256, num_warps=4, num_stages=4)),  # o: 9.7 / 23.4

@@ -44,7 +44,9 @@ class PassConfig:
     """RMSNorm (plain or fused-add) + fp8 / int8 quantization (static or per token) -> one fused op. Keeps the
     library's Triton ops opaque in the compile (see ``dispatcher.passes.quant_fusion``)."""
     act_quant: bool | None = None
-    """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above."""
+    """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above;
+    with the custom ops off it also matches the native form of a per-token quantization (see
+    ``dispatcher.passes.quant_fusion``)."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least

@@ -427,3 +427,40 @@ def test_fused_add_rms_norm_refuses_broadcast_and_promotion():
     for x, residual, expected in [(rows, rows, 1), (rows, torch.randn(HIDDEN), 0), (rows.bfloat16(), rows, 0)]:
         gm = make_fx(fn, tracing_mode="symbolic")(x, residual, w)
         assert fused(gm.graph, None) == expected
+
+
+def test_native_forms_registry_errors():
+    from dispatcher.passes.native_forms import native_form, register_native_form
+
+    with pytest.raises(ValueError, match="fn must be callable"):
+        register_native_form("some_op", 3)
+    form = native_form("silu_and_mul")  # registered by ops on import
+    assert form is not None
+    register_native_form("silu_and_mul", form)  # the same form again: allowed
+    with pytest.raises(ValueError, match="already has a native form"):
+        register_native_form("silu_and_mul", lambda x: x)
+
+
+def _per_token_int8(y, dim=-1, min_scale=None):
+    from ops.quant_int8 import INT8_MIN_SCALE
+
+    amax = y.abs().amax(dim=dim, keepdim=True).float()
+    scale = (amax / torch.full_like(amax, 127.0)).clamp(min=INT8_MIN_SCALE if min_scale is None else min_scale)
+    return torch.round(y.float() / scale).clamp(-128.0, 127.0).to(torch.int8).contiguous(), scale
+
+
+@pytest.mark.parametrize("form, dtype, matches", [({}, torch.bfloat16, 1), ({}, torch.float32, 1),
+                                                  ({}, torch.float64, 0), ({"dim": 0}, torch.bfloat16, 0),
+                                                  ({"min_scale": 1e-10}, torch.bfloat16, 0)])
+def test_native_act_quant_matches_the_library_form_only(form, dtype, matches):
+    """The native per-token form (``ops.quant_int8``'s reference after SiLU-and-mul's) becomes the fused op, on
+    the inputs it takes; a quantization that differs from it, per column (amax over the tokens) or with another
+    minimum scale, stays, as does an fp64 input (which the fused op refuses)."""
+    from dispatcher.passes import ActQuantPass
+    from ops.silu_and_mul import silu_and_mul_ref
+
+    gm = compat.trace_inference_graph(lambda x: _per_token_int8(silu_and_mul_ref(x), **form),
+                                      [torch.randn(6, 32, dtype=dtype)])
+    assert ActQuantPass()(gm.graph, None) == matches
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.dynamo_once.act_and_mul_dynamic_quant.default]
+    assert len(fused) == matches

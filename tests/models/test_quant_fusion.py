@@ -129,6 +129,56 @@ def test_native_ops_are_left_to_inductor(checkpoint, after):
     assert library_ops == {"dynamo_once.fp8_scaled_mm.default"}  # the GEMM: an op whatever the switch
 
 
+def native_run(path, passes, **kwargs):
+    """Prefill logits of PROMPTS at level 3 with the custom ops off (the default), and the passes' counts."""
+    torch._dynamo.reset()
+    cfg = CompilationConfig(level=3, use_cudagraph=False, pass_config=passes)
+    with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+        llm = LLM(path, max_num_tokens=32, compilation_config=cfg, **kwargs)
+        logits = prefill_logits(llm, PROMPTS)
+    return logits, counts
+
+
+@pytest.mark.parametrize("name", ["int8-dynamic-token", "fp8-dynamic-token"])
+def test_native_per_token_activation_quant_is_fused(checkpoint, after, name):
+    """Custom ops off: a per-token quantization of the SiLU-and-mul's output is plain torch code (the modules'
+    native forms, ``dispatcher.passes.native_forms``), whose row amax Inductor computes in reduction kernels of
+    their own; ``act_quant`` matches that form and puts the fused op in its place, one per quantized down_proj,
+    with the unfused graph's logits. Nothing else is rewritten: the norms' quantizations stay Inductor's."""
+    unfused, _ = native_run(checkpoint(name), "none")
+    after.clear()
+    fused, counts = native_run(checkpoint(name), "none,+act_quant")
+    plain_down = 2 - UNQUANTIZED_DOWN.get(name, 0)
+    assert counts.matches["act_quant"] == plain_down
+    # Decomposed after the passes (on the CPU into the op's reference), as every library Triton op in a graph is.
+    assert counts.matches["decompose_triton_ops"] == plain_down
+    assert after[D.act_and_mul_dynamic_quant.default] == plain_down
+    assert not any(str(t).startswith("dynamo_once.rms_norm") for t in after)
+    assert_logits_match(fused, unfused)
+
+
+@pytest.mark.parametrize("name", ["int8-static", "fp8-static"])
+def test_native_static_activation_quant_is_left_to_inductor(checkpoint, name):
+    """A static quantization's native form needs no reduction: Inductor fuses it into the activation's kernel
+    itself, and ``act_quant`` leaves it."""
+    _, counts = native_run(checkpoint(name), "none,+act_quant")
+    assert counts.runs["act_quant"] == 3 and not counts.matches["act_quant"]
+
+
+@pytest.mark.cuda
+def test_cuda_native_per_token_activation_quant(checkpoint):
+    """On the GPU (CUDA graphs off): the fused kernel in place of Inductor's native per-token quantization gives
+    the native graph's logits (an activation an ulp apart can round to an int8 step apart: flips bounded as in
+    test_quantized's CUDA test)."""
+    outs = {}
+    for passes in ("none", "none,+act_quant"):
+        outs[passes], counts = native_run(checkpoint("int8-dynamic-token"), passes, device="cuda",
+                                          dtype=torch.bfloat16)
+    assert counts.matches["act_quant"] >= 2  # both layers' down_proj, in every compile
+    diff = (outs["none,+act_quant"].cpu() - outs["none"].cpu()).abs()
+    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_cuda_fused_kernels_match_the_unfused_ops(checkpoint, name):
@@ -162,6 +212,7 @@ def test_patterns_trace_under_a_bf16_default_dtype():
         for cls in (RMSNormQuantPass, ActQuantPass):
             p = cls()
             p.prepare()
-            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 12}[p.name]  # norms: 2 x 2 forms x 4 quants; acts: 3 x 4
+            # norms: 2 x 2 forms x 4 quants; acts: 3 x 4 as ops, and 3 x 2 per-token quants x 2 dtypes native
+            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 24}[p.name]
     finally:
         torch.set_default_dtype(previous)
