@@ -140,15 +140,21 @@ def _act_patterns(act_op: Any, extra: tuple[Any, ...], act: str, fused_static: A
 
         return search, replace, _tensors((4, 16), (1,))
 
+    return (*_dynamic_act_pair(act_op, extra, quant, fused_dynamic, act, q.quant_dtype), _tensors((4, 16)))
+
+
+def _dynamic_act_pair(act_fn: Callable, extra: tuple[Any, ...], quant_fn: Callable, fused_dynamic: Any, act: str,
+                      quant_dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """``quant_fn(act_fn(x, *extra))`` (a per-token quantization: ``(q, scale)``) and the fused op in its place."""
     def search(x):
-        out = quant(act_op(x, *extra))
+        out = quant_fn(act_fn(x, *extra))
         return out[0], out[1]
 
     def replace(x):
-        out = fused_dynamic(x, act, q.quant_dtype)
+        out = fused_dynamic(x, act, quant_dtype)
         return out[0], out[1]
 
-    return search, replace, _tensors((4, 16))
+    return search, replace
 
 
 def _native_act_patterns(act_form: Callable, extra: tuple[Any, ...], act: str, fused_dynamic: Any, quant_form: Callable,
@@ -157,14 +163,7 @@ def _native_act_patterns(act_form: Callable, extra: tuple[Any, ...], act: str, f
     inputs (bf16 / fp16 round the activation's output and upcast it again; fp32 has no conversion): Inductor
     computes the row's amax in reduction kernels of their own and reads the row again to quantize it, where the
     fused op holds each row once."""
-    def search(x):
-        out = quant_form(act_form(x, *extra))
-        return out[0], out[1]
-
-    def replace(x):
-        out = fused_dynamic(x, act, q.quant_dtype)
-        return out[0], out[1]
-
+    search, replace = _dynamic_act_pair(act_form, extra, quant_form, fused_dynamic, act, q.quant_dtype)
     return search, replace, [torch.empty((4, 16), dtype=dtype)], functools.partial(_is_act_quant, q.quant_dtype)
 
 
