@@ -17,6 +17,8 @@ __all__ = ["PassConfig"]
 #: the quantization itself), the custom ops with every pass were slower for fp8 at every batch size and for int8
 #: but at batch 1, 0.7-1.8% faster for bf16 at batch 1-32 (about the runs' noise) and slower at 128, and the
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
+#: ``act_quant``'s native per-token patterns (custom ops off) were within 0.4% of native code at int8 decode batch
+#: 1-128 and a 2048-token prefill (``benchmarks/results/act_quant_native_*``): off too.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
