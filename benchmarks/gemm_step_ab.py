@@ -10,7 +10,9 @@ A variant is ``NAME=RULES``: rules ``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` separa
 table as it is). Each rule goes before the table's first rule of its dtype with a ``max_m`` at least its own, so it
 takes that M range over and leaves the smaller-M rows in front of it as they are. ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, ``,x`` (``SWAP``) (``64x64x128/2,w4,s5,x``);
-``SmallMRule``'s docstring says what the other fields match.
+``SmallMRule``'s docstring says what the other fields match. A rule above the public ops' range for its dtype
+(``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run
+(``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
@@ -87,12 +89,27 @@ def patched_table(rules: list[SmallMRule],
     return tuple(out)
 
 
+def raised_ranges(rules: list[SmallMRule]) -> dict[torch.dtype, int]:
+    """Per dtype, the largest M the public ops take the kernel for under ``rules``: the ops' own range
+    (``small_m_gemm.TRITON_MAX_M``, else ``SMALL_M_MAX``), raised to a rule's ``max_m`` above it (an fp8 rule at
+    M <= 128 would otherwise never run: the fp8 op takes cuBLAS above 16)."""
+    out = {}
+    for rule in rules:
+        if rule.config is None:
+            continue
+        for dtype in rule.dtypes:
+            current = out.get(dtype, small_m_gemm.TRITON_MAX_M.get(dtype, small_m_gemm.SMALL_M_MAX))
+            out[dtype] = max(current, rule.max_m)
+    return out
+
+
 def run_child(variant: str, model: str, batches: list[int], context: int, iters: int) -> None:
     """In this process: the step at every batch under the variant's table; one JSON line of rows on stdout."""
     from benchmarks import decode
 
     _, rules = parse_variant(variant)
-    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", patched_table(rules)):
+    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", patched_table(rules)), \
+            mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
         rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,
                                         ["level 3"], iters, None)
     print(json.dumps([{"batch": r["batch"], "us_per_step": r["us_per_step"]} for r in rows if r["mode"] == "level 3"]))

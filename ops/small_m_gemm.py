@@ -48,6 +48,7 @@ __all__ = [
     "SmallMRule",
     "SMALL_M_MAX",
     "INT8_TRITON_MAX_M",
+    "TRITON_MAX_M",
     "SMALL_M_TABLE",
     "small_m_config",
     "small_m_scaled_mm",
@@ -347,6 +348,10 @@ SMALL_M_MAX = 16
 #: int8 takes it up to this M (decode batches): cuBLASLt's int8 GEMM behind ``torch._int_mm`` was 2.3-2.9x slower
 #: than the kernel at every 8B shape at M <= 16 (padded to 24 rows), far from its bf16 and fp8 GEMMs.
 INT8_TRITON_MAX_M = 128
+#: Per operand dtype, the largest M the public ops take the kernel for (a dtype not here: ``SMALL_M_MAX``); the
+#: table's rows above it are for ``benchmarks.gemm``'s crossover (``benchmarks.gemm_step_ab`` raises an entry to A/B
+#: such a row inside a decode step).
+TRITON_MAX_M: dict[torch.dtype, int] = {torch.int8: INT8_TRITON_MAX_M}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,11 +447,11 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
 
 def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     """The kernel's config for these CUDA operands at an op's call, or None: the cuBLAS path (no Triton,
-    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table: ``INT8_TRITON_MAX_M`` for int8, else ``SMALL_M_MAX``).
+    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table: ``TRITON_MAX_M``'s entry, else ``SMALL_M_MAX``).
     Sizes are concrete here: the ops that call it (``ops.scaled_mm``, ``ops.linear``) run eagerly."""
     if not HAS_TRITON:
         return None
-    max_m = INT8_TRITON_MAX_M if a.dtype == torch.int8 else SMALL_M_MAX
+    max_m = TRITON_MAX_M.get(a.dtype, SMALL_M_MAX)
     config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
     return config if config is not None and envs.small_m_gemm() else None
 

@@ -444,6 +444,27 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
         assert small_m_config(32, 4096, 4096, torch.int8, max_m=128) != rules[0].config  # o_proj: N too small
 
 
+def test_gemm_step_ab_raises_the_ops_range_to_its_rules():
+    """A variant's fp8 rule at M <= 128 runs in the step: the public ops' range for fp8 (16) is raised to it for
+    the run, so the op takes the rule's config at M = 64 where it otherwise takes cuBLAS."""
+    from unittest import mock
+
+    from benchmarks import gemm_step_ab as ab
+    from ops import small_m_gemm
+    from ops.small_m_gemm import SMALL_M_MAX, runtime_config
+
+    _, rules = ab.parse_variant("o128=fp8:128:0:0:64x64x128,w4,s4;int8:64:0:0:cublas")
+    ranges = ab.raised_ranges(rules)
+    assert ranges == {torch.float8_e4m3fn: 128}  # cuBLAS rules raise nothing; int8's own range is 128 already
+    a = torch.zeros(64, 4096, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
+    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", ab.patched_table(rules)):
+        assert runtime_config(a, w) is None  # M = 64 > SMALL_M_MAX: cuBLAS
+        with mock.patch.dict(small_m_gemm.TRITON_MAX_M, ranges):
+            assert runtime_config(a, w) == rules[0].config
+    assert torch.float8_e4m3fn not in small_m_gemm.TRITON_MAX_M and SMALL_M_MAX == 16
+
+
 @pytest.mark.parametrize("text, says", [
     ("gu32", "NAME=RULES"), ("a=int8:32:0", "5 fields"), ("a=int4:32:0:0:cublas", "dtype must be one of"),
     ("a=int8:x:0:0:cublas", "must be integers"), ("a=int8:32:0:0:64by64", "config must be 'cublas'"),
