@@ -106,7 +106,7 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     _R(1, 128, _C(num_splits=16, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     # Llama-3.2-1B's heads (64): batches 2-8 take 64-token steps (results/attention_sweep_best_d64.md, ``--head-size
     # 64``: 8.91 / 11.37 µs at contexts 512 / 1024 against the 128-size row's 9.65 / 13.22); batch 1 keeps the row
-    # above (its 6.0 / 6.64 µs were the sweep's fastest there).
+    # above (its 6.0 / 6.66 µs were the sweep's fastest there).
     _R(8, 64, _C(num_splits=8, BLOCK_N=64, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     _R(8, 128, _C(num_splits=8, BLOCK_N=32, num_warps=4, num_stages=2, fused_merge=True, fused_write=True)),
     # Batches 9-32 write the decodes' keys and values in the decode kernel too (fused_write: one launch a layer, two

@@ -169,18 +169,12 @@ def _native_act_patterns(act_form: Callable, extra: tuple[Any, ...], act: str, f
 
 def _is_act_quant(quant_dtype: torch.dtype, match: Any) -> bool:
     """A native match is what the fused op takes and computes. The matcher retraces the search function on the
-    matched inputs (the split point, the dims and the constants must be the graph's), but a pattern's dtypes
-    match any: a float input ``[..., 2d]``, a ``quant_dtype`` output ``[..., d]`` and fp32 scales ``[..., 1]``
-    are checked here (an fp64 graph would otherwise get an op that refuses it)."""
+    matched inputs, so the split point, the dims and the constants are the library's; a pattern's dtypes match
+    any, so they are checked here: a float input (an fp64 graph would otherwise get an op that refuses it) and a
+    ``quant_dtype`` output (fp8 patterns would otherwise take another fp8 format)."""
     x = getattr(match.kwargs["x"], "meta", {}).get("val")
-    q, scale = compat.match_output_values(match)
-    if x is None or q is None or scale is None or x.dtype not in _FLOAT_INPUTS:
-        return False
-    rows, width = tuple(x.shape[:-1]), x.shape[-1]
-    return (q.dtype == quant_dtype and scale.dtype == torch.float32
-            and compat.statically_equal(tuple(q.shape), rows + (width // 2,))
-            and compat.statically_equal(tuple(scale.shape), rows + (1,))
-            and compat.statically_equal((width % 2,), (0,)))
+    q = compat.match_output_values(match)[0]
+    return x is not None and q is not None and x.dtype in _FLOAT_INPUTS and q.dtype == quant_dtype
 
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
