@@ -5,7 +5,8 @@ Triton is optional: without it every op runs its reference on any device. The pa
 ops (``paged_attention``, ``paged_prefill``) have no module: the attention layer of ``models`` calls their
 launchers. The W8A8 GEMMs (``scaled_mm``) have none either: opaque ops a quantized linear layer calls. Nor have the fused
 norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the graph passes put them in place of
-the unfused sequences. The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
+the unfused sequences, nor the gate-up GEMM fused with its activation and per-token quant (``gated_quant``:
+the ``gemm_act_quant`` pass puts it in place of a W8A8 GEMM and ``act_and_mul_dynamic_quant``). The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
 small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque op that runs it at decode sizes,
 put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass.
 """
@@ -19,6 +20,7 @@ from .act_quant import (
     act_and_mul_static_quant_ref,
 )
 from .gelu_and_mul import GeluAndMul, gelu_and_mul, gelu_and_mul_ref
+from .gated_quant import gated_scaled_mm_dynamic_quant, gated_scaled_mm_dynamic_quant_ref
 from .norm_quant import (
     QUANT_DTYPES,
     fused_add_rms_norm_dynamic_quant,
@@ -113,6 +115,7 @@ TORCH_OP_NAMES = (
     "fused_add_rms_norm_dynamic_quant",
     "act_and_mul_static_quant",
     "act_and_mul_dynamic_quant",
+    "gated_scaled_mm_dynamic_quant",
 )
 
 __all__ = [
@@ -161,6 +164,7 @@ __all__ = [
     "fused_add_rms_norm_dynamic_quant",
     "act_and_mul_static_quant",
     "act_and_mul_dynamic_quant",
+    "gated_scaled_mm_dynamic_quant",
     "RMSNorm",
     "GemmaRMSNorm",
     "SiluAndMul",
@@ -190,6 +194,7 @@ __all__ = [
     "fused_add_rms_norm_dynamic_quant_ref",
     "act_and_mul_static_quant_ref",
     "act_and_mul_dynamic_quant_ref",
+    "gated_scaled_mm_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8_KV_DTYPE",

@@ -53,6 +53,9 @@ __all__ = [
     "small_m_config",
     "small_m_scaled_mm",
     "small_m_mm",
+    "small_m_gated_scaled_mm",
+    "gated_config",
+    "gated_column_blocks",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -68,18 +71,21 @@ _LINE_BYTES = 128
 # rest: three compiles, at capture time, for decode's batch sizes 1-16); M only enters masks and the program split.
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, out_ptr, lock_ptr, M, N, K, K_SPLIT, stride_am,
-    stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
-    W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, INT64: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr, SWAP: tl.constexpr,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, out_ptr, lock_ptr, amax_ptr, M, N, K, K_SPLIT,
+    stride_am, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr,
+    SWAP: tl.constexpr, GATED: tl.constexpr,
 ):
     # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
     # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
     # the m blocks of one column block adjacent (they share its weights in L2); axis 1 is the K split.
     # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
     # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
-    # EVEN: N % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
+    # EVEN: N (GATED: N // 2) % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
+    # GATED (SPLIT_K = 1): w is a gate-up weight [N = 2D, K] and BLOCK_N output columns take BLOCK_N gate rows and
+    # the BLOCK_N up rows D further, two accumulators; the epilogue is _store_gated's.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -88,6 +94,7 @@ def _small_m_gemm_kernel(
     if INT64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
+    n_ok = offs_n < (N // 2 if GATED else N)
     if PDL:  # launched early (ops.triton_utils.pdl_launch)
         if PF_LINES > 0:  # the weights do not depend on the kernel before: start their read into L2 while it runs
             pf_k = tl.minimum(pid_k * K_SPLIT + tl.arange(0, PF_LINES) * LINE, K - 1)  # clamped: valid addresses
@@ -98,28 +105,11 @@ def _small_m_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    n_ok = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    # SWAP: the product as w @ a.T, [BLOCK_N, BLOCK_M] (the weights the MMA's M side: Hopper's wgmma wants >= 64
-    # rows there, which a decode batch's rows are not), transposed back after the loop.
-    acc_type = tl.int32 if INTEGER else tl.float32
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
-    for k in range(0, K_SPLIT, BLOCK_K):
-        # a: a few rows every program reads (kept in L2); w: streamed once
-        if EVEN:
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
-            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
-        else:
-            k_ok = (offs_k + k < K)[None, :]
-            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
-        acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
-    if SWAP:
-        acc = tl.trans(acc)
+    up_ptrs = w_ptr + (offs_n + N // 2)[:, None] * stride_wn + offs_k[None, :]  # GATED only
+    acc, acc_up = _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN,
+                          DOT, INTEGER, SWAP, GATED)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
@@ -140,7 +130,12 @@ def _small_m_gemm_kernel(
     else:
         y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED,
                       A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)  # int32 -> fp32: one rounding, as the reference's
-        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if GATED:
+            y_up = _epilogue(acc_up.to(tl.float32), offs_m, offs_n + N // 2, m_ok, n_ok, a_scale_ptr, w_scale_ptr,
+                             bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+            _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N)
+        else:
+            tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -154,6 +149,58 @@ def _accumulate(acc, a, w, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.co
     else:  # int8 widened first (int8 * int8 overflows int8; the int32 sum is exact); fp8 / bf16 products exact in fp32
         acc += tl.sum(a.to(acc_type)[:, None, :] * w.to(acc_type)[None, :, :], axis=2)
     return acc
+
+
+@triton.jit
+def _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr,
+            GATED: tl.constexpr):
+    """A program's sums over its K split, ``[BLOCK_M, BLOCK_N]``: ``a`` times the ``w`` rows, and, GATED, times the
+    up rows (``up_ptrs``) too (else the second is an unused scalar)."""
+    # SWAP: the product as w @ a.T, [BLOCK_N, BLOCK_M] (the weights the MMA's M side: Hopper's wgmma wants >= 64
+    # rows there, which a decode batch's rows are not), transposed back after the loop.
+    acc_type = tl.int32 if INTEGER else tl.float32
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
+    acc_up = tl.zeros_like(acc) if GATED else tl.zeros((1,), dtype=acc_type)
+    for k in range(0, K_SPLIT, BLOCK_K):
+        # a: a few rows every program reads (kept in L2); w: streamed once
+        if EVEN:
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs + k, eviction_policy="evict_first")
+        else:
+            k_ok = (offs_k + k < K)[None, :]
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_last")
+            w = tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs + k, mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy="evict_first")
+        acc = _accumulate(acc, a, w, DOT, INTEGER, SWAP)
+        if GATED:
+            acc_up = _accumulate(acc_up, a, w_up, DOT, INTEGER, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+        if GATED:
+            acc_up = tl.trans(acc_up)
+    return acc, acc_up
+
+
+@triton.jit
+def _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid_n, N, BLOCK_N: tl.constexpr):
+    """A gated tile's output: the GEMM's fp32 epilogue of the gate (``y``) and up (``y_up``) rows, each rounded to
+    ``out_ptr``'s dtype as the unfused GEMM's output is, then SiLU(gate) * up as ``ops.silu_and_mul``'s kernel
+    computes it (fp32, rounded to that dtype), stored ``[M, N // 2]``; and each row's amax of it over the tile to
+    ``amax_ptr[row, pid_n]`` (``[M, column blocks]`` fp32), for the per-token quantization after it
+    (``ops.gated_quant``)."""
+    g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = y_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+    h = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * (N // 2) + offs_n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
+    blocks = tl.cdiv(N // 2, BLOCK_N)
+    tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
 
 
 @triton.jit
@@ -190,23 +237,25 @@ def _epilogue(y, offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
 # 1B's gate-up 19.7 against 17.3 µs, results/gemv_forms_ab.md).
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemv_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, amax_ptr, M, N, stride_am, stride_wn,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
 ):
+    # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
     pid = tl.program_id(0)
     row = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INT64:
         row = row.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
+    n_ok = offs_n < (N // 2 if GATED else N)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    n_ok = offs_n < N
     acc_type = tl.int32 if INTEGER else tl.float32
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=acc_type)
+    acc_up = tl.zeros_like(acc)  # GATED only
     for k in tl.static_range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -216,26 +265,47 @@ def _small_m_gemv_kernel(
             a_ptrs = a_ptr + row * stride_am + (offs_k[None, :] + 0 * offs_n[:, None])
         else:
             a_ptrs = a_ptr + row * stride_am + offs_k
+        up_ptrs = w_ptr + (offs_n + N // 2)[:, None] * stride_wn + offs_k[None, :]  # GATED only
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
             w = tl.load(w_ptrs, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
             a = tl.load(a_ptrs, eviction_policy="evict_last")
         else:
             k_ok = offs_k < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if GATED:
+                w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             a = tl.load(a_ptrs, mask=k_ok[None, :] if BYTES else k_ok, other=0.0, eviction_policy="evict_last")
-        if DP4A:
-            acc = _dp4a(w, a, acc)
-        elif INTEGER:  # widened first: int8 * int8 overflows int8; the int32 sum is exact
-            acc += w.to(acc_type) * a.to(acc_type)
-        elif BYTES:
-            acc = tl.fma(w.to(acc_type), a.to(acc_type), acc)
-        else:
-            acc += w.to(acc_type) * a.to(acc_type)[None, :]
+        acc = _gemv_step(acc, w, a, INTEGER, BYTES, DP4A)
+        if GATED:
+            acc_up = _gemv_step(acc_up, w_up, a, INTEGER, BYTES, DP4A)
     y = tl.sum(acc, axis=1).to(tl.float32)[None, :]
     offs_m = tl.zeros((1,), dtype=offs_n.dtype) + row
     y = _epilogue(y, offs_m, offs_n, offs_m < M, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN,
                   W_PER_CHANNEL, HAS_BIAS)
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if GATED:
+        y_up = _epilogue(tl.sum(acc_up, axis=1).to(tl.float32)[None, :], offs_m, offs_n + N // 2, offs_m < M, n_ok,
+                         a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+        _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, offs_m < M, offs_n, n_ok, pid // M, N, BLOCK_N)
+    else:
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[None, :])
+
+
+@triton.jit
+def _gemv_step(acc, w, a, INTEGER: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_K]`` plus ``w * a`` (``a`` in ``w``'s layout with BYTES, else one row broadcast)."""
+    acc_type = tl.int32 if INTEGER else tl.float32
+    if DP4A:
+        acc = _dp4a(w, a, acc)
+    elif INTEGER:  # widened first: int8 * int8 overflows int8; the int32 sum is exact
+        acc += w.to(acc_type) * a.to(acc_type)
+    elif BYTES:
+        acc = tl.fma(w.to(acc_type), a.to(acc_type), acc)
+    else:
+        acc += w.to(acc_type) * a.to(acc_type)[None, :]
+    return acc
 
 
 @triton.jit
@@ -507,7 +577,10 @@ def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) ->
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
+            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig,
+            amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, N]``, or with ``amax`` (``[M, column blocks]`` fp32: :func:`gated_column_blocks`) the gated form
+    ``[M, N // 2]`` (``_store_gated``: SiLU(gate) * up of the GEMM's output, each tile's row amax to ``amax``)."""
     if not HAS_TRITON:
         raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
@@ -516,10 +589,13 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     w = w if w.stride(1) == 1 else w.contiguous()
     bias = bias.contiguous() if bias is not None else None
     (m, k), n = a.shape, w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    gated = amax is not None
+    out = torch.empty((m, n // 2 if gated else n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    c = config
+    # gated: a program's BLOCK_N weight rows are half gate, half up, for BLOCK_N // 2 output columns
+    c = dataclasses.replace(config, BLOCK_N=config.BLOCK_N // 2) if gated else config
+    cols = n // 2 if gated else n
     k_split = cdiv(cdiv(k, c.SPLIT_K), c.BLOCK_K) * c.BLOCK_K  # K a split covers: whole loop steps
     scaled = a_scale is not None
     # PDL at every size: the next kernel launches once every program of this one has started (signalled), so
@@ -535,24 +611,24 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     if c.UNROLL:
-        even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
-        _small_m_gemv_kernel[(m * cdiv(n, c.BLOCK_N),)](
-            a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
+        even = cols % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
+        _small_m_gemv_kernel[(m * cdiv(cols, c.BLOCK_N),)](
+            a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
-            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), GATED=gated, num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
-    grid = (cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N), c.SPLIT_K)
+    grid = (cdiv(m, c.BLOCK_M) * cdiv(cols, c.BLOCK_N), c.SPLIT_K)
     locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 and c.SERIAL else None
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
     # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
     _small_m_gemm_kernel[grid](
-        a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, k_split, a.stride(0), w.stride(0),
+        a, w, a_scale, w_scale, bias, ws, out, locks, amax, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
-        INTEGER=a.dtype == torch.int8, EVEN=n % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, num_warps=c.num_warps,
+        INTEGER=a.dtype == torch.int8, EVEN=cols % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, GATED=gated, num_warps=c.num_warps,
         num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
@@ -613,3 +689,29 @@ def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
     config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
     assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
     return config
+
+
+def gated_config(config: SmallMConfig) -> SmallMConfig:
+    """``config`` as the gated form runs it: one split (the epilogue needs the whole sum) and at least one
+    gate-up pair of weight rows a program."""
+    return dataclasses.replace(config, SPLIT_K=1, SERIAL=False, BLOCK_N=max(config.BLOCK_N, 2))
+
+
+def gated_column_blocks(n: int, config: SmallMConfig) -> int:
+    """Column blocks of the gated form of an ``N = 2D``-row weight: the rows of its per-tile amax buffer."""
+    return cdiv(n // 2, config.BLOCK_N // 2)
+
+
+def small_m_gated_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype, config: SmallMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, amax)``: ``h = silu_and_mul(small_m_scaled_mm(a, w, ...))`` ``[M, N // 2]`` in ``out_dtype``, the
+    GEMM's output rounded to ``out_dtype`` first as the unfused pair's is (``w = [gate; up]``, ``[N, K]``), in one
+    kernel; ``amax [M, column blocks]`` fp32: each program's row amax of ``|h|`` (their max over axis 1 is the
+    row's). Same arguments as :func:`small_m_scaled_mm`, no bias; ``config`` runs as :func:`gated_config`."""
+    _check("small_m_gated_scaled_mm", a, w, None, _SCALED_DTYPES)
+    if w.shape[0] % 2:
+        raise ValueError(f"small_m_gated_scaled_mm: w must be [gate; up], an even number of rows; got "
+                         f"{list(w.shape)}")
+    config = gated_config(config)
+    amax = torch.empty((a.shape[0], gated_column_blocks(w.shape[0], config)), dtype=torch.float32, device=a.device)
+    return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, None, config, amax), amax

@@ -8,6 +8,7 @@ The library's passes are switched by ``CompilationConfig.pass_config`` (:class:`
 
 from .counters import PassCounter, PassCounts, pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
+from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass
 from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
 from .noop_elimination import NoOpEliminationPass
@@ -20,6 +21,7 @@ from .small_m_linear import SmallMLinearPass
 __all__ = [
     "ActQuantPass",
     "FusedAddRMSNormPass",
+    "GemmActQuantPass",
     "GraphPass",
     "NoOpEliminationPass",
     "PassConfig",

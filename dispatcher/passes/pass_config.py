@@ -25,7 +25,8 @@ __all__ = ["PassConfig"]
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "sequence_parallel": False, "small_m_linear": True}
+                               "act_quant": False, "gemm_act_quant": False, "sequence_parallel": False,
+                               "small_m_linear": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,10 @@ class PassConfig:
     """SiLU- / GELU-and-mul + fp8 / int8 quantization -> one fused op. Keeps the Triton ops opaque, as above;
     with the custom ops off it also matches the native form of a per-token quantization (see
     ``dispatcher.passes.quant_fusion``)."""
+    gemm_act_quant: bool | None = None
+    """A W8A8 gate-up GEMM + the SiLU-and-mul + per-token quantization ``act_quant`` made of its output -> one op
+    whose GEMM computes the activation and the rows' amax in its epilogue (see
+    ``dispatcher.passes.gemm_act_quant``; matches ``act_quant``'s output, so it needs ``act_quant`` on)."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least

@@ -46,7 +46,7 @@ from .fused_add_rms_norm import dynamo_once_op
 from .native_forms import native_form, native_forms_key
 from .pattern_pass import PatternPass
 
-__all__ = ["RMSNormQuantPass", "ActQuantPass", "QUANT_OPS"]
+__all__ = ["RMSNormQuantPass", "ActQuantPass", "QuantFusionPass", "QUANT_OPS"]
 
 _EPS_STAND_IN = 1e-6
 
@@ -180,7 +180,7 @@ def _is_act_quant(quant_dtype: torch.dtype, match: Any) -> bool:
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class _QuantFusionPass(PatternPass):
+class QuantFusionPass(PatternPass):
     """Shared by the two passes: they match opaque library ops, traced as such (and native forms: ``act_quant``)."""
 
     opaque_ops: ClassVar[bool] = True
@@ -211,7 +211,7 @@ class _QuantFusionPass(PatternPass):
 _NORMS = (("rms_norm", "fused_add_rms_norm", False), ("gemma_rms_norm", "gemma_fused_add_rms_norm", True))
 
 
-class RMSNormQuantPass(_QuantFusionPass):
+class RMSNormQuantPass(QuantFusionPass):
     """RMSNorm (plain or with the residual add, Llama's or Gemma's) + fp8 / int8 quantization -> one fused op."""
 
     name = "rms_norm_quant"
@@ -236,7 +236,7 @@ class RMSNormQuantPass(_QuantFusionPass):
 _ACTS = {"silu": ("silu_and_mul", ()), "gelu": ("gelu_and_mul", ("none",)), "gelu_tanh": ("gelu_and_mul", ("tanh",))}
 
 
-class ActQuantPass(_QuantFusionPass):
+class ActQuantPass(QuantFusionPass):
     """SiLU-and-mul / GELU-and-mul (erf or tanh) + fp8 / int8 quantization -> ``act_and_mul_*_quant``: the ops
     as called (custom ops on), and the native forms of a per-token quantization (``native_forms``: custom ops
     off, as at level 3 by default). A static quantization's native form is left to Inductor, which fuses it

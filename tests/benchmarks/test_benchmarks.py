@@ -371,6 +371,10 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
     ("l2_prefetch", [], "needs a CUDA GPU"),
     ("l2_prefetch", ["--shapes", "8b-fp8 o,70b"], "--shapes: expected names of"),
     ("l2_prefetch", ["--waits", "2,x"], "--waits: expected comma-separated non-negative"),
+    ("gated_gemm", [], "needs a CUDA GPU"),
+    ("gated_gemm", ["--configs", "64x64"], "--configs: a rule's config must be"),
+    ("gated_gemm", ["--configs", "cublas"], "--configs: 'cublas' is no gated config"),
+    ("gated_gemm", ["--ms", "1,x"], "--ms"),
 ])
 def test_gpu_only_benchmarks_refuse_without_a_gpu(script, argv, says, capsys):
     import importlib

@@ -71,15 +71,17 @@ def run(n_layers, dtype=torch.float32, tokens=7, passes=None, config=None, **mod
 
 @pytest.mark.parametrize("tokens, expected", [
     ("", PassConfig()),
-    ("all", PassConfig(noop=True, fused_add_rms_norm=True, rms_norm_quant=True, act_quant=True,
+    ("all", PassConfig(noop=True, fused_add_rms_norm=True, rms_norm_quant=True, act_quant=True, gemm_act_quant=True,
                        sequence_parallel=True, small_m_linear=True)),
     ("none", PassConfig(noop=False, fused_add_rms_norm=False, rms_norm_quant=False, act_quant=False,
-                        sequence_parallel=False, small_m_linear=False)),
+                        gemm_act_quant=False, sequence_parallel=False, small_m_linear=False)),
     ("none,+fused_add_rms_norm", PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=False,
-                                            act_quant=False, sequence_parallel=False, small_m_linear=False)),
+                                            act_quant=False, gemm_act_quant=False, sequence_parallel=False,
+                                            small_m_linear=False)),
     (" +fused_add_rms_norm , -noop ", PassConfig(noop=False, fused_add_rms_norm=True)),
     (["all", "-noop", "-act_quant"], PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=True,
-                                                act_quant=False, sequence_parallel=True, small_m_linear=True)),
+                                                act_quant=False, gemm_act_quant=True, sequence_parallel=True,
+                                                small_m_linear=True)),
     ("-noop", PassConfig(noop=False)),
 ])
 def test_pass_config_parse(tokens, expected):
@@ -98,7 +100,9 @@ def test_pass_config_errors_say_what_is_allowed(tokens, message):
     with pytest.raises(ValueError, match=message) as e:
         PassConfig.parse(tokens)
     if "both" not in message:
-        assert "'all', 'none', '+name' or '-name'" in str(e.value) and "noop, fused_add_rms_norm, rms_norm_quant, act_quant, sequence_parallel, small_m_linear" in str(e.value)
+        assert "'all', 'none', '+name' or '-name'" in str(e.value)
+        assert ("noop, fused_add_rms_norm, rms_norm_quant, act_quant, gemm_act_quant, sequence_parallel, "
+                "small_m_linear") in str(e.value)
 
 
 def test_pass_config_from_env_and_config(monkeypatch):
@@ -111,6 +115,7 @@ def test_pass_config_from_env_and_config(monkeypatch):
         envs.passes()
     assert CompilationConfig(pass_config="all").pass_config == PassConfig.parse("+noop,+fused_add_rms_norm,"
                                                                                 "+rms_norm_quant,+act_quant,"
+                                                                                "+gemm_act_quant,"
                                                                                 "+sequence_parallel,+small_m_linear")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: bad token"):
         CompilationConfig(pass_config="fast")
@@ -255,7 +260,7 @@ def test_plugin_passes_run_where_they_asked(add_pass):
         add_pass(Tagger(name), **anchor)
     names = [p.name for p in build_pass_manager(PassConfig.parse("all")).passes]
     assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "rms_norm_quant",
-                     "act_quant", "sequence_parallel", "small_m_linear", "last"]
+                     "act_quant", "gemm_act_quant", "sequence_parallel", "small_m_linear", "last"]
     # the library's passes switched off keep their places as anchors; plugin passes still run
     names = [p.name for p in build_pass_manager(PassConfig.parse("none")).passes]
     assert names == ["first", "mid1", "mid2", "pre_fused", "last"]

@@ -15,7 +15,7 @@ import torch
 
 import ops
 from dispatcher import CompilationConfig, compat
-from dispatcher.passes import ActQuantPass, RMSNormQuantPass, pass_counter
+from dispatcher.passes import ActQuantPass, GemmActQuantPass, RMSNormQuantPass, pass_counter
 from models import LLM
 
 from models_testing import PROMPTS, save_hf_llama
@@ -102,7 +102,11 @@ def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, af
     # passes: Inductor launches them from its code, not through the dispatcher (the GEMM is an opaque op).
     triton_ops = {name.replace("::", ".") for name in compat.triton_op_names("dynamo_once")}
     left = sum(n for t, n in after.items() if str(t).rsplit(".", 1)[0] in triton_ops)
-    assert counts.matches["decompose_triton_ops"] == left == 4 * layers + 1  # 2 norms, o_proj, SiLU; the last norm
+    # per-token schemes: gemm_act_quant takes each fused activation + quant with its gate-up GEMM (not a Triton op)
+    gated = plain_down if kind == "dynamic" else 0
+    assert counts.matches["gemm_act_quant"] == gated
+    assert counts.matches["decompose_triton_ops"] == left - gated == 4 * layers + 1 - gated  # 2 norms, o_proj, SiLU;
+    # the last norm
     assert_logits_match(fused, unfused)
 
 
@@ -157,6 +161,51 @@ def test_native_per_token_activation_quant_is_fused(checkpoint, after, name):
     assert_logits_match(fused, unfused)
 
 
+@pytest.mark.parametrize("custom_ops", [["all"], []], ids=["ops", "native"])
+@pytest.mark.parametrize("name", ["int8-dynamic-token", "fp8-dynamic-token"])
+def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, custom_ops):
+    """``gemm_act_quant``: the gate-up GEMM and the fused SiLU + per-token quant ``act_quant`` made of its output,
+    with the custom ops on and off -> one ``gated_scaled_mm_dynamic_quant`` a quantized MLP, no GEMM or
+    activation op left for it, and the unfused graph's logits (on the CPU the op runs the same references)."""
+    outs = {}
+    for passes in ("none", "none,+act_quant,+gemm_act_quant"):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, custom_ops=custom_ops, use_cudagraph=False, pass_config=passes)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts, counted_after("gemm_act_quant") as after:
+            llm = LLM(checkpoint(name), max_num_tokens=32, compilation_config=cfg)
+            outs[passes] = prefill_logits(llm, PROMPTS)
+    plain_down = 2 - UNQUANTIZED_DOWN.get(name, 0)
+    assert counts.matches["act_quant"] == counts.matches["gemm_act_quant"] == plain_down
+    gemm = D.int8_scaled_mm.default if name.startswith("int8") else D.fp8_scaled_mm.default
+    assert after[D.gated_scaled_mm_dynamic_quant.default] == plain_down
+    assert after[D.act_and_mul_dynamic_quant.default] == 0
+    # 3 a layer: qkv, o and down; or, where down_proj is not quantized (no per-token quant to take), gate-up
+    assert after[gemm] == 3 * 2
+    assert torch.equal(outs["none,+act_quant,+gemm_act_quant"], outs["none"])
+
+
+@pytest.mark.cuda
+def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint):
+    """On the GPU, custom ops off, CUDA graphs on: the gated GEMM's values are the GEMM's and the fused activation
+    quant's (int8: bit for bit, test_gated_quant.py), so the logits are those of ``act_quant`` alone."""
+    outs = {}
+    for passes in ("none,+act_quant", "none,+act_quant,+gemm_act_quant"):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, pass_config=passes)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            llm = LLM(checkpoint("int8-dynamic-token"), max_num_tokens=32, compilation_config=cfg, device="cuda",
+                      dtype=torch.bfloat16)
+            outs[passes] = prefill_logits(llm, PROMPTS).cpu()
+    assert counts.matches["gemm_act_quant"] >= 2  # both layers' gate-up, in every compile
+    assert torch.equal(outs["none,+act_quant,+gemm_act_quant"], outs["none,+act_quant"])
+
+
+def test_gate_up_gemm_alone_finds_nothing(checkpoint):
+    """``gemm_act_quant`` matches ``act_quant``'s output: without it, a graph has nothing it takes."""
+    _, counts = native_run(checkpoint("int8-dynamic-token"), "none,+gemm_act_quant")
+    assert counts.runs["gemm_act_quant"] == 3 and not counts.matches["gemm_act_quant"]
+
+
 @pytest.mark.parametrize("name", ["int8-static", "fp8-static"])
 def test_native_static_activation_quant_is_left_to_inductor(checkpoint, name):
     """A static quantization's native form needs no reduction: Inductor fuses it into the activation's kernel
@@ -209,10 +258,11 @@ def test_patterns_trace_under_a_bf16_default_dtype():
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        for cls in (RMSNormQuantPass, ActQuantPass):
+        for cls in (RMSNormQuantPass, ActQuantPass, GemmActQuantPass):
             p = cls()
             p.prepare()
-            # norms: 2 x 2 forms x 4 quants; acts: 3 x 4 as ops, and 3 x 2 per-token quants x 2 dtypes native
-            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 24}[p.name]
+            # norms: 2 x 2 forms x 4 quants; acts: 3 x 4 as ops, and 3 x 2 per-token quants x 2 dtypes native;
+            # gate-up GEMMs: 2 operand dtypes x 3 output dtypes x 2 quant dtypes
+            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 24, "gemm_act_quant": 12}[p.name]
     finally:
         torch.set_default_dtype(previous)

@@ -81,6 +81,8 @@ def _samples(num_tokens: int, device: str) -> dict:
         "fused_add_rms_norm_dynamic_quant": (ops.fused_add_rms_norm_dynamic_quant, (x, r, w, EPS, ops.FP8_DTYPE)),
         "act_and_mul_static_quant": (ops.act_and_mul_static_quant, (x, q_scale, "gelu_tanh", torch.int8)),
         "act_and_mul_dynamic_quant": (ops.act_and_mul_dynamic_quant, (x, "silu", ops.FP8_DTYPE)),
+        "gated_scaled_mm_dynamic_quant": (ops.gated_scaled_mm_dynamic_quant,
+                                          (int8_a, int8_w, a_scale, w_scale, torch.bfloat16, "silu", torch.int8)),
     }
 
 
