@@ -2,18 +2,21 @@
 against the unfused ops, at decode sizes.
 
 For each M of ``--ms`` on Llama-3-8B's gate-up shape (K = 4096, 2D = 28672), int8 (or ``--dtype fp8``) operands,
-per-token activation and per-channel weight scales, bf16 GEMM output, per-token int8 quantization:
+per-token activation and per-channel weight scales, bf16 GEMM output, the activation quantized per token (or
+``--quant static``) to the operands' dtype:
 
 - ``unfused``: ``int8_scaled_mm`` then ``act_and_mul_dynamic_quant`` (what ``act_quant`` leaves in a graph);
-- ``gated``: the fused op as it runs (the small-M table's config for the shape, ``ops.small_m_gemm.gated_config``);
+  ``--quant static``: ``act_and_mul_static_quant`` with a per-tensor scale;
+- ``gated``: the fused op as it runs (the gated form up to ``ops.small_m_gemm.GATED_MAX_M``, else the unfused ops);
+- ``gated table``: the gated form with the small-M table's config for the shape, at every M;
 - ``gated CONFIG``: the gated GEMM with each config of ``--configs`` (``BMxBNxBK[,wW][,sS]`` as
   ``benchmarks.gemm_step_ab``'s rules), then the quantization kernel.
 
 Each variant is a CUDA graph of calls over rotating weight copies (every call reads its weight from HBM), the graphs
 replayed in turn (``common.bench_gpu_interleaved``); µs a call and % of the copy bandwidth for the weight's bytes.
 
-Usage: ``python -m benchmarks.gated_gemm [--ms 1,8,32,128] [--configs "64x64x128,s5;128x64x128,w8,s3"] [--out DIR]``
-(GPU only).
+Usage: ``python -m benchmarks.gated_gemm [--ms 1,8,32,128] [--dtype int8|fp8] [--quant dynamic|static]
+[--configs "64x64x128,s5;128x64x128,w8,s3"] [--out DIR]`` (GPU only).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import ops
 from benchmarks import common
 from benchmarks.gemm_step_ab import parse_config
 from ops.gated_quant import launch_gated_quant
-from ops.small_m_gemm import SmallMConfig, small_m_gated_scaled_mm
+from ops.small_m_gemm import SmallMConfig, gated_config, small_m_gated_scaled_mm, table_row
 
 K, D = 4096, 14336  # Llama-3-8B's hidden and intermediate sizes
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -47,30 +50,42 @@ def _operands(dtype: torch.dtype, m: int, copies: int) -> list[tuple]:
     return [(a, w, a_scale, w_scale) for w in ws]
 
 
-def _variants(dtype: torch.dtype, configs: list[tuple[str, SmallMConfig]]) -> dict[str, Callable[..., Any]]:
+def _variants(dtype: torch.dtype, static: bool, configs: list[tuple[str, SmallMConfig]]) -> dict[str, Callable]:
     gemm = ops.int8_scaled_mm if dtype == torch.int8 else ops.fp8_scaled_mm
+    scale = torch.full((1,), 0.01, device="cuda")
+    q = dtype  # the down projection's operands: the same dtype as gate-up's
 
     def unfused(a, w, a_scale, w_scale):
-        return ops.act_and_mul_dynamic_quant(gemm(a, w, a_scale, w_scale, torch.bfloat16), "silu", torch.int8)
+        out = gemm(a, w, a_scale, w_scale, torch.bfloat16)
+        if static:
+            return ops.act_and_mul_static_quant(out, scale, "silu", q)
+        return ops.act_and_mul_dynamic_quant(out, "silu", q)
 
     def gated(a, w, a_scale, w_scale):
-        return ops.gated_scaled_mm_dynamic_quant(a, w, a_scale, w_scale, torch.bfloat16, "silu", torch.int8)
+        if static:
+            return ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, torch.bfloat16, "silu", scale, q)
+        return ops.gated_scaled_mm_dynamic_quant(a, w, a_scale, w_scale, torch.bfloat16, "silu", q)
 
-    def with_config(config: SmallMConfig) -> Callable[..., Any]:
+    def with_config(config: SmallMConfig | None) -> Callable[..., Any]:
         def run(a, w, a_scale, w_scale):
-            return launch_gated_quant(*small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, config),
-                                      torch.int8)
+            c = config or gated_config(table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype))
+            if static:
+                return small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, c, scale, q)[0]
+            return launch_gated_quant(*small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, c), q)
         return run
 
-    return {"unfused": unfused, "gated": gated, **{f"gated {text}": with_config(c) for text, c in configs}}
+    return {"unfused": unfused, "gated": gated, "gated table": with_config(None),
+            **{f"gated {text}": with_config(c) for text, c in configs}}
 
 
-def measure(dtype: torch.dtype, m: int, configs: list[tuple[str, SmallMConfig]], copy_gbps: float) -> list[dict]:
+def measure(dtype: torch.dtype, static: bool, m: int, configs: list[tuple[str, SmallMConfig]],
+            copy_gbps: float) -> list[dict]:
     weight_bytes = 2 * D * K * dtype.itemsize
     arg_sets = _operands(dtype, m, common.copies_to_exceed_cache(weight_bytes, limit=4))
-    fns = {name: common.rotating(fn, arg_sets) for name, fn in _variants(dtype, configs).items()}
+    fns = {name: common.rotating(fn, arg_sets) for name, fn in _variants(dtype, static, configs).items()}
     times = common.bench_gpu_interleaved(fns, graph_iters=4 * len(arg_sets), rounds=30)
-    return [{"dtype": str(dtype).removeprefix("torch."), "M": m, "variant": name, "us": round(us, 2),
+    return [{"dtype": str(dtype).removeprefix("torch."), "quant": "static" if static else "dynamic", "M": m,
+             "variant": name, "us": round(us, 2),
              "pct_of_copy_bw": round(100 * weight_bytes / (us * 1e-6) / (copy_gbps * 1e9), 1),
              "vs_unfused": round(times["unfused"] / us, 3)} for name, us in times.items()]
 
@@ -79,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens), comma-separated")
     p.add_argument("--dtype", default="int8", choices=tuple(DTYPES), help="the GEMM's operands (default int8)")
+    p.add_argument("--quant", default="dynamic", choices=("dynamic", "static"),
+                   help="the activation's quantization (per token, or per tensor with a fixed scale)")
     p.add_argument("--configs", default="", help="gated GEMM configs to time besides the table's, ';'-separated")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
@@ -92,16 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         p.error("the gated GEMM benchmark needs a CUDA GPU")
     copy_gbps = common.measure_copy_bandwidth()
-    rows = [r for m in ms for r in measure(DTYPES[a.dtype], m, configs, copy_gbps)]
-    name = "gated_gemm" + ("" if a.dtype == "int8" else f"_{a.dtype}")
-    common.write_results(name, rows, title="Gate-up GEMM + SiLU-and-mul + per-token int8 quant: fused and unfused",
+    rows = [r for m in ms for r in measure(DTYPES[a.dtype], a.quant == "static", m, configs, copy_gbps)]
+    name = f"gated_gemm_{a.dtype}_{a.quant}"
+    common.write_results(name, rows, title="Gate-up GEMM + SiLU-and-mul + quantization: fused and unfused",
                          device="cuda", out_dir=a.out,
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B gate-up (K {K}, 2D {2 * D}), "
-                                f"{a.dtype} operands, per-token / per-channel scales, bf16 GEMM output",
+                                f"{a.dtype} operands, per-token / per-channel scales, bf16 GEMM output, {a.quant} "
+                                f"{a.dtype} quantization of the activation",
+                                "gated table: the table's config at that M whatever GATED_MAX_M; gated: the op",
                                 "us: µs a call, CUDA graphs over rotating weight copies replayed in turn; "
                                 "pct_of_copy_bw: the weight's bytes; vs_unfused: unfused µs / this µs"])
     common.plot_panels(name, rows, x="M", y="us", series="variant", panel=None, out_dir=a.out, logx=True,
-                       title="Gate-up + SiLU + per-token quant", xlabel="M (tokens)", ylabel="µs a call")
+                       title=f"Gate-up + SiLU + {a.quant} quant ({a.dtype})", xlabel="M (tokens)", ylabel="µs a call")
 
 
 if __name__ == "__main__":

@@ -250,15 +250,22 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
     """``pattern_matcher.register_replacement`` for inference graphs (traced with ``fwd_only``).
 
     ``search_fn`` and ``replace_fn`` are traced on ``example_inputs`` into aten graphs (Inductor's
-    decompositions, as its post-grad graphs have them); the argument names of ``search_fn`` are the
-    match's keys. ``scalars`` names the float arguments (value: a stand-in used only to trace) that match
-    any constant in a graph and reach ``replace_fn``. ``extra_check(match)`` may refuse a match; its
-    ``match.kwargs`` are the matched nodes, whose ``meta["val"]`` are fake tensors.
+    decompositions, and each ``view`` a ``reshape``, as its post-grad graphs have them: Inductor converts
+    every view before its post-grad passes run); the argument names of ``search_fn`` are the match's keys.
+    ``scalars`` names the float arguments (value: a stand-in used only to trace) that match any constant in a
+    graph and reach ``replace_fn``. ``extra_check(match)`` may refuse a match; its ``match.kwargs`` are the
+    matched nodes, whose ``meta["val"]`` are fake tensors.
     """
     from torch._inductor import pattern_matcher
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
 
-    pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, pattern_matcher.fwd_only,
-                                         patterns, extra_check=extra_check or (lambda match: True),
+    def trace(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        gm = pattern_matcher.fwd_only(fn, args, **kwargs)
+        view_to_reshape(gm)
+        return gm
+
+    pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, trace, patterns,
+                                         extra_check=extra_check or (lambda match: True),
                                          scalar_workaround=scalars or {})
 
 

@@ -20,7 +20,8 @@ from .act_quant import (
     act_and_mul_static_quant_ref,
 )
 from .gelu_and_mul import GeluAndMul, gelu_and_mul, gelu_and_mul_ref
-from .gated_quant import gated_scaled_mm_dynamic_quant, gated_scaled_mm_dynamic_quant_ref
+from .gated_quant import (gated_scaled_mm_dynamic_quant, gated_scaled_mm_dynamic_quant_ref, gated_scaled_mm_static_quant,
+                          gated_scaled_mm_static_quant_ref)
 from .norm_quant import (
     QUANT_DTYPES,
     fused_add_rms_norm_dynamic_quant,
@@ -115,6 +116,7 @@ TORCH_OP_NAMES = (
     "fused_add_rms_norm_dynamic_quant",
     "act_and_mul_static_quant",
     "act_and_mul_dynamic_quant",
+    "gated_scaled_mm_static_quant",
     "gated_scaled_mm_dynamic_quant",
 )
 
@@ -164,6 +166,7 @@ __all__ = [
     "fused_add_rms_norm_dynamic_quant",
     "act_and_mul_static_quant",
     "act_and_mul_dynamic_quant",
+    "gated_scaled_mm_static_quant",
     "gated_scaled_mm_dynamic_quant",
     "RMSNorm",
     "GemmaRMSNorm",
@@ -194,6 +197,7 @@ __all__ = [
     "fused_add_rms_norm_dynamic_quant_ref",
     "act_and_mul_static_quant_ref",
     "act_and_mul_dynamic_quant_ref",
+    "gated_scaled_mm_static_quant_ref",
     "gated_scaled_mm_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from .act_quant import ACTIVATIONS, act_and_mul_dynamic_quant, act_and_mul_dynamic_quant_ref
+from .act_quant import ACTIVATIONS, act_and_mul_dynamic_quant, act_and_mul_dynamic_quant_ref, \
+    act_and_mul_static_quant, act_and_mul_static_quant_ref
 from .norm_quant import check_quant_dtype
 from .quant_fp8 import MIN_SCALE
 from .quant_int8 import INT8_MIN_SCALE
 from .scaled_mm import FP8_MM_ALIGN, INT8_MM_ALIGN, _check_args, _cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, \
     int8_scaled_mm, int8_scaled_mm_ref
-from .small_m_gemm import runtime_config, small_m_gated_scaled_mm
+from .small_m_gemm import gated_runtime_config, small_m_gated_scaled_mm
 from .triton_utils import cdiv, next_power_of_2, pdl_args, pdl_launch, tl, triton
 
-__all__ = ["gated_scaled_mm_dynamic_quant", "gated_scaled_mm_dynamic_quant_ref", "launch_gated_quant",
-           "GATED_QUANT_BLOCK"]
+__all__ = ["gated_scaled_mm_dynamic_quant", "gated_scaled_mm_dynamic_quant_ref", "gated_scaled_mm_static_quant",
+           "gated_scaled_mm_static_quant_ref", "launch_gated_quant", "GATED_QUANT_BLOCK"]
 
 #: Output columns a program of the quantization kernel (a row's are split over ``D / GATED_QUANT_BLOCK`` programs).
 GATED_QUANT_BLOCK = 1024
@@ -114,7 +115,7 @@ def _gated_scaled_mm_dynamic_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale:
     gemm, _, _, capability = _GEMMS[a.dtype]
     if not _cuda_at_least(a, capability):
         return gated_scaled_mm_dynamic_quant_ref(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
-    config = runtime_config(a, w) if act == "silu" else None
+    config = gated_runtime_config(a, w) if act == "silu" else None
     if config is None:  # the unfused ops: the same values
         return act_and_mul_dynamic_quant(gemm(a, w, a_scale, w_scale, out_dtype), act, quant_dtype)
     h, amax = small_m_gated_scaled_mm(a, w, a_scale, w_scale, out_dtype, config)
@@ -128,6 +129,56 @@ def _gated_scaled_mm_dynamic_quant_fake(a: torch.Tensor, w: torch.Tensor, a_scal
     _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     m, d = a.shape[0], w.shape[0] // 2
     return a.new_empty((m, d), dtype=quant_dtype), a.new_empty((m, 1), dtype=torch.float32)
+
+
+def _check_static(a: torch.Tensor, scale: torch.Tensor) -> None:
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"gated_scaled_mm_static_quant: scale must be fp32 with one element ([1] or 0-d); got "
+                         f"{scale.dtype} of shape {list(scale.shape)}")
+    if scale.device != a.device:
+        raise ValueError(f"gated_scaled_mm_static_quant: scale must be on a's device {a.device}; got {scale.device}")
+
+
+@torch.library.custom_op("dynamo_once::gated_scaled_mm_static_quant", mutates_args=())
+def _gated_scaled_mm_static_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                                     out_dtype: torch.dtype, act: str, scale: torch.Tensor,
+                                     quant_dtype: torch.dtype) -> torch.Tensor:
+    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    _check_static(a, scale)
+    gemm, _, _, capability = _GEMMS[a.dtype]
+    if not _cuda_at_least(a, capability):
+        return gated_scaled_mm_static_quant_ref(a, w, a_scale, w_scale, out_dtype, act, scale, quant_dtype)
+    config = gated_runtime_config(a, w) if act == "silu" else None
+    if config is None:  # the unfused ops: the same values
+        return act_and_mul_static_quant(gemm(a, w, a_scale, w_scale, out_dtype), scale, act, quant_dtype)
+    return small_m_gated_scaled_mm(a, w, a_scale, w_scale, out_dtype, config, scale, quant_dtype)[0]
+
+
+@_gated_scaled_mm_static_quant_op.register_fake
+def _gated_scaled_mm_static_quant_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
+                                       w_scale: torch.Tensor, out_dtype: torch.dtype, act: str, scale: torch.Tensor,
+                                       quant_dtype: torch.dtype) -> torch.Tensor:
+    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    _check_static(a, scale)
+    return a.new_empty((a.shape[0], w.shape[0] // 2), dtype=quant_dtype)
+
+
+def gated_scaled_mm_static_quant(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                                 out_dtype: torch.dtype, act: str, scale: torch.Tensor,
+                                 quant_dtype: torch.dtype) -> torch.Tensor:
+    """``q [M, D]`` of ``act_and_mul_static_quant(scaled_mm(a, w, a_scale, w_scale, out_dtype), scale, act,
+    quant_dtype)``: :func:`gated_scaled_mm_dynamic_quant` with a per-tensor ``scale`` (fp32, one element), the
+    quantization in the GEMM's epilogue (one kernel)."""
+    return torch.ops.dynamo_once.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, out_dtype, act, scale,
+                                                              quant_dtype)
+
+
+def gated_scaled_mm_static_quant_ref(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                                     out_dtype: torch.dtype, act: str, scale: torch.Tensor,
+                                     quant_dtype: torch.dtype) -> torch.Tensor:
+    """The definition: the GEMM's reference, then ``act_and_mul_static_quant``'s."""
+    return act_and_mul_static_quant_ref(_GEMMS[a.dtype][1](a, w, a_scale, w_scale, out_dtype), scale, act,
+                                        quant_dtype)
 
 
 def gated_scaled_mm_dynamic_quant(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,

@@ -191,4 +191,5 @@ def dynamic_scaled_int8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q.to(torch.int8).contiguous(), scale
 
 
+register_native_form("static_scaled_int8_quant", static_scaled_int8_quant_ref)
 register_native_form("dynamic_scaled_int8_quant", dynamic_scaled_int8_quant_ref)

@@ -56,6 +56,9 @@ __all__ = [
     "small_m_gated_scaled_mm",
     "gated_config",
     "gated_column_blocks",
+    "table_row",
+    "gated_runtime_config",
+    "GATED_MAX_M",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -84,8 +87,8 @@ def _small_m_gemm_kernel(
     # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
     # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
     # EVEN: N (GATED: N // 2) % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
-    # GATED (SPLIT_K = 1): w is a gate-up weight [N = 2D, K] and BLOCK_N output columns take BLOCK_N gate rows and
-    # the BLOCK_N up rows D further, two accumulators; the epilogue is _store_gated's.
+    # GATED (SPLIT_K = 1; False, or the activation's dtype): w is a gate-up weight [N = 2D, K] and BLOCK_N output
+    # columns take BLOCK_N gate rows and the BLOCK_N up rows D further, two accumulators; _store_gated's epilogue.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -133,7 +136,7 @@ def _small_m_gemm_kernel(
         if GATED:
             y_up = _epilogue(acc_up.to(tl.float32), offs_m, offs_n + N // 2, m_ok, n_ok, a_scale_ptr, w_scale_ptr,
                              bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-            _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N)
+            _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N, GATED)
         else:
             tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -189,18 +192,40 @@ def _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M: tl
 
 
 @triton.jit
-def _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid_n, N, BLOCK_N: tl.constexpr):
-    """A gated tile's output: the GEMM's fp32 epilogue of the gate (``y``) and up (``y_up``) rows, each rounded to
-    ``out_ptr``'s dtype as the unfused GEMM's output is, then SiLU(gate) * up as ``ops.silu_and_mul``'s kernel
-    computes it (fp32, rounded to that dtype), stored ``[M, N // 2]``; and each row's amax of it over the tile to
-    ``amax_ptr[row, pid_n]`` (``[M, column blocks]`` fp32), for the per-token quantization after it
-    (``ops.gated_quant``)."""
-    g = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    u = y_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    h = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None] * (N // 2) + offs_n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
-    blocks = tl.cdiv(N // 2, BLOCK_N)
-    tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
+def _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid_n, N, BLOCK_N: tl.constexpr,
+                 H: tl.constexpr):
+    """A gated tile's output. The GEMM's fp32 epilogue of the gate (``y``) and up (``y_up``) rows, each rounded to
+    ``H`` (the activation's dtype) as the unfused GEMM's output is, then SiLU(gate) * up as ``ops.silu_and_mul``'s
+    kernel computes it (fp32, rounded to ``H``); ``[M, N // 2]`` to ``out_ptr``. An ``out_ptr`` of dtype ``H``
+    takes it as it is, and ``amax_ptr[row, pid_n]`` (``[M, column blocks]`` fp32) each row's amax of it over the
+    tile, for a per-token quantization after it (``ops.gated_quant``); an 8-bit ``out_ptr`` takes it quantized
+    with the per-tensor scale at ``amax_ptr``, as the static quant ops do."""
+    g = y.to(H).to(tl.float32)
+    u = y_up.to(H).to(tl.float32)
+    h = (g * tl.sigmoid(g) * u).to(H)
+    out_ptrs = out_ptr + offs_m[:, None] * (N // 2) + offs_n[None, :]
+    if out_ptr.dtype.element_ty == H:
+        tl.store(out_ptrs, h, mask=m_ok[:, None] & n_ok[None, :])
+        blocks = tl.cdiv(N // 2, BLOCK_N)
+        tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
+    else:
+        q = _static_quant(h.to(tl.float32), tl.load(amax_ptr), out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, q, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _static_quant(y, scale, Q: tl.constexpr):
+    """``y / scale`` correctly rounded (``ops.quant_fp8``'s docstring: the quotient), saturated and converted to
+    ``Q`` (fp8 e4m3, or int8 rounded half to even), as ``ops.act_and_mul_static_quant``'s kernel does."""
+    inv = tl.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    if (inv > 1.0e27) | (inv < 1.0e-27):
+        q = tl.div_rn(y, scale)
+    if Q == tl.int8:
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+        return ((q + 12582912.0) - 12582912.0).to(tl.int8)
+    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(Q)
 
 
 @triton.jit
@@ -287,7 +312,7 @@ def _small_m_gemv_kernel(
     if GATED:
         y_up = _epilogue(tl.sum(acc_up, axis=1).to(tl.float32)[None, :], offs_m, offs_n + N // 2, offs_m < M, n_ok,
                          a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-        _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, offs_m < M, offs_n, n_ok, pid // M, N, BLOCK_N)
+        _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, offs_m < M, offs_n, n_ok, pid // M, N, BLOCK_N, GATED)
     else:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=n_ok[None, :])
@@ -526,6 +551,31 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     return config if config is not None and envs.small_m_gemm() else None
 
 
+#: Per operand dtype, the largest M at which ``ops.gated_quant``'s ops run the gated form (gate-up GEMM, SiLU-and-mul
+#: and the quantization's amax or the quantization itself in one kernel); above it, the GEMM op and then the
+#: activation's fused quant op. Measured on the H200 (``benchmarks.gated_gemm``, README "Graph passes").
+GATED_MAX_M: dict[torch.dtype, int] = {torch.int8: 32, torch.float8_e4m3fn: 1}
+
+
+def table_row(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
+    """The table's row for an ``[m, k] x [n, k]`` GEMM whatever ``m`` (beyond the table: its largest-M row, over
+    several programs); fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's
+    runner-up for fp8)."""
+    largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
+    m = max(min(m, largest), 1)
+    config = small_m_config(m, n, k, dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
+    assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
+    return config
+
+
+def gated_runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
+    """The gated form's config for these CUDA operands at an op's call, or None: M above ``GATED_MAX_M``'s entry,
+    no Triton, or ``DYNAMO_ONCE_SMALL_M_GEMM=0``."""
+    if not HAS_TRITON or a.shape[0] > GATED_MAX_M.get(a.dtype, 0) or not envs.small_m_gemm():
+        return None
+    return gated_config(table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype))
+
+
 def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
            dtypes: tuple[torch.dtype, ...]) -> None:
     """What the kernel relies on; the public ops check their full contract first."""
@@ -539,6 +589,8 @@ def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"{fn}: bias must be [N] = [{w.shape[0]}]; got {list(bias.shape)}")
 
 
+#: The gated form's activation dtype, as its kernels' GATED constexpr
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32} if HAS_TRITON else {}
 #: Tiles a split-K launch may have for the in-kernel reduction: int32 arrival counters, 256 KiB a device.
 _MAX_LOCKS = 1 << 16
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -578,9 +630,10 @@ def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) ->
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig,
-            amax: torch.Tensor | None = None) -> torch.Tensor:
-    """``[M, N]``, or with ``amax`` (``[M, column blocks]`` fp32: :func:`gated_column_blocks`) the gated form
-    ``[M, N // 2]`` (``_store_gated``: SiLU(gate) * up of the GEMM's output, each tile's row amax to ``amax``)."""
+            gated: tuple[torch.dtype, torch.Tensor] | None = None) -> torch.Tensor:
+    """``[M, N]``, or with ``gated = (h_dtype, amax)`` the gated form ``[M, N // 2]`` (``_store_gated``: SiLU(gate) *
+    up of the GEMM's output rounded to ``h_dtype``; an ``out_dtype`` of ``h_dtype``: each tile's row amax to ``amax``
+    ``[M, column blocks]`` fp32 (:func:`gated_column_blocks`); an 8-bit one: quantized with the scale ``amax``)."""
     if not HAS_TRITON:
         raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
@@ -589,7 +642,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     w = w if w.stride(1) == 1 else w.contiguous()
     bias = bias.contiguous() if bias is not None else None
     (m, k), n = a.shape, w.shape[0]
-    gated = amax is not None
+    h_dtype, amax = gated or (None, None)
     out = torch.empty((m, n // 2 if gated else n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -615,7 +668,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         _small_m_gemv_kernel[(m * cdiv(cols, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
-            DP4A=_dp4a_fits(c, a, w, even), GATED=gated, num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), GATED=_TL_DTYPES[h_dtype] if gated else False, num_warps=c.num_warps,
+            enable_fp_fusion=False, **flags,
         )
         return out
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
@@ -628,8 +682,9 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         a, w, a_scale, w_scale, bias, ws, out, locks, amax, m, n, k, k_split, a.stride(0), w.stride(0),
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=cols % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP, GATED=gated, num_warps=c.num_warps,
-        num_stages=c.num_stages, enable_fp_fusion=False, **flags,
+        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP,
+        GATED=_TL_DTYPES[h_dtype] if gated else False, num_warps=c.num_warps, num_stages=c.num_stages,
+        enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
         _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
@@ -681,14 +736,8 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
-    """The table's row for these sizes, whatever M (beyond the table: its largest-M row, over several programs).
-    fp8 shapes the table leaves to cuBLAS take int8's config (same bytes a weight; the sweep's runner-up for fp8)."""
-    (m, k), n = a.shape, w.shape[0]
-    largest = max(rule.max_m for rule in SMALL_M_TABLE if a.dtype in rule.dtypes)
-    m = max(min(m, largest), 1)
-    config = small_m_config(m, n, k, a.dtype, max_m=largest) or small_m_config(m, n, k, torch.int8, max_m=largest)
-    assert config is not None, "SMALL_M_TABLE covers every supported dtype up to its largest M"
-    return config
+    """The table's row for these sizes, whatever M: :func:`table_row`."""
+    return table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype)
 
 
 def gated_config(config: SmallMConfig) -> SmallMConfig:
@@ -703,15 +752,25 @@ def gated_column_blocks(n: int, config: SmallMConfig) -> int:
 
 
 def small_m_gated_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
-                            out_dtype: torch.dtype, config: SmallMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                            out_dtype: torch.dtype, config: SmallMConfig, scale: torch.Tensor | None = None,
+                            quant_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(h, amax)``: ``h = silu_and_mul(small_m_scaled_mm(a, w, ...))`` ``[M, N // 2]`` in ``out_dtype``, the
     GEMM's output rounded to ``out_dtype`` first as the unfused pair's is (``w = [gate; up]``, ``[N, K]``), in one
     kernel; ``amax [M, column blocks]`` fp32: each program's row amax of ``|h|`` (their max over axis 1 is the
-    row's). Same arguments as :func:`small_m_scaled_mm`, no bias; ``config`` runs as :func:`gated_config`."""
+    row's). With a per-tensor ``scale`` (fp32, one element) and ``quant_dtype``: ``(q, None)``, ``h`` quantized as
+    ``ops.static_scaled_{fp8,int8}_quant`` would, in the same kernel. Same arguments as :func:`small_m_scaled_mm`,
+    no bias; ``config`` runs as :func:`gated_config`."""
     _check("small_m_gated_scaled_mm", a, w, None, _SCALED_DTYPES)
     if w.shape[0] % 2:
         raise ValueError(f"small_m_gated_scaled_mm: w must be [gate; up], an even number of rows; got "
                          f"{list(w.shape)}")
     config = gated_config(config)
+    if scale is not None:
+        if quant_dtype not in _SCALED_DTYPES or scale.dtype != torch.float32 or scale.numel() != 1:
+            raise ValueError(f"small_m_gated_scaled_mm: a static quantization takes an fp32 scale of one element and "
+                             f"quant_dtype int8 or float8_e4m3fn; got {scale.dtype} {list(scale.shape)} and {quant_dtype}")
+        q = _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), quant_dtype, None, config,
+                    (out_dtype, scale.reshape(1)))
+        return q, None
     amax = torch.empty((a.shape[0], gated_column_blocks(w.shape[0], config)), dtype=torch.float32, device=a.device)
-    return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, None, config, amax), amax
+    return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, None, config, (out_dtype, amax)), amax

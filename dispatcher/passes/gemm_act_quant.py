@@ -1,15 +1,19 @@
-"""The gate-up GEMM fused with the activation and per-token quantization after it (``gemm_act_quant``).
+"""The gate-up GEMM fused with the activation and the quantization after it (``gemm_act_quant``).
 
-In a W8A8 MLP the gate-up projection's output (``[T, 2D]`` in the model's dtype) is read once, by the activation
-and its per-token quantization, which ``act_quant`` has made one op by the time this pass runs:
-``act_and_mul_dynamic_quant(scaled_mm(a, w, a_scale, w_scale, out_dtype), "silu", quant_dtype)`` with the GEMM
-an ``int8_scaled_mm`` or ``fp8_scaled_mm`` without bias. This pass puts ``dynamo_once::gated_scaled_mm_dynamic_quant``
-in its place: the small-M GEMM computes SiLU(gate) * up and each row's partial amax in its epilogue, and one
-kernel quantizes (``ops.gated_quant``); at an M the small-M table leaves to cuBLAS the op runs the pair it
-replaced. The values are the pair's.
+In a W8A8 MLP the gate-up projection's output (``[T, 2D]`` in the model's dtype) is read once, by SiLU-and-mul,
+whose output is quantized for the down projection. This pass puts one op in place of the three:
+``dynamo_once::gated_scaled_mm_{static,dynamic}_quant``, whose small-M GEMM computes SiLU(gate) * up in its
+epilogue and, per tensor, quantizes it there too (one kernel), or, per token, stores each row's partial amax for
+one quantization kernel after it (``ops.gated_quant``). At an M past the gated form's range the op runs the
+GEMM op and the activation's fused quant op. The values are the unfused sequence's.
 
-It matches what ``act_quant`` produces (with the custom ops on or off), so it does nothing unless ``act_quant``
-runs too. The GEMM's output must have no other user (the pattern matcher requires it of a pattern's inner nodes).
+Matched, with the GEMM an ``int8_scaled_mm`` or ``fp8_scaled_mm`` without bias whose output nothing else reads
+(the pattern matcher requires it of a pattern's inner nodes), for bf16, fp16 and fp32 models:
+
+- native code (the custom ops off, level 3's default): the GEMM, then the native forms of ``silu_and_mul`` and of a
+  static or per-token quantization (``native_forms``: the functions the modules' native paths call);
+- the library's ops (custom ops on): the GEMM, then ``act_and_mul_{static,dynamic}_quant``, what ``act_quant`` makes
+  of SiLU-and-mul + quant (so with the custom ops on it needs ``act_quant`` too).
 """
 
 from __future__ import annotations
@@ -20,44 +24,74 @@ from typing import Any
 import torch
 
 from .fused_add_rms_norm import dynamo_once_op
-from .quant_fusion import QuantFusionPass
+from .native_forms import native_form, native_forms_key
+from .quant_fusion import QUANT_OPS, QuantFusionPass, QuantOp
 
 __all__ = ["GemmActQuantPass"]
 
 _GEMMS = (("int8_scaled_mm", torch.int8), ("fp8_scaled_mm", torch.float8_e4m3fn))
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def _patterns(gemm: Any, act_quant: Any, fused: Any, operand: torch.dtype, out_dtype: torch.dtype,
-              quant_dtype: torch.dtype) -> tuple[Callable, Callable, list]:
+def _example(operand: torch.dtype, static: bool) -> list[torch.Tensor]:
+    # per-token activation scales, per-channel weight scales: an opaque op's node matches any layout
+    example = [torch.zeros(4, 32).to(operand), torch.zeros(64, 32).to(operand), torch.ones(4, 1), torch.ones(64)]
+    return example + [torch.ones(1)] if static else example
+
+
+def _patterns(gemm: Any, act_quant: Callable, fused: Any, operand: torch.dtype, out_dtype: torch.dtype,
+              q: QuantOp) -> tuple[Callable, Callable, list]:
+    """``act_quant(gemm output[, scale])`` (returning ``q``, or ``(q, scale)`` per token) -> the fused op."""
+    if q.static:
+        def search(a, w, a_scale, w_scale, scale):
+            return act_quant(gemm(a, w, a_scale, w_scale, out_dtype, None), scale)
+
+        def replace(a, w, a_scale, w_scale, scale):
+            return fused(a, w, a_scale, w_scale, out_dtype, "silu", scale, q.quant_dtype)
+
+        return search, replace, _example(operand, True)
+
     def search(a, w, a_scale, w_scale):
-        out = act_quant(gemm(a, w, a_scale, w_scale, out_dtype, None), "silu", quant_dtype)
+        out = act_quant(gemm(a, w, a_scale, w_scale, out_dtype, None))
         return out[0], out[1]
 
     def replace(a, w, a_scale, w_scale):
-        out = fused(a, w, a_scale, w_scale, out_dtype, "silu", quant_dtype)
+        out = fused(a, w, a_scale, w_scale, out_dtype, "silu", q.quant_dtype)
         return out[0], out[1]
 
-    # per-token activation scales, per-channel weight scales: an opaque op's node matches any layout
-    example = [torch.zeros(4, 32).to(operand), torch.zeros(64, 32).to(operand), torch.ones(4, 1), torch.ones(64)]
-    return search, replace, example
+    return search, replace, _example(operand, False)
+
+
+def _act_quant_forms(q: QuantOp) -> list[Callable]:
+    """What follows the GEMM: the native SiLU-and-mul then quantization, and ``act_quant``'s fused op (registered
+    ones only), each called as the GEMM's output (and a per-tensor scale) -> the quantization's results."""
+    forms = []
+    silu, quant = native_form("silu_and_mul"), native_form(q.name)
+    if silu is not None and quant is not None:
+        forms.append(lambda x, *scale: quant(silu(x), *scale))
+    op = dynamo_once_op(f"act_and_mul_{'static' if q.static else 'dynamic'}_quant")
+    if op is not None:
+        forms.append(lambda x, *scale: op(x, *scale, "silu", q.quant_dtype))
+    return forms
 
 
 class GemmActQuantPass(QuantFusionPass):
-    """W8A8 gate-up GEMM + ``act_and_mul_dynamic_quant`` (SiLU) -> ``gated_scaled_mm_dynamic_quant``."""
+    """W8A8 gate-up GEMM + SiLU-and-mul + static / per-token quantization -> ``gated_scaled_mm_*_quant``."""
 
     name = "gemm_act_quant"
-    required = ("act_and_mul_dynamic_quant", "gated_scaled_mm_dynamic_quant")
+    required = ("gated_scaled_mm_static_quant", "gated_scaled_mm_dynamic_quant")
+
+    def state_key(self) -> str:
+        return super().state_key() + "|" + native_forms_key(["silu_and_mul"] + [q.name for q in QUANT_OPS])
 
     def pattern_functions(self) -> list[tuple[Callable, Callable, list]]:
-        act_quant, fused = dynamo_once_op("act_and_mul_dynamic_quant"), dynamo_once_op("gated_scaled_mm_dynamic_quant")
         out = []
         for gemm_name, operand in _GEMMS:
             gemm = dynamo_once_op(gemm_name)
             if gemm is None:
                 continue
-            for out_dtype in _OUT_DTYPES:
-                for quant_dtype in _QUANT_DTYPES:
-                    out.append(_patterns(gemm, act_quant, fused, operand, out_dtype, quant_dtype))
+            for q in QUANT_OPS:
+                fused = dynamo_once_op(f"gated_scaled_mm_{'static' if q.static else 'dynamic'}_quant")
+                for form in _act_quant_forms(q):
+                    out += [_patterns(gemm, form, fused, operand, dt, q) for dt in _OUT_DTYPES]
         return out

@@ -102,11 +102,10 @@ def test_fusions_replace_every_norm_and_activation_quant(checkpoint, op_path, af
     # passes: Inductor launches them from its code, not through the dispatcher (the GEMM is an opaque op).
     triton_ops = {name.replace("::", ".") for name in compat.triton_op_names("dynamo_once")}
     left = sum(n for t, n in after.items() if str(t).rsplit(".", 1)[0] in triton_ops)
-    # per-token schemes: gemm_act_quant takes each fused activation + quant with its gate-up GEMM (not a Triton op)
-    gated = plain_down if kind == "dynamic" else 0
-    assert counts.matches["gemm_act_quant"] == gated
-    assert counts.matches["decompose_triton_ops"] == left - gated == 4 * layers + 1 - gated  # 2 norms, o_proj, SiLU;
-    # the last norm
+    # gemm_act_quant takes each fused activation + quant with its gate-up GEMM (an op, not a Triton op)
+    assert counts.matches["gemm_act_quant"] == plain_down
+    assert counts.matches["decompose_triton_ops"] == left - plain_down == 4 * layers + 1 - plain_down  # 2 norms,
+    # o_proj, SiLU; the last norm
     assert_logits_match(fused, unfused)
 
 
@@ -161,35 +160,42 @@ def test_native_per_token_activation_quant_is_fused(checkpoint, after, name):
     assert_logits_match(fused, unfused)
 
 
-@pytest.mark.parametrize("custom_ops", [["all"], []], ids=["ops", "native"])
-@pytest.mark.parametrize("name", ["int8-dynamic-token", "fp8-dynamic-token"])
-def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, custom_ops):
-    """``gemm_act_quant``: the gate-up GEMM and the fused SiLU + per-token quant ``act_quant`` made of its output,
-    with the custom ops on and off -> one ``gated_scaled_mm_dynamic_quant`` a quantized MLP, no GEMM or
-    activation op left for it, and the unfused graph's logits (on the CPU the op runs the same references)."""
+# custom ops on: gemm_act_quant takes act_quant's fused op; off: the native forms, without act_quant
+GATED_MODES = {"ops": (["all"], "none,+act_quant,+gemm_act_quant"), "native": ([], "none,+gemm_act_quant")}
+
+
+@pytest.mark.parametrize("mode", sorted(GATED_MODES))
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, mode):
+    """``gemm_act_quant``: the gate-up GEMM, SiLU-and-mul and the quantization of its output (static or per token),
+    with the custom ops on and off -> one ``gated_scaled_mm_*_quant`` a quantized MLP, no GEMM, activation or
+    quantization op left for it, and the unfused graph's logits (on the CPU the op runs the same references)."""
+    custom_ops, passes = GATED_MODES[mode]
     outs = {}
-    for passes in ("none", "none,+act_quant,+gemm_act_quant"):
+    for p in ("none", passes):
         torch._dynamo.reset()
-        cfg = CompilationConfig(level=3, custom_ops=custom_ops, use_cudagraph=False, pass_config=passes)
+        cfg = CompilationConfig(level=3, custom_ops=custom_ops, use_cudagraph=False, pass_config=p)
         with compat.fresh_inductor_cache(), pass_counter.record() as counts, counted_after("gemm_act_quant") as after:
             llm = LLM(checkpoint(name), max_num_tokens=32, compilation_config=cfg)
-            outs[passes] = prefill_logits(llm, PROMPTS)
+            outs[p] = prefill_logits(llm, PROMPTS)
     plain_down = 2 - UNQUANTIZED_DOWN.get(name, 0)
-    assert counts.matches["act_quant"] == counts.matches["gemm_act_quant"] == plain_down
+    assert counts.matches["gemm_act_quant"] == plain_down
+    kind = SCHEMES[name][1]
+    assert after[getattr(D, f"gated_scaled_mm_{kind}_quant").default] == plain_down
+    assert after[getattr(D, f"act_and_mul_{kind}_quant").default] == 0
     gemm = D.int8_scaled_mm.default if name.startswith("int8") else D.fp8_scaled_mm.default
-    assert after[D.gated_scaled_mm_dynamic_quant.default] == plain_down
-    assert after[D.act_and_mul_dynamic_quant.default] == 0
-    # 3 a layer: qkv, o and down; or, where down_proj is not quantized (no per-token quant to take), gate-up
+    # 3 a layer: qkv, o and down; or, where down_proj is not quantized (no quantization to take), gate-up
     assert after[gemm] == 3 * 2
-    assert torch.equal(outs["none,+act_quant,+gemm_act_quant"], outs["none"])
+    assert torch.equal(outs[passes], outs["none"])
 
 
 @pytest.mark.cuda
 def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint):
     """On the GPU, custom ops off, CUDA graphs on: the gated GEMM's values are the GEMM's and the fused activation
-    quant's (int8: bit for bit, test_gated_quant.py), so the logits are those of ``act_quant`` alone."""
+    quant's (int8: bit for bit, test_gated_quant.py), so the logits are those of ``act_quant`` (the same fused
+    activation quant, after the GEMM op)."""
     outs = {}
-    for passes in ("none,+act_quant", "none,+act_quant,+gemm_act_quant"):
+    for passes in ("none,+act_quant", "none,+gemm_act_quant"):
         torch._dynamo.reset()
         cfg = CompilationConfig(level=3, pass_config=passes)
         with compat.fresh_inductor_cache(), pass_counter.record() as counts:
@@ -197,12 +203,13 @@ def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint):
                       dtype=torch.bfloat16)
             outs[passes] = prefill_logits(llm, PROMPTS).cpu()
     assert counts.matches["gemm_act_quant"] >= 2  # both layers' gate-up, in every compile
-    assert torch.equal(outs["none,+act_quant,+gemm_act_quant"], outs["none,+act_quant"])
+    assert torch.equal(outs["none,+gemm_act_quant"], outs["none,+act_quant"])
 
 
-def test_gate_up_gemm_alone_finds_nothing(checkpoint):
-    """``gemm_act_quant`` matches ``act_quant``'s output: without it, a graph has nothing it takes."""
-    _, counts = native_run(checkpoint("int8-dynamic-token"), "none,+gemm_act_quant")
+def test_gate_up_gemm_with_ops_needs_act_quant(checkpoint, op_path):
+    """With the custom ops on, ``gemm_act_quant`` matches ``act_quant``'s fused op: without it, nothing."""
+    torch._dynamo.reset()
+    _, counts = run(checkpoint("int8-dynamic-token"), "none,+gemm_act_quant")
     assert counts.runs["gemm_act_quant"] == 3 and not counts.matches["gemm_act_quant"]
 
 
@@ -262,7 +269,7 @@ def test_patterns_trace_under_a_bf16_default_dtype():
             p = cls()
             p.prepare()
             # norms: 2 x 2 forms x 4 quants; acts: 3 x 4 as ops, and 3 x 2 per-token quants x 2 dtypes native;
-            # gate-up GEMMs: 2 operand dtypes x 3 output dtypes x 2 quant dtypes
-            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 24, "gemm_act_quant": 12}[p.name]
+            # gate-up GEMMs: 2 operand dtypes x 3 output dtypes x 4 quants x (native, act_quant's op)
+            assert p.num_patterns == {"rms_norm_quant": 16, "act_quant": 24, "gemm_act_quant": 48}[p.name]
     finally:
         torch.set_default_dtype(previous)

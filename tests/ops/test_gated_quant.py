@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ops
+from ops import small_m_gemm
 
 FP8, INT8, BF16 = ops.FP8_DTYPE, torch.int8, torch.bfloat16
 
@@ -61,6 +62,26 @@ def test_cuda_fp8_gate_up_is_the_unfused_ops(m):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 8, 32, 128, 300])
+def test_cuda_static_gate_up_is_the_unfused_ops(dtype, m):
+    """A per-tensor scale, quantized in the GEMM's epilogue where the gated form runs (GATED_MAX_M), the unfused
+    ops past it; both quant dtypes of the output."""
+    a, w, a_scale, w_scale = _operands(dtype, m, 4096, 14336, "cuda")
+    gemm = ops.int8_scaled_mm if dtype == INT8 else ops.fp8_scaled_mm
+    for quant_dtype, scale in ((INT8, 0.02), (FP8, 0.004)):
+        s = torch.tensor([scale], device="cuda")
+        q = ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "silu", s, quant_dtype)
+        expected = ops.act_and_mul_static_quant(gemm(a, w, a_scale, w_scale, BF16), s, "silu", quant_dtype)
+        assert q.dtype == quant_dtype and q.shape == expected.shape
+        if dtype == INT8 or m == 1 or m > small_m_gemm.GATED_MAX_M[dtype]:
+            assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+        else:  # fp8 sums in the kernel's order, cuBLAS's in its own: an 8-bit step apart where they round apart
+            differ = (q.float() != expected.float()).float().mean().item()
+            assert differ < 0.01, f"{differ:.2%} of the codes differ"
+
+
+@pytest.mark.cuda
 def test_cuda_gate_up_replays_from_a_cuda_graph():
     """Captured once, replayed on new inputs written in place: the eager op's values."""
     a, w, a_scale, w_scale = _operands(INT8, 32, 4096, 14336, "cuda")
@@ -78,9 +99,12 @@ def test_cuda_gate_up_replays_from_a_cuda_graph():
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_cpu_is_the_reference(act):
     a, w, a_scale, w_scale = _operands(INT8, 3, 64, 32, "cpu")
+    out = ops.int8_scaled_mm_ref(a, w, a_scale, w_scale, torch.float16)
     _assert_same(ops.gated_scaled_mm_dynamic_quant(a, w, a_scale, w_scale, torch.float16, act, INT8),
-                 ops.act_and_mul_dynamic_quant_ref(ops.int8_scaled_mm_ref(a, w, a_scale, w_scale, torch.float16), act,
-                                                   INT8))
+                 ops.act_and_mul_dynamic_quant_ref(out, act, INT8))
+    s = torch.tensor([0.01])
+    assert torch.equal(ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, torch.float16, act, s, INT8),
+                       ops.act_and_mul_static_quant_ref(out, s, act, INT8))
 
 
 def test_errors_name_the_argument():
@@ -96,3 +120,6 @@ def test_errors_name_the_argument():
         op(a, w, a_scale, w_scale, BF16, "silu", BF16)
     with pytest.raises(ValueError, match=r"a_scale must be \[1\] \(per tensor\) or \[M, 1\]"):
         op(a, w, a_scale[:2], w_scale, BF16, "silu", INT8)
+    with pytest.raises(ValueError, match=r"scale must be fp32 with one element \(\[1\] or 0-d\); got torch.float32 of "
+                                         r"shape \[2\]"):
+        ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "silu", torch.ones(2), INT8)

@@ -72,6 +72,20 @@ def test_gated_gemm_and_quant_are_the_unfused_kernels(config, m, k, d, dtype, ou
         assert torch.equal(scale, scale_ref) and torch.equal(_bits(q), _bits(q_ref))
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=str)
+@pytest.mark.parametrize("quant_dtype", [INT8, FP8], ids=["q-int8", "q-fp8"])
+@pytest.mark.parametrize("scale", [0.003, 1e-30], ids=["scale", "tiny-scale"])
+def test_gated_gemm_static_quant_is_the_unfused_kernels(config, quant_dtype, scale):
+    """A per-tensor scale: the gated kernel quantizes in its epilogue, as act_and_mul_static_quant's kernel does
+    (a tiny scale: the quotient's other path, saturating)."""
+    a, w, a_scale, w_scale = _operands(INT8, 3, 208, 40)
+    s = torch.tensor([scale])
+    q, none = small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, config, s, quant_dtype)
+    out = small_m_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, None, gated_config(config))
+    q_ref, _ = act_quant._launch_act_and_mul_quant(out, s, "silu", quant_dtype)
+    assert none is None and q.dtype == quant_dtype and torch.equal(_bits(q), _bits(q_ref))
+
+
 def test_gated_gemm_zero_rows_take_the_min_scale():
     """A token whose gate-up products are all zero: h = 0, amax 0, the min scale, q = 0."""
     a, w, a_scale, w_scale = _operands(INT8, 3, 64, 32)

@@ -83,6 +83,9 @@ def _samples(num_tokens: int, device: str) -> dict:
         "act_and_mul_dynamic_quant": (ops.act_and_mul_dynamic_quant, (x, "silu", ops.FP8_DTYPE)),
         "gated_scaled_mm_dynamic_quant": (ops.gated_scaled_mm_dynamic_quant,
                                           (int8_a, int8_w, a_scale, w_scale, torch.bfloat16, "silu", torch.int8)),
+        "gated_scaled_mm_static_quant": (ops.gated_scaled_mm_static_quant,
+                                         (int8_a, int8_w, a_scale, w_scale, torch.float16, "silu", q_scale,
+                                          torch.int8)),
     }
 
 
