@@ -79,7 +79,7 @@ def _small_m_gemm_kernel(
     SPLIT_K: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr,
-    SWAP: tl.constexpr, GATED: tl.constexpr,
+    SWAP: tl.constexpr, GATED: tl.constexpr, H: tl.constexpr,
 ):
     # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
     # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
@@ -87,8 +87,8 @@ def _small_m_gemm_kernel(
     # SPLIT_K > 1: each split stores its partial sums to the [SPLIT_K, M, N] workspace ws_ptr; SERIAL: the last
     # split of a tile to arrive (a counter a tile in lock_ptr) sums them and writes out_ptr, else the next kernel.
     # EVEN: N (GATED: N // 2) % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
-    # GATED (SPLIT_K = 1; False, or the activation's dtype): w is a gate-up weight [N = 2D, K] and BLOCK_N output
-    # columns take BLOCK_N gate rows and the BLOCK_N up rows D further, two accumulators; _store_gated's epilogue.
+    # GATED (SPLIT_K = 1): w is a gate-up weight [N = 2D, K] and BLOCK_N output columns take BLOCK_N gate rows and
+    # the BLOCK_N up rows D further, two accumulators; _store_gated's epilogue, H the activation's dtype (else None).
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -136,7 +136,7 @@ def _small_m_gemm_kernel(
         if GATED:
             y_up = _epilogue(acc_up.to(tl.float32), offs_m, offs_n + N // 2, m_ok, n_ok, a_scale_ptr, w_scale_ptr,
                              bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-            _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N, GATED)
+            _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N, H)
         else:
             tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -224,8 +224,10 @@ def _static_quant(y, scale, Q: tl.constexpr):
         q = tl.div_rn(y, scale)
     if Q == tl.int8:
         q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-        return ((q + 12582912.0) - 12582912.0).to(tl.int8)
-    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(Q)
+        out = ((q + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(Q)
+    return out
 
 
 @triton.jit
@@ -266,6 +268,7 @@ def _small_m_gemv_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
+    H: tl.constexpr,
 ):
     # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
     pid = tl.program_id(0)
@@ -312,7 +315,7 @@ def _small_m_gemv_kernel(
     if GATED:
         y_up = _epilogue(tl.sum(acc_up, axis=1).to(tl.float32)[None, :], offs_m, offs_n + N // 2, offs_m < M, n_ok,
                          a_scale_ptr, w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-        _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, offs_m < M, offs_n, n_ok, pid // M, N, BLOCK_N, GATED)
+        _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, offs_m < M, offs_n, n_ok, pid // M, N, BLOCK_N, H)
     else:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=n_ok[None, :])
@@ -668,8 +671,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         _small_m_gemv_kernel[(m * cdiv(cols, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
-            DP4A=_dp4a_fits(c, a, w, even), GATED=_TL_DTYPES[h_dtype] if gated else False, num_warps=c.num_warps,
-            enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
+            num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
@@ -683,7 +686,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=cols % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
         PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP,
-        GATED=_TL_DTYPES[h_dtype] if gated else False, num_warps=c.num_warps, num_stages=c.num_stages,
+        GATED=gated is not None, H=_TL_DTYPES.get(h_dtype), num_warps=c.num_warps, num_stages=c.num_stages,
         enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:

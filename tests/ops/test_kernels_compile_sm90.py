@@ -1,0 +1,84 @@
+"""The small-M GEMM's kernel forms and the gated quantization kernel compile for Hopper (sm_90) on any machine.
+
+Triton's interpreter (the ``*_interpreted.py`` tests) runs a kernel as Python: it checks the arithmetic, not what
+Triton's compiler accepts (a constexpr condition must be a bool, int or None there; an early ``return`` in a
+constexpr branch, and so on). Here each form goes through Triton's compiler down to ptxas for an H200-class
+target, without a GPU: the plain GEMM (dot tiles, swapped, split K in the kernel and by the second kernel; the
+unrolled GEMV with and without dp4a), its gated forms (per-token amax, and static int8 / fp8 quantization in the
+epilogue) and ``ops.gated_quant``'s kernel. Skipped where Triton or its NVIDIA backend is not installed.
+"""
+
+import importlib
+
+import pytest
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+gemm_mod = importlib.import_module("ops.small_m_gemm")
+gated_quant = importlib.import_module("ops.gated_quant")
+
+_POINTERS = {"a_ptr": "A", "w_ptr": "A", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+             "lock_ptr": "*i32", "amax_ptr": "*fp32"}
+# (GATED, H, out_ptr): the plain GEMM, the gated form with a per-token amax, and with a static quantization
+FORMS = [(False, None, "*bf16"), (True, "bf16", "*bf16"), (True, "bf16", "*i8"), (True, "fp16", "*fp8e4nv")]
+
+
+def _target():
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
+    except ImportError as e:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
+    return GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, types, consts, **options):
+    sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=_target(), options=dict(enable_fp_fusion=False, **options))
+
+
+def _types(int8, out_ptr, **more):
+    operand = "*i8" if int8 else "*fp8e4nv"
+    types = {name: operand if t == "A" else t for name, t in _POINTERS.items()}
+    return dict(types, out_ptr=out_ptr, M="i32", N="i32", stride_am="i32", stride_wn="i32", **more)
+
+
+def _flags(int8, gated, h, even):
+    return dict(INTEGER=int8, SCALED=True, A_PER_TOKEN=True, W_PER_CHANNEL=True, HAS_BIAS=False, EVEN=even,
+                INT64=False, PDL=True, GATED=gated, H=getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[h]) if h
+                else None)
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
+@pytest.mark.parametrize("gated,h,out_ptr", FORMS, ids=["plain", "gated-amax", "gated-int8", "gated-fp8"])
+@pytest.mark.parametrize("swap,even", [(False, True), (False, False), (True, True)], ids=["dot", "masked", "swap"])
+def test_gemm_kernel_compiles_for_sm90(int8, gated, h, out_ptr, swap, even):
+    types = _types(int8, out_ptr, ws_ptr="*i32" if int8 else "*fp32", K="i32", K_SPLIT="i32")
+    consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=True, PF_LINES=8, LINE=128, SERIAL=False,
+                  SWAP=swap, **_flags(int8, gated, h, even))
+    assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "second-kernel"])
+def test_split_k_gemm_compiles_for_sm90(serial):
+    types = _types(True, "*bf16", ws_ptr="*i32", K="i32", K_SPLIT="i32")
+    consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, DOT=True, PF_LINES=8, LINE=128, SERIAL=serial,
+                  SWAP=False, **_flags(True, False, None, True))
+    assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
+@pytest.mark.parametrize("gated,h,out_ptr", FORMS, ids=["plain", "gated-amax", "gated-int8", "gated-fp8"])
+def test_gemv_kernel_compiles_for_sm90(int8, gated, h, out_ptr):
+    consts = dict(K=4096, BLOCK_N=8, BLOCK_K=256, BYTES=True, DP4A=int8, **_flags(int8, gated, h, True))
+    assert _compile(gemm_mod._small_m_gemv_kernel, _types(int8, out_ptr), consts, num_warps=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
+def test_gated_quant_kernel_compiles_for_sm90(int8):
+    types = dict(h_ptr="*bf16", amax_ptr="*fp32", q_ptr="*i8" if int8 else "*fp8e4nv", scale_ptr="*fp32", D="i32",
+                 BLOCKS="i32")
+    consts = dict(MIN_S=1e-5, INT8=int8, BLOCK_D=gated_quant.GATED_QUANT_BLOCK, BLOCK_P=4096, PDL=True)
+    assert _compile(gated_quant._gated_quant_kernel, types, consts, num_warps=4).asm["cubin"]
