@@ -1,5 +1,6 @@
-"""A W8A8 gate-up projection, its gated activation and the per-token quantization of the result, fused:
-``(q, scale) = act_and_mul_dynamic_quant(scaled_mm(a, w, a_scale, w_scale, out_dtype), act, quant_dtype)``.
+"""A W8A8 gate-up projection, its gated activation and the quantization of the result, fused:
+``(q, scale) = act_and_mul_dynamic_quant(scaled_mm(a, w, a_scale, w_scale, out_dtype), act, quant_dtype)`` (per
+token), ``q = act_and_mul_static_quant(scaled_mm(...), scale, act, quant_dtype)`` (per tensor).
 
 In a quantized Llama MLP the gate-up GEMM writes ``[T, 2D]`` in the model's dtype, an activation kernel reads it
 and writes ``[T, D]``, and the per-token quantization for the down projection reads that again to find each
@@ -7,7 +8,7 @@ row's amax before it can quantize (Inductor: a split reduction and a pointwise p
 Here the small-M GEMM (``ops.small_m_gemm``, gated form) computes SiLU(gate) * up in its epilogue, each program
 holding the gate and the up rows of its output columns, and stores each row's amax over its tile; one more
 kernel takes each row's amax over the tiles' and quantizes. Two launches, and the ``[T, 2D]`` output is never
-written.
+written. With a per-tensor scale the epilogue quantizes too: one launch.
 
 Values: those of the unfused ops, bit for bit where the GEMM is (int8: always; fp8: the GEMM's fp32 sums in
 another order than cuBLAS's): the GEMM's output rounded to ``out_dtype``, the activation in fp32 as
@@ -25,7 +26,7 @@ from .act_quant import ACTIVATIONS, act_and_mul_dynamic_quant, act_and_mul_dynam
 from .norm_quant import check_quant_dtype
 from .quant_fp8 import MIN_SCALE
 from .quant_int8 import INT8_MIN_SCALE
-from .scaled_mm import FP8_MM_ALIGN, INT8_MM_ALIGN, _check_args, _cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, \
+from .scaled_mm import FP8_MM_ALIGN, INT8_MM_ALIGN, check_args, cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, \
     int8_scaled_mm, int8_scaled_mm_ref
 from .small_m_gemm import gated_runtime_config, small_m_gated_scaled_mm
 from .triton_utils import cdiv, next_power_of_2, pdl_args, pdl_launch, tl, triton
@@ -74,7 +75,8 @@ def _gated_quant_kernel(
     tl.store(q_ptr + row * D + cols, q, mask=mask)
 
 
-def launch_gated_quant(h: torch.Tensor, amax: torch.Tensor, quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_gated_quant(h: torch.Tensor, amax: torch.Tensor,
+                       quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``h [M, D]`` quantized per token, each row's amax the max of its ``amax [M, blocks]`` (the
     gated GEMM's per-tile amax: ``ops.small_m_gemm.small_m_gated_scaled_mm``). An eager launcher (CUDA graphs
     too); the op calls it, and benchmarks do."""
@@ -98,7 +100,7 @@ def _check(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: tor
     op = "gated_scaled_mm_dynamic_quant"
     if a.dtype not in _GEMMS:
         raise TypeError(f"{op}: a must be torch.float8_e4m3fn or torch.int8; got {a.dtype}")
-    _check_args(op, a.dtype, _GEMMS[a.dtype][2], a, w, a_scale, w_scale, out_dtype, None)
+    check_args(op, a.dtype, _GEMMS[a.dtype][2], a, w, a_scale, w_scale, out_dtype, None)
     if w.shape[0] % (2 * _GEMMS[a.dtype][2]) != 0:
         raise ValueError(f"{op}: w must be [gate; up], [2D, K] with D a multiple of {_GEMMS[a.dtype][2]}; got shape "
                          f"{list(w.shape)}")
@@ -113,7 +115,7 @@ def _gated_scaled_mm_dynamic_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale:
                                       quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     gemm, _, _, capability = _GEMMS[a.dtype]
-    if not _cuda_at_least(a, capability):
+    if not cuda_at_least(a, capability):
         return gated_scaled_mm_dynamic_quant_ref(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     config = gated_runtime_config(a, w) if act == "silu" else None
     if config is None:  # the unfused ops: the same values
@@ -146,7 +148,7 @@ def _gated_scaled_mm_static_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale: 
     _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     _check_static(a, scale)
     gemm, _, _, capability = _GEMMS[a.dtype]
-    if not _cuda_at_least(a, capability):
+    if not cuda_at_least(a, capability):
         return gated_scaled_mm_static_quant_ref(a, w, a_scale, w_scale, out_dtype, act, scale, quant_dtype)
     config = gated_runtime_config(a, w) if act == "silu" else None
     if config is None:  # the unfused ops: the same values

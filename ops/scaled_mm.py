@@ -101,10 +101,11 @@ def _check_scales(op: str, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tens
                          f"got shape {list(w_scale.shape)}")
 
 
-def _check_args(op: str, in_dtype: torch.dtype, align: int, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
-                w_scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
-    """TypeError / ValueError naming ``op``, the argument, what it expects and what it got. Only dtypes, ranks,
-    static sizes and M against M: no guard pins a symbolic M."""
+def check_args(op: str, in_dtype: torch.dtype, align: int, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
+               w_scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
+    """A W8A8 GEMM's arguments (``ops.gated_quant``'s ops check theirs with it too): TypeError / ValueError naming
+    ``op``, the argument, what it expects and what it got. Only dtypes, ranks, static sizes and M against M: no
+    guard pins a symbolic M."""
     _check_operands(op, in_dtype, align, a, w)
     _check_scales(op, a, w, a_scale, w_scale)
     if out_dtype not in _OUT_DTYPES:
@@ -125,7 +126,8 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _cuda_at_least(t: torch.Tensor, capability: tuple[int, int]) -> bool:
+def cuda_at_least(t: torch.Tensor, capability: tuple[int, int]) -> bool:
+    """Whether ``t`` is on a CUDA device of at least this compute capability (the GEMMs' CUDA paths)."""
     if t.device.type != "cuda":
         return False
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= capability
@@ -171,8 +173,8 @@ def _int8_scaled_mm_cuda(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor
 @torch.library.custom_op("dynamo_once::fp8_scaled_mm", mutates_args=())
 def _fp8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    _check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
-    if _cuda_at_least(a, (8, 9)):
+    check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
+    if cuda_at_least(a, (8, 9)):
         config = runtime_config(a, w)
         if config is not None:
             return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
@@ -183,7 +185,7 @@ def _fp8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
 @_fp8_scaled_mm_op.register_fake
 def _fp8_scaled_mm_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                         out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    _check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
+    check_args("fp8_scaled_mm", FP8, FP8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
     return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
@@ -191,7 +193,7 @@ def _fp8_scaled_mm_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
 def _int8_scaled_mm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                        out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     _check_int8_args(a, w, a_scale, w_scale, out_dtype, bias)
-    if _cuda_at_least(a, (8, 0)):
+    if cuda_at_least(a, (8, 0)):
         config = runtime_config(a, w)
         if config is not None:
             return small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, bias, config)
@@ -208,7 +210,7 @@ def _int8_scaled_mm_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor
 
 def _check_int8_args(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                      out_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
-    _check_args("int8_scaled_mm", torch.int8, INT8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
+    check_args("int8_scaled_mm", torch.int8, INT8_MM_ALIGN, a, w, a_scale, w_scale, out_dtype, bias)
     if a.shape[1] >= INT8_MM_MAX_K:
         raise ValueError(f"int8_scaled_mm: K (a.shape[1]) must be below {INT8_MM_MAX_K}, so that the int32 "
                          f"accumulator cannot overflow; got {a.shape[1]}")

@@ -771,7 +771,8 @@ def small_m_gated_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Ten
     if scale is not None:
         if quant_dtype not in _SCALED_DTYPES or scale.dtype != torch.float32 or scale.numel() != 1:
             raise ValueError(f"small_m_gated_scaled_mm: a static quantization takes an fp32 scale of one element and "
-                             f"quant_dtype int8 or float8_e4m3fn; got {scale.dtype} {list(scale.shape)} and {quant_dtype}")
+                             f"quant_dtype int8 or float8_e4m3fn; got {scale.dtype} {list(scale.shape)} and "
+                             f"{quant_dtype}")
         q = _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), quant_dtype, None, config,
                     (out_dtype, scale.reshape(1)))
         return q, None

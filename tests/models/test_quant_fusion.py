@@ -164,8 +164,8 @@ def test_native_per_token_activation_quant_is_fused(checkpoint, after, name):
 GATED_MODES = {"ops": (["all"], "none,+act_quant,+gemm_act_quant"), "native": ([], "none,+gemm_act_quant")}
 
 
-@pytest.mark.parametrize("mode", sorted(GATED_MODES))
-@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("name,mode", [(name, "native") for name in sorted(SCHEMES)]
+                         + [("int8-dynamic-token", "ops"), ("fp8-static", "ops")])
 def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, mode):
     """``gemm_act_quant``: the gate-up GEMM, SiLU-and-mul and the quantization of its output (static or per token),
     with the custom ops on and off -> one ``gated_scaled_mm_*_quant`` a quantized MLP, no GEMM, activation or

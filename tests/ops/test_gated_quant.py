@@ -112,7 +112,8 @@ def test_errors_name_the_argument():
     op = ops.gated_scaled_mm_dynamic_quant
     with pytest.raises(TypeError, match="a must be torch.float8_e4m3fn or torch.int8; got torch.bfloat16"):
         op(a.to(BF16), w, a_scale, w_scale, BF16, "silu", INT8)
-    with pytest.raises(ValueError, match=r"w must be \[gate; up\], \[2D, K\] with D a multiple of 8; got shape \[56, 64\]"):
+    with pytest.raises(ValueError, match=r"w must be \[gate; up\], \[2D, K\] with D a multiple of 8; got shape "
+                                         r"\[56, 64\]"):
         op(a, w[:56], a_scale, w_scale[:56], BF16, "silu", INT8)
     with pytest.raises(ValueError, match="act must be one of .*; got 'relu'"):
         op(a, w, a_scale, w_scale, BF16, "relu", INT8)
