@@ -744,9 +744,11 @@ def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
 
 
 def gated_config(config: SmallMConfig) -> SmallMConfig:
-    """``config`` as the gated form runs it: one split (the epilogue needs the whole sum) and at least one
-    gate-up pair of weight rows a program."""
-    return dataclasses.replace(config, SPLIT_K=1, SERIAL=False, BLOCK_N=max(config.BLOCK_N, 2))
+    """``config`` as the gated form runs it: one split (the epilogue needs the whole sum), at least one gate-up pair
+    of weight rows a program, and for the unrolled GEMV half the warps: each of its two tiles has half the rows, so
+    a thread keeps the row bytes it has in the plain form (the 16 adjacent bytes dp4a takes: ``_dp4a_tile``)."""
+    c = dataclasses.replace(config, SPLIT_K=1, SERIAL=False, BLOCK_N=max(config.BLOCK_N, 2))
+    return dataclasses.replace(c, num_warps=c.num_warps // 2) if c.UNROLL and c.num_warps > 1 else c
 
 
 def gated_column_blocks(n: int, config: SmallMConfig) -> int:

@@ -124,3 +124,14 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"scale must be fp32 with one element \(\[1\] or 0-d\); got torch.float32 of "
                                          r"shape \[2\]"):
         ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "silu", torch.ones(2), INT8)
+
+
+@pytest.mark.parametrize("rule", [r for r in small_m_gemm.SMALL_M_TABLE if r.config is not None and r.config.UNROLL],
+                         ids=str)
+def test_gated_gemv_keeps_each_threads_row_bytes(rule):
+    """The unrolled GEMV's gated form splits a program's rows into a gate and an up tile; with half the warps a
+    thread still loads as many adjacent bytes of a row as in the plain form (dp4a takes 16 of them)."""
+    c = small_m_gemm.gated_config(rule.config)
+    assert c.BLOCK_N == rule.config.BLOCK_N and c.SPLIT_K == 1
+    per_thread = rule.config.BLOCK_N * rule.config.BLOCK_K // (32 * rule.config.num_warps)
+    assert (c.BLOCK_N // 2) * c.BLOCK_K // (32 * c.num_warps) == per_thread
