@@ -28,6 +28,12 @@ zeroed buffer (a memset launch) and leave the epilogue to a second kernel anyway
 fp8 / bf16 results vary from run to run; the workspace is ``SPLIT_K * M * N * 4`` bytes, < 1% of the weight
 bytes at M = 1.
 
+Gated form (``small_m_gated_scaled_mm``, for ``ops.gated_quant``): ``w`` is a gate-up weight ``[gate; up]``
+(``[2D, K]``) and a program takes ``BLOCK_N / 2`` output columns, streaming their gate rows and their up rows into two
+accumulators; the epilogue rounds both to the activation's dtype (as the plain GEMM's output is), computes
+SiLU(gate) * up as ``ops.silu_and_mul``'s kernel does, and stores either that ``[M, D]`` with each row's amax over
+the tile (a per-token quantization follows) or its quantization with a per-tensor scale. One split only.
+
 Launchers run eagerly on CUDA tensors, inside CUDA-graph capture (no host sync; memory from torch's allocator),
 and on CPU tensors under ``TRITON_INTERPRET=1``. The public W8A8 ops (:func:`ops.int8_scaled_mm`,
 :func:`ops.fp8_scaled_mm`) call them for M up to ``SMALL_M_MAX`` on CUDA (``DYNAMO_ONCE_SMALL_M_GEMM=0``: cuBLAS).

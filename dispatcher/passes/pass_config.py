@@ -19,6 +19,9 @@ __all__ = ["PassConfig"]
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
 #: ``act_quant``'s native per-token patterns (custom ops off) were within 0.4% of native code at int8 decode batch
 #: 1-128 and a 2048-token prefill (``benchmarks/results/act_quant_native_*``): off too.
+#: ``gemm_act_quant``: off until its kernel form in the tree is measured (a first form made the int8 step 4.2% / 2.3%
+#: faster at batch 8 / 32 and 7.3% slower at 128, which GATED_MAX_M now leaves to the unfused ops; README "Graph
+#: passes").
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1

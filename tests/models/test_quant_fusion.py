@@ -193,7 +193,8 @@ def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, mode
 def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint):
     """On the GPU, custom ops off, CUDA graphs on: the gated GEMM's values are the GEMM's and the fused activation
     quant's (int8: bit for bit, test_gated_quant.py), so the logits are those of ``act_quant`` (the same fused
-    activation quant, after the GEMM op)."""
+    activation quant, after the GEMM op), up to what Inductor's other kernels fused otherwise may flip (bounded as
+    in test_quantized's CUDA test)."""
     outs = {}
     for passes in ("none,+act_quant", "none,+gemm_act_quant"):
         torch._dynamo.reset()
@@ -203,7 +204,8 @@ def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint):
                       dtype=torch.bfloat16)
             outs[passes] = prefill_logits(llm, PROMPTS).cpu()
     assert counts.matches["gemm_act_quant"] >= 2  # both layers' gate-up, in every compile
-    assert torch.equal(outs["none,+gemm_act_quant"], outs["none,+act_quant"])
+    diff = (outs["none,+gemm_act_quant"] - outs["none,+act_quant"]).abs()
+    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"  # Inductor's other kernels may fuse otherwise
 
 
 def test_gate_up_gemm_with_ops_needs_act_quant(checkpoint, op_path):
