@@ -181,7 +181,8 @@ _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class QuantFusionPass(PatternPass):
-    """Shared by the two passes: they match opaque library ops, traced as such (and native forms: ``act_quant``)."""
+    """Shared by the quantization passes (``rms_norm_quant``, ``act_quant``, ``gemm_act_quant``): they match opaque
+    library ops, traced as such (and native forms: ``act_quant``, ``gemm_act_quant``)."""
 
     opaque_ops: ClassVar[bool] = True
     #: ops that must be registered for the pass to run at all
