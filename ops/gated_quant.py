@@ -19,6 +19,8 @@ activation other than SiLU) the op runs the unfused ops, which compute the same 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .act_quant import ACTIVATIONS, act_and_mul_dynamic_quant, act_and_mul_dynamic_quant_ref, \
@@ -95,9 +97,8 @@ def launch_gated_quant(h: torch.Tensor, amax: torch.Tensor,
     return q, scale
 
 
-def _check(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-           act: str, quant_dtype: torch.dtype) -> None:
-    op = "gated_scaled_mm_dynamic_quant"
+def _check(op: str, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+           out_dtype: torch.dtype, act: str, quant_dtype: torch.dtype) -> None:
     if a.dtype not in _GEMMS:
         raise TypeError(f"{op}: a must be torch.float8_e4m3fn or torch.int8; got {a.dtype}")
     check_args(op, a.dtype, _GEMMS[a.dtype][2], a, w, a_scale, w_scale, out_dtype, None)
@@ -109,16 +110,25 @@ def _check(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: tor
     check_quant_dtype(op, quant_dtype)
 
 
+def _gated_path(a: torch.Tensor, w: torch.Tensor, act: str) -> tuple[bool, Any, Any]:
+    """``(on_cuda, gemm op, gated config)``: off CUDA (or below the GEMM's capability) the references; on it the
+    gated form's config, or None where it does not apply (an M past ``GATED_MAX_M``, an activation not SiLU): the
+    unfused ops, which compute the same values."""
+    gemm, _, _, capability = _GEMMS[a.dtype]
+    if not cuda_at_least(a, capability):
+        return False, gemm, None
+    return True, gemm, gated_runtime_config(a, w) if act == "silu" else None
+
+
 @torch.library.custom_op("dynamo_once::gated_scaled_mm_dynamic_quant", mutates_args=())
 def _gated_scaled_mm_dynamic_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                                       out_dtype: torch.dtype, act: str,
                                       quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
-    gemm, _, _, capability = _GEMMS[a.dtype]
-    if not cuda_at_least(a, capability):
+    _check("gated_scaled_mm_dynamic_quant", a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    on_cuda, gemm, config = _gated_path(a, w, act)
+    if not on_cuda:
         return gated_scaled_mm_dynamic_quant_ref(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
-    config = gated_runtime_config(a, w) if act == "silu" else None
-    if config is None:  # the unfused ops: the same values
+    if config is None:
         return act_and_mul_dynamic_quant(gemm(a, w, a_scale, w_scale, out_dtype), act, quant_dtype)
     h, amax = small_m_gated_scaled_mm(a, w, a_scale, w_scale, out_dtype, config)
     return launch_gated_quant(h, amax, quant_dtype)
@@ -128,7 +138,7 @@ def _gated_scaled_mm_dynamic_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale:
 def _gated_scaled_mm_dynamic_quant_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
                                         w_scale: torch.Tensor, out_dtype: torch.dtype, act: str,
                                         quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    _check("gated_scaled_mm_dynamic_quant", a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     m, d = a.shape[0], w.shape[0] // 2
     return a.new_empty((m, d), dtype=quant_dtype), a.new_empty((m, 1), dtype=torch.float32)
 
@@ -145,13 +155,12 @@ def _check_static(a: torch.Tensor, scale: torch.Tensor) -> None:
 def _gated_scaled_mm_static_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                                      out_dtype: torch.dtype, act: str, scale: torch.Tensor,
                                      quant_dtype: torch.dtype) -> torch.Tensor:
-    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    _check("gated_scaled_mm_static_quant", a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     _check_static(a, scale)
-    gemm, _, _, capability = _GEMMS[a.dtype]
-    if not cuda_at_least(a, capability):
+    on_cuda, gemm, config = _gated_path(a, w, act)
+    if not on_cuda:
         return gated_scaled_mm_static_quant_ref(a, w, a_scale, w_scale, out_dtype, act, scale, quant_dtype)
-    config = gated_runtime_config(a, w) if act == "silu" else None
-    if config is None:  # the unfused ops: the same values
+    if config is None:
         return act_and_mul_static_quant(gemm(a, w, a_scale, w_scale, out_dtype), scale, act, quant_dtype)
     return small_m_gated_scaled_mm(a, w, a_scale, w_scale, out_dtype, config, scale, quant_dtype)[0]
 
@@ -160,7 +169,7 @@ def _gated_scaled_mm_static_quant_op(a: torch.Tensor, w: torch.Tensor, a_scale: 
 def _gated_scaled_mm_static_quant_fake(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
                                        w_scale: torch.Tensor, out_dtype: torch.dtype, act: str, scale: torch.Tensor,
                                        quant_dtype: torch.dtype) -> torch.Tensor:
-    _check(a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
+    _check("gated_scaled_mm_static_quant", a, w, a_scale, w_scale, out_dtype, act, quant_dtype)
     _check_static(a, scale)
     return a.new_empty((a.shape[0], w.shape[0] // 2), dtype=quant_dtype)
 

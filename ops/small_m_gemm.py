@@ -717,7 +717,7 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
         a: ``int8`` or ``float8_e4m3fn [M, K]``; w: the same dtype, ``[N, K]`` (nn.Linear's layout).
         a_scale: fp32 ``[1]`` or ``[M, 1]``; w_scale: fp32 ``[1]`` or ``[N]``.
         out_dtype: bf16, fp16 or fp32; bias: None or ``[N]`` (any float dtype; added in fp32).
-        config: the launch configuration (default: :func:`small_m_config`'s, else its largest-M row's).
+        config: the launch configuration (default: :func:`table_row`'s).
     """
     _check("small_m_scaled_mm", a, w, bias, _SCALED_DTYPES)
     if out_dtype not in _OUT_DTYPES:
@@ -728,7 +728,7 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
     if list(a_scale.shape) not in ([1], [m, 1]) or list(w_scale.shape) not in ([1], [n]):
         raise ValueError(f"small_m_scaled_mm: a_scale must be [1] or [M, 1] = [{m}, 1] and w_scale [1] or [N] = "
                          f"[{n}]; got {list(a_scale.shape)} and {list(w_scale.shape)}")
-    config = config or _default_config(a, w)
+    config = config or table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype)
     return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, bias, config)
 
 
@@ -741,12 +741,9 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         config: as for :func:`small_m_scaled_mm`.
     """
     _check("small_m_mm", a, w, bias, _FLOAT_DTYPES)
-    return _launch(a, w, None, None, a.dtype, bias, config or _default_config(a, w))
+    return _launch(a, w, None, None, a.dtype, bias, config or table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype))
 
 
-def _default_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig:
-    """The table's row for these sizes, whatever M: :func:`table_row`."""
-    return table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype)
 
 
 def gated_config(config: SmallMConfig) -> SmallMConfig:

@@ -137,6 +137,8 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"scale must be fp32 with one element \(\[1\] or 0-d\); got torch.float32 of "
                                          r"shape \[2\]"):
         ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "silu", torch.ones(2), INT8)
+    with pytest.raises(ValueError, match="^gated_scaled_mm_static_quant: act must be one of"):
+        ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "relu", torch.ones(1), INT8)
 
 
 @pytest.mark.parametrize("rule", [r for r in small_m_gemm.SMALL_M_TABLE if r.config is not None and r.config.UNROLL],
