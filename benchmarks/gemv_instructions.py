@@ -28,7 +28,7 @@ import torch
 from benchmarks import common
 
 _SIG = {"a_ptr": "*{t}", "w_ptr": "*{t}", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32",
-        "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_am": "i32", "stride_wn": "i32"}
+        "out_ptr": "*bf16", "amax_ptr": "*fp32", "M": "i32", "N": "i32", "stride_am": "i32", "stride_wn": "i32"}
 # Arguments Triton specializes as 16-divisible at a launch on the 8B's shapes: the pointers, N and the strides.
 _DIVISIBLE = ("a_ptr", "w_ptr", "a_scale_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "N", "stride_am", "stride_wn")
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
@@ -56,7 +56,8 @@ def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int,
     tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=num_warps, num_stages=1, UNROLL=True)
     consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
-                  BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile))
+                  BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile),
+                  GATED=False, H=None)  # the plain GEMV (H: the gated form's activation dtype)
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)

@@ -37,6 +37,7 @@ __all__ = [
     "custom_graph_pass_class",
     "pattern_matcher_pass",
     "register_replacement",
+    "outside_compile",
     "trace_inference_graph",
     "statically_equal",
     "fresh_inductor_cache",
@@ -267,6 +268,23 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
     pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, trace, patterns,
                                          extra_check=extra_check or (lambda match: True),
                                          scalar_workaround=scalars or {})
+
+
+@contextlib.contextmanager
+def outside_compile() -> Iterator[None]:
+    """Code that traces its own graphs (patterns) run from inside an Inductor compile, as Inductor's lazily traced
+    patterns are (``pattern_matcher.init_once_fakemode``): no tracing context, no active fake mode (real example
+    tensors stay real), and Inductor's counters as they were before."""
+    from torch._dynamo.utils import counters
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    saved = counters["inductor"].copy()
+    try:
+        with tracing(None), unset_fake_temporarily():
+            yield
+    finally:
+        counters["inductor"] = saved
 
 
 def match_output_values(match: Any) -> list[Any]:

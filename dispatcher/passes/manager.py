@@ -116,7 +116,8 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
         return any(p.opaque_ops for p in self.active_passes())
 
     def prepare(self) -> None:
-        """Trace the patterns of the available pattern passes now, outside a compile."""
+        """Trace the patterns of the available pattern passes now (each pass otherwise traces its own on the
+        first graph it runs on)."""
         for p in self.passes:
             if isinstance(p, PatternPass) and p.is_available():
                 p.prepare()
@@ -176,7 +177,6 @@ def build_pass_manager(config: PassConfig, existing: Any = None,
         on = [p.with_min_tokens(sequence_parallel_min_tokens) if isinstance(p, SequenceParallelPass) else p
               for p in on]
     manager = PostGradPassManager(on, config, chained=_chained(existing))
-    manager.prepare()
     logger.debug("post-grad passes: %s", ", ".join(p.name for p in on) or "none")
     return manager
 

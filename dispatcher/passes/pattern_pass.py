@@ -38,7 +38,8 @@ class PatternPass(GraphPass):
         raise NotImplementedError(f"{type(self).__name__} must implement register_patterns(patterns)")
 
     def prepare(self) -> None:
-        """Trace the patterns now (the manager does when it is built, outside any compile)."""
+        """Trace the patterns now, if not yet traced for this :meth:`state_key` (the first call does; callable
+        from inside a compile)."""
         key = self.state_key()
         with self._lock:
             if self._prepared_for == key:
@@ -51,7 +52,7 @@ class PatternPass(GraphPass):
             dtype = torch.get_default_dtype()
             torch.set_default_dtype(torch.float32)
             try:
-                with torch.device("cpu"):
+                with compat.outside_compile(), torch.device("cpu"):
                     self.num_patterns = self.register_patterns(patterns)
             finally:
                 torch.set_default_dtype(dtype)

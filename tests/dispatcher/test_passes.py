@@ -158,6 +158,37 @@ def test_uuid_is_stable_across_processes():
     assert out.stdout.strip() == build_pass_manager(PassConfig()).uuid()
 
 
+_LAZY_TRACE = """
+import torch
+from dispatcher import compat, set_compilation_config
+from dispatcher.passes import PassConfig, PatternPass, build_pass_manager, builtin_passes, pass_counter
+from passes_testing import HIDDEN, ResidualNorms, level3
+build_pass_manager(PassConfig.parse("all"))
+print([p.num_patterns for p in builtin_passes() if isinstance(p, PatternPass)])
+with compat.fresh_inductor_cache(), torch.no_grad():
+    with set_compilation_config(level3()):
+        model = ResidualNorms(2)
+    with pass_counter.record() as counts:
+        model(torch.randn(5, HIDDEN))
+print([p.name for p in builtin_passes() if isinstance(p, PatternPass) and p.num_patterns], counts.matches["fused_add_rms_norm"])
+"""
+
+
+def test_patterns_are_traced_by_the_first_compile_not_by_the_manager():
+    """Building the manager traces nothing (a start whose compiles all hit Inductor's cache never pays for the
+    patterns); the first compile a pass runs in traces its patterns there, inside Inductor's compile, and matches."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "dispatcher")]),
+               DYNAMO_ONCE_DISABLE_COMPILE_CACHE="1")
+    out = subprocess.run([sys.executable, "-c", _LAZY_TRACE], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    built, compiled = out.stdout.strip().splitlines()[-2:]
+    assert built == "[0, 0, 0, 0, 0]"  # fused_add_rms_norm, rms_norm_quant, act_quant, gemm_act_quant, small_m_linear
+    # this model has no quantization and no linear of a weight the small-M op takes on the CPU: those passes ran
+    # on its graphs (and traced), only fused_add_rms_norm rewrote
+    names, matches = compiled.rsplit(" ", 1)
+    assert "fused_add_rms_norm" in names and int(matches) == 2
+
+
 def test_uuid_changes_with_a_pass_source(tmp_path, monkeypatch, add_pass):
     module = tmp_path / "tmp_graph_pass.py"
     source = ("from dispatcher.passes import GraphPass\n\n\nclass TmpPass(GraphPass):\n    name = 'tmp_pass'\n\n"
