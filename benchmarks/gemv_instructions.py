@@ -6,9 +6,10 @@ compiles ``ops.small_m_gemm``'s GEMV kernel for Hopper (sm_90) here, with no GPU
 cuobjdump its package carries), and counts the SASS instructions of one program over the elements one thread
 handles: K x BLOCK_N / (32 x num_warps). Per tile of ``SMALL_M_TABLE``'s M = 1 rows, for each 8-bit dtype in two
 forms: the kernel's (``BYTES``: fp8 an fma a product, int8 dp4a where each thread holds 16 adjacent bytes of a row,
-a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a broadcast from shared memory).
+a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a broadcast from shared memory); with
+``--gated``, also the gated form the fused gate-up + SiLU op runs (``ops.gated_quant``), and for each its registers.
 
-    python -m benchmarks.gemv_instructions [--k 4096] [--out benchmarks/results]
+    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool) -> str:
-    """The GEMV kernel's SASS for one tile, per-tensor scales, no bias, every load unmasked (EVEN)."""
+def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
+                  gated: bool = False) -> bytes:
+    """The GEMV kernel compiled for sm_90 for one tile, per-tensor scales, no bias, every load unmasked (EVEN).
+    ``gated``: the gate-up form (``ops.small_m_gemm``'s GATED, bf16 activation): ``block_n`` gate rows and as many
+    up rows a program, as the op launches the gated config of a ``2 x block_n``-row tile."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -57,17 +62,34 @@ def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int,
     consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
                   BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile),
-                  GATED=False, H=None)  # the plain GEMV (H: the gated form's activation dtype)
+                  GATED=gated, H=tl.bfloat16 if gated else None)  # H: the gated form's activation dtype
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    return compiled.asm["cubin"]
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "gemv.cubin")
         with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        return subprocess.run([cuobjdump(), "-sass", path], check=True, capture_output=True, text=True).stdout
+            f.write(cubin)
+        return subprocess.run([cuobjdump(), flag, path], check=True, capture_output=True, text=True).stdout
+
+
+def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
+                 gated: bool = False) -> str:
+    """:func:`compile_cubin`'s SASS (``cuobjdump -sass``)."""
+    return _cuobjdump(compile_cubin(dtype, block_n, block_k, num_warps, k, bytes_form, gated), "-sass")
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the kernel (``cuobjdump -res-usage``): with the warps, what bounds its programs an SM."""
+    found = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
+    assert found, "cuobjdump -res-usage names the kernel's registers"
+    return int(found.group(1))
 
 
 def count(sass: str) -> collections.Counter:
@@ -87,19 +109,28 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
     return list(dict.fromkeys(tiles))
 
 
-def measure(k: int) -> list[dict[str, Any]]:
+def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
+    """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` (the gated config of the tile: its rows half
+    gate, half up, on half the warps, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table)."""
+    gated = form == "8-bit gated"
+    n, w = (block_n // 2, max(warps // 2, 1)) if gated else (block_n, warps)
+    cubin = compile_cubin(dtype, n, block_k, w, k, form != "plain", gated)
+    ops_count = count(_cuobjdump(cubin, "-sass"))
+    elements = k * block_n // (32 * w)  # gated: n gate and n up rows
+    total = sum(ops_count.values())
+    return {"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}", "form": form,
+            "elements_a_thread": elements, "instructions": total, "per_element": round(total / elements, 2),
+            "registers": registers(cubin), "top": ", ".join(f"{op} {c}" for op, c in ops_count.most_common(4))}
+
+
+def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
     rows = []
     for dtype, block_n, block_k, warps in m1_tiles():
-        forms = (True, False) if dtype.itemsize == 1 else (False,)
-        for bytes_form in forms:
-            ops_count = count(compile_sass(dtype, block_n, block_k, warps, k, bytes_form))
-            elements = k * block_n // (32 * warps)
-            total = sum(ops_count.values())
-            rows.append({"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}",
-                         "form": "8-bit" if bytes_form else "plain",
-                         "elements_a_thread": elements, "instructions": total,
-                         "per_element": round(total / elements, 2),
-                         "top": ", ".join(f"{op} {n}" for op, n in ops_count.most_common(4))})
+        forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
+        if gated and dtype.itemsize == 1 and block_n >= 2:
+            forms.insert(1, "8-bit gated")
+        for form in forms:
+            rows.append(_row(dtype, block_n, block_k, warps, k, form))
             print(rows[-1], flush=True)
     return rows
 
@@ -107,6 +138,7 @@ def measure(k: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=4096, help="K (a compile-time constant of the GEMV; default the 8B's 4096)")
+    p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each 8-bit tile")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if a.k < 1 or a.k % 1024:
@@ -119,17 +151,22 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"Triton's package has no cuobjdump at {cuobjdump()}")
     import triton
 
-    rows = measure(a.k)
+    rows = measure(a.k, a.gated)
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
               f"{common.env_header().rsplit(', ', 1)[-1]}")
     notes = [f"K = {a.k}; one program's instructions (cuobjdump -sass) over the weight elements one thread handles "
              "(K x BLOCK_N / (32 x num_warps)); per-tensor scales, no bias, unmasked loads, 16-byte aligned operands",
              "form 8-bit: the kernel's for fp8 / int8 weights (fp8 an fma a product, int8 dp4a, a read in w's layout); "
-             "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before"]
-    common.write_results("gemv_instructions", rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
+             "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before",
+             "8-bit gated (--gated): the gate-up GEMM with SiLU-and-mul in its epilogue (ops.gated_quant), the tile's "
+             "rows half gate, half up, on half its warps (small_m_gemm.gated_config); the epilogue's instructions "
+             "count too",
+             "registers: a thread's (cuobjdump -res-usage)"]
+    stem = "gemv_instructions_gated" if a.gated else "gemv_instructions"
+    common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
                          notes=notes, out_dir=a.out, header=header)
-    common.plot_stacked_bars("gemv_instructions", rows, label=["dtype", "tile", "form"], parts=["per_element"],
+    common.plot_stacked_bars(stem, rows, label=["dtype", "tile", "form"], parts=["per_element"],
                              title="SASS instructions a weight element, unrolled GEMV at M = 1 (sm_90)",
                              ylabel="instructions / element", out_dir=a.out)
 

@@ -485,7 +485,8 @@ def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
 
 def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
     """Compiled for Hopper without a GPU: int8's 8-bit form sums with dp4a and the plain one never does; fp8's 8-bit
-    form multiplies and adds in one fma; both take fewer instructions an element than the plain form."""
+    form multiplies and adds in one fma; both take fewer instructions an element than the plain form; the gated
+    (gate-up) form keeps dp4a on half the warps."""
     pytest.importorskip("triton")
     from benchmarks import gemv_instructions as gi
 
@@ -500,6 +501,9 @@ def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
     assert counts[torch.float8_e4m3fn, False]["FMUL"] >= elements
     for dtype in (torch.int8, torch.float8_e4m3fn):
         assert sum(counts[dtype, True].values()) < sum(counts[dtype, False].values())
+    # the gated form of the same 8 rows (4 gate, 4 up) on 2 warps: each thread twice the elements, dp4a kept
+    assert gi.count(gi.compile_sass(torch.int8, 4, 512, 2, 1024, True, gated=True))["IDP.4A.S8.S8"] == 2 * elements // 4
+    assert 0 < gi.registers(gi.compile_cubin(torch.int8, 4, 512, 2, 1024, True, gated=True)) <= 255
     with pytest.raises(SystemExit) as e:
         gi.main(["--k", "1000"])
     assert e.value.code == 2
