@@ -88,8 +88,57 @@ def _interpreter_fp8_rounds_as_the_gpu() -> None:
     builder.create_fp_to_fp = create_fp_to_fp
 
 
+def _interpreter_patches_the_language_once_a_launch() -> None:
+    """Triton 3.6's interpreter patches the language modules a kernel's globals hold (``triton.language``,
+    ``triton.language.core``: every builtin, found through ``inspect.getmembers``) when a launch starts, restores
+    them when it ends, and patches those of each ``@triton.jit`` helper again at every call inside the kernel,
+    never restored: the same functions over the ones already there, a millisecond a call (a quarter of the
+    attention kernels' interpreted time). Inside a launch a helper whose modules are patched already skips it (one
+    whose globals hold a module not yet patched, such as ``triton.language.core`` for the standard library's
+    functions, patches as before)."""
+    import threading
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not hasattr(interpreter, "GridExecutor") or getattr(interpreter._patch_lang, "_dynamo_once_fixed", False):
+        return  # another interpreter than this was written for: left as it is
+    original_patch, original_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = threading.local()
+    modules_of: dict = {}
+
+    class _Kept:
+        @staticmethod
+        def restore() -> None:  # the launch's scope restores the language
+            pass
+
+    def patch_lang(fn):
+        mods = modules_of.get(fn)
+        if mods is None:
+            mods = modules_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        patched = getattr(state, "patched", None)
+        if patched is not None and mods <= patched:
+            return _Kept
+        scope = original_patch(fn)
+        if patched is not None:
+            state.patched = patched | mods
+        return scope
+
+    def launch(self, *args, **kwargs):
+        state.patched = frozenset()
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            state.patched = None
+
+    patch_lang._dynamo_once_fixed = True
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
+
+
 if _interpreting():
     _interpreter_int_from_one_element()
+    _interpreter_patches_the_language_once_a_launch()
     _interpreter_fma_rounds_once()
     _interpreter_fp8_rounds_as_the_gpu()
 
