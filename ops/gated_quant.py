@@ -26,7 +26,7 @@ import torch
 from .act_quant import ACTIVATIONS, act_and_mul_dynamic_quant, act_and_mul_dynamic_quant_ref, \
     act_and_mul_static_quant, act_and_mul_static_quant_ref
 from .norm_quant import check_quant_dtype
-from .quant_fp8 import MIN_SCALE
+from .quant_fp8 import MIN_SCALE, quantize_by_scale
 from .quant_int8 import INT8_MIN_SCALE
 from .scaled_mm import FP8_MM_ALIGN, INT8_MM_ALIGN, check_args, cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, \
     int8_scaled_mm, int8_scaled_mm_ref
@@ -66,14 +66,7 @@ def _gated_quant_kernel(
         tl.store(scale_ptr + row, scale)
     mask = cols < D
     y = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.div_rn(1.0, scale)
-    q0 = y * inv
-    y = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-    if INT8:
-        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
-    else:
-        q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    q = quantize_by_scale(y, scale, q_ptr.dtype.element_ty, False)
     tl.store(q_ptr + row * D + cols, q, mask=mask)
 
 

@@ -69,12 +69,32 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_SCALE",
+    "quantize_by_scale",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Rounded to fp32 here so the kernels' fp32 argument and the reference's clamp agree exactly.
 MIN_SCALE = float(torch.tensor(1.0 / (FP8_MAX * 512.0), dtype=torch.float32))
+
+@triton.jit
+def quantize_by_scale(y, scale, Q: tl.constexpr, STATIC: tl.constexpr):
+    """``y / scale`` (fp32) correctly rounded (the module docstring: the quotient), saturated and converted to ``Q``
+    (fp8 e4m3, or int8 rounded half to even, see ``ops.quant_int8``). ``STATIC``: one scale for the tensor, which may
+    be tiny or huge (then the quotient's other path, ``div_rn``); a dynamic scale is at least the minimum scale."""
+    inv = tl.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    if STATIC:
+        if (inv > 1.0e27) | (inv < 1.0e-27):
+            q = tl.div_rn(y, scale)
+    if Q == tl.int8:
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+        out = ((q + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(Q)
+    return out
+
 
 # Large inputs: 4096 elements per program and per block of the amax loop, 8 warps: 8 KiB of bf16 in
 # flight per program; 88-103% of the copy bandwidth for the static quant from 4096 x 4096 (H200).

@@ -47,6 +47,7 @@ import torch
 
 from dispatcher import envs
 
+from .quant_fp8 import quantize_by_scale
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
 
 __all__ = [
@@ -215,25 +216,8 @@ def _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid_n, 
         blocks = tl.cdiv(N // 2, BLOCK_N)
         tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
     else:
-        q = _static_quant(h.to(tl.float32), tl.load(amax_ptr), out_ptr.dtype.element_ty)
+        q = quantize_by_scale(h.to(tl.float32), tl.load(amax_ptr), out_ptr.dtype.element_ty, True)
         tl.store(out_ptrs, q, mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _static_quant(y, scale, Q: tl.constexpr):
-    """``y / scale`` correctly rounded (``ops.quant_fp8``'s docstring: the quotient), saturated and converted to
-    ``Q`` (fp8 e4m3, or int8 rounded half to even), as ``ops.act_and_mul_static_quant``'s kernel does."""
-    inv = tl.div_rn(1.0, scale)
-    q0 = y * inv
-    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-    if (inv > 1.0e27) | (inv < 1.0e-27):
-        q = tl.div_rn(y, scale)
-    if Q == tl.int8:
-        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-        out = ((q + 12582912.0) - 12582912.0).to(tl.int8)
-    else:
-        out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(Q)
-    return out
 
 
 @triton.jit
