@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -195,16 +195,17 @@ for step in $steps; do
               timeout ${STEPAB_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model ${STEPAB_MODEL:-llama-3-8b-int8} \
                 --batches ${STEPAB_BATCHES:-32,128} --rounds ${STEPAB_ROUNDS:-2} "${args[@]}" --out "$R/gemm_step_ab" 2>&1 \
                 | tee "$R/gemm_step_ab.log" | grep -E "^\{|Error" ;;
-    gated)    # issues 12/13: the gate-up GEMM + SiLU + quant fused (gemm_act_quant) against the unfused ops, alone
-              # (int8 per token, fp8 static, the gated GEMM's configs GATED_CONFIGS) and in the quantized 8B's steps
-              for dq in "int8 dynamic" "fp8 static"; do set -- $dq
-                timeout ${GATED_TIMEOUT:-150} python3 -m benchmarks.gated_gemm --dtype $1 --quant $2 --ms 1,8,16,32,64,128 \
+    gated|gatedk|gatedstep) # issues 12/13: the gate-up GEMM + SiLU + quant fused (gemm_act_quant) against the unfused ops,
+              # alone (gatedk: int8 per token, fp8 static, the gated GEMM's configs GATED_CONFIGS) and in the quantized 8B's
+              # steps (gatedstep: native code with and without gemm_act_quant); gated: both
+              [ $step = gatedstep ] || for dq in "int8 dynamic" "fp8 static"; do set -- $dq
+                timeout ${GATED_TIMEOUT:-150} python3 -m benchmarks.gated_gemm --dtype $1 --quant $2 --ms ${GATED_MS:-1,8,16,32,64,128} \
                   --configs "${GATED_CONFIGS:-64x64x128,w4,s5;128x128x128,w8,s4;64x128x128,w4,s4}" --out "$R/gated_gemm" \
                   > "$R/gated_gemm_$1.log" 2>&1; grep -E "^\| |Error" "$R/gated_gemm_$1.log" | cut -c1-110
               done
-              for m in llama-3-8b-int8 llama-3-8b-fp8; do
+              [ $step = gatedk ] || for m in ${GATED_MODELS:-llama-3-8b-int8 llama-3-8b-fp8}; do
                 timeout ${GATED_DECODE_TIMEOUT:-200} python3 -m benchmarks.decode --models $m --iters 30 \
-                  --modes "level 3,level 3 +gemm_act_quant" --out "$R/gated_$m" 2>&1 | tee "$R/gated_$m.log" \
+                  --modes "${GATED_MODES:-level 3,level 3 +gemm_act_quant}" --out "$R/gated_$m" 2>&1 | tee "$R/gated_$m.log" \
                   | grep -E "^\{|Error"
               done ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph

@@ -81,7 +81,10 @@ MIN_SCALE = float(torch.tensor(1.0 / (FP8_MAX * 512.0), dtype=torch.float32))
 def quantize_by_scale(y, scale, Q: tl.constexpr, STATIC: tl.constexpr):
     """``y / scale`` (fp32) correctly rounded (the module docstring: the quotient), saturated and converted to ``Q``
     (fp8 e4m3, or int8 rounded half to even, see ``ops.quant_int8``). ``STATIC``: one scale for the tensor, which may
-    be tiny or huge (then the quotient's other path, ``div_rn``); a dynamic scale is at least the minimum scale."""
+    be tiny or huge (then the quotient's other path, ``div_rn``); a dynamic scale is at least the minimum scale.
+    For kernels launched directly only: a kernel launched through ``wrap_triton`` is re-emitted by Inductor, which
+    fails to compile one that calls another jitted function (``ops.norm_quant``'s kernel), so those repeat these
+    lines."""
     inv = tl.div_rn(1.0, scale)
     q0 = y * inv
     q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
