@@ -2,12 +2,14 @@
 against the unfused ops, at decode sizes.
 
 For each M of ``--ms`` on Llama-3-8B's gate-up shape (K = 4096, 2D = 28672), int8 (or ``--dtype fp8``) operands,
-per-token activation and per-channel weight scales, bf16 GEMM output, the activation quantized per token (or
-``--quant static``) to the operands' dtype:
+per-token activation and per-channel weight scales (``--quant static``: per-tensor scales, the static checkpoints'
+layout), bf16 GEMM output, the activation quantized per token (or per tensor with ``--quant static``) to the
+operands' dtype:
 
 - ``unfused``: ``int8_scaled_mm`` then ``act_and_mul_dynamic_quant`` (what ``act_quant`` leaves in a graph);
   ``--quant static``: ``act_and_mul_static_quant`` with a per-tensor scale;
-- ``gated``: the fused op as it runs (the gated form up to ``ops.small_m_gemm.GATED_MAX_M``, else the unfused ops);
+- ``gated``: the fused op as it runs (the gated form where ``ops.small_m_gemm.GATED_ROWS`` has a config, else the
+  unfused ops);
 - ``gated table``: the gated form with the small-M table's config for the shape, at every M;
 - ``gated CONFIG``: the gated GEMM with each config of ``--configs`` (``BMxBNxBK[,wW][,sS]`` as
   ``benchmarks.gemm_step_ab``'s rules), then the quantization kernel.
@@ -37,7 +39,9 @@ K, D = 4096, 14336  # Llama-3-8B's hidden and intermediate sizes
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
-def _operands(dtype: torch.dtype, m: int, copies: int) -> list[tuple]:
+def _operands(dtype: torch.dtype, m: int, copies: int, static: bool) -> list[tuple]:
+    """``copies`` weights and one activation; per-token / per-channel scales, or with ``static`` per-tensor ones
+    (the static checkpoints' layout: cuBLAS's fp8 GEMM takes another, faster path for it)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     if dtype == torch.int8:
         a = torch.randint(-128, 128, (m, K), generator=g, device="cuda").to(dtype)
@@ -45,8 +49,10 @@ def _operands(dtype: torch.dtype, m: int, copies: int) -> list[tuple]:
     else:
         a = torch.randn(m, K, generator=g, device="cuda").to(dtype)
         ws = [torch.randn(2 * D, K, generator=g, device="cuda").to(dtype) for _ in range(copies)]
-    a_scale = 1e-3 * (0.5 + torch.rand(m, 1, generator=g, device="cuda"))
-    w_scale = 1e-3 * (0.5 + torch.rand(2 * D, generator=g, device="cuda"))
+    a_scale = 1e-3 * (0.5 + torch.rand(1 if static else m, 1, generator=g, device="cuda"))
+    w_scale = 1e-3 * (0.5 + torch.rand(1 if static else 2 * D, generator=g, device="cuda"))
+    if static:
+        a_scale = a_scale.reshape(1)
     return [(a, w, a_scale, w_scale) for w in ws]
 
 
@@ -81,7 +87,7 @@ def _variants(dtype: torch.dtype, static: bool, configs: list[tuple[str, SmallMC
 def measure(dtype: torch.dtype, static: bool, m: int, configs: list[tuple[str, SmallMConfig]],
             copy_gbps: float) -> list[dict]:
     weight_bytes = 2 * D * K * dtype.itemsize
-    arg_sets = _operands(dtype, m, common.copies_to_exceed_cache(weight_bytes, limit=4))
+    arg_sets = _operands(dtype, m, common.copies_to_exceed_cache(weight_bytes, limit=4), static)
     fns = {name: common.rotating(fn, arg_sets) for name, fn in _variants(dtype, static, configs).items()}
     times = common.bench_gpu_interleaved(fns, graph_iters=4 * len(arg_sets), rounds=30)
     return [{"dtype": str(dtype).removeprefix("torch."), "quant": "static" if static else "dynamic", "M": m,
@@ -111,12 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbps = common.measure_copy_bandwidth()
     rows = [r for m in ms for r in measure(DTYPES[a.dtype], a.quant == "static", m, configs, copy_gbps)]
     name = f"gated_gemm_{a.dtype}_{a.quant}"
+    layout = "per-tensor" if a.quant == "static" else "per-token activation / per-channel weight"
     common.write_results(name, rows, title="Gate-up GEMM + SiLU-and-mul + quantization: fused and unfused",
                          device="cuda", out_dir=a.out,
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B gate-up (K {K}, 2D {2 * D}), "
-                                f"{a.dtype} operands, per-token / per-channel scales, bf16 GEMM output, {a.quant} "
+                                f"{a.dtype} operands, {layout} scales, bf16 GEMM output, {a.quant} "
                                 f"{a.dtype} quantization of the activation",
-                                "gated table: the table's config at that M whatever GATED_MAX_M; gated: the op",
+                                "gated table: the small-M table's config at that M whatever GATED_ROWS; gated: the op",
                                 "us: µs a call, CUDA graphs over rotating weight copies replayed in turn; "
                                 "pct_of_copy_bw: the weight's bytes; vs_unfused: unfused µs / this µs"])
     common.plot_panels(name, rows, x="M", y="us", series="variant", panel=None, out_dir=a.out, logx=True,

@@ -66,6 +66,8 @@ __all__ = [
     "table_row",
     "gated_runtime_config",
     "GATED_MAX_M",
+    "GATED_ROWS",
+    "gated_row",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -544,10 +546,26 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     return config if config is not None and envs.small_m_gemm() else None
 
 
-#: Per operand dtype, the largest M at which ``ops.gated_quant``'s ops run the gated form (gate-up GEMM, SiLU-and-mul
-#: and the quantization's amax or the quantization itself in one kernel); above it, the GEMM op and then the
-#: activation's fused quant op. Measured on the H200 (``benchmarks.gated_gemm``, README "Graph passes").
-GATED_MAX_M: dict[torch.dtype, int] = {torch.int8: 32, torch.float8_e4m3fn: 1}
+#: Per operand dtype, where ``ops.gated_quant``'s ops run the gated form (gate-up GEMM, SiLU-and-mul and the
+#: quantization's amax, or the quantization itself, in one kernel): ``(max_m, config)`` rows, ascending M; a config
+#: of None, and every M past the last row, run the unfused pair (the GEMM op, then the activation's fused quant op).
+#: Measured on the H200 on Llama-3-8B's gate-up (K 4096, 2D 28672), µs gated / unfused (results/gated_gemm_*.md):
+#: int8 per token M 1: 34.3 / 31.4 (the GEMV's gated form on half the warps loses), 8: 31.5 / 33.5, 16: 33.7 / 36.2,
+#: 32: 34.9 / 37.6 and 64: 35.9 / 41.4 with 64 x 128 tiles (the table's 32 x 64: 39.5 at 32), 128: 42.4 / 43.5 (the
+#: first form was 7.3% slower in the step there); fp8 static M 1: 32.2 / 29.8, 8-64: 30.3-34.2, 128: 43.8 / 41.7.
+GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
+    dtype: ((1, None), (16, SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)),
+            (64, SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)))
+    for dtype in (torch.int8, torch.float8_e4m3fn)
+}
+#: The largest M at which the gated form may run, per operand dtype.
+GATED_MAX_M: dict[torch.dtype, int] = {dtype: rows[-1][0] for dtype, rows in GATED_ROWS.items()}
+
+
+def gated_row(m: int, dtype: torch.dtype) -> SmallMConfig | None:
+    """``GATED_ROWS``' config for ``m`` rows of ``dtype`` operands (before :func:`gated_config`), or None: the
+    unfused ops."""
+    return next((config for max_m, config in GATED_ROWS.get(dtype, ()) if m <= max_m), None)
 
 
 def table_row(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
@@ -562,11 +580,10 @@ def table_row(m: int, n: int, k: int, dtype: torch.dtype) -> SmallMConfig:
 
 
 def gated_runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
-    """The gated form's config for these CUDA operands at an op's call, or None: M above ``GATED_MAX_M``'s entry,
-    no Triton, or ``DYNAMO_ONCE_SMALL_M_GEMM=0``."""
-    if not HAS_TRITON or a.shape[0] > GATED_MAX_M.get(a.dtype, 0) or not envs.small_m_gemm():
-        return None
-    return gated_config(table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype))
+    """The gated form's config for these CUDA operands at an op's call, or None: an M ``GATED_ROWS`` leaves to the
+    unfused ops, no Triton, or ``DYNAMO_ONCE_SMALL_M_GEMM=0``."""
+    config = gated_row(a.shape[0], a.dtype) if HAS_TRITON and envs.small_m_gemm() else None
+    return None if config is None else gated_config(config)
 
 
 def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,

@@ -42,7 +42,7 @@ def _assert_same(actual, expected):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 5, 16, 32, 100, 128, 300])
+@pytest.mark.parametrize("m", [1, 5, 16, 32, 64, 100, 128, 300])
 @pytest.mark.parametrize("quant_dtype", [INT8, FP8], ids=["q-int8", "q-fp8"])
 def test_cuda_int8_gate_up_is_the_unfused_ops(m, quant_dtype):
     """int8 operands, the table's GEMV, 16-, 32- and 128-row tiles, and cuBLAS past them (M = 300)."""
@@ -52,14 +52,14 @@ def test_cuda_int8_gate_up_is_the_unfused_ops(m, quant_dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 8, 64, 128])
 def test_cuda_fp8_gate_up_is_the_unfused_ops(m):
-    """fp8: the gated GEMV at M = 1 (its fp32 sums in another order than the plain GEMV's: half-row tiles on half
-    the warps), the unfused ops past ``GATED_MAX_M`` (the same values)."""
+    """fp8: the gated form where ``GATED_ROWS`` runs it (its fp32 sums in another order than the plain GEMM's), the
+    unfused ops elsewhere (the same values)."""
     a, w, a_scale, w_scale = _operands(FP8, m, 4096, 14336, "cuda")
     out = ops.gated_scaled_mm_dynamic_quant(a, w, a_scale, w_scale, BF16, "silu", FP8)
     expected = _unfused(a, w, a_scale, w_scale, BF16, FP8)
-    if m > small_m_gemm.GATED_MAX_M[FP8]:
+    if small_m_gemm.gated_row(m, FP8) is None:
         _assert_same(out, expected)
     else:
         _assert_close_codes(out[0], expected[0])
@@ -77,10 +77,10 @@ def _assert_close_codes(q, expected):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("m", [1, 8, 32, 128, 300])
+@pytest.mark.parametrize("m", [1, 8, 32, 64, 128, 300])
 def test_cuda_static_gate_up_is_the_unfused_ops(dtype, m):
-    """A per-tensor scale, quantized in the GEMM's epilogue where the gated form runs (GATED_MAX_M), the unfused
-    ops past it; both quant dtypes of the output."""
+    """A per-tensor scale, quantized in the GEMM's epilogue where the gated form runs (GATED_ROWS), the unfused
+    ops elsewhere; both quant dtypes of the output."""
     a, w, a_scale, w_scale = _operands(dtype, m, 4096, 14336, "cuda")
     gemm = ops.int8_scaled_mm if dtype == INT8 else ops.fp8_scaled_mm
     for quant_dtype, scale in ((INT8, 0.02), (FP8, 0.004)):
@@ -88,7 +88,7 @@ def test_cuda_static_gate_up_is_the_unfused_ops(dtype, m):
         q = ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "silu", s, quant_dtype)
         expected = ops.act_and_mul_static_quant(gemm(a, w, a_scale, w_scale, BF16), s, "silu", quant_dtype)
         assert q.dtype == quant_dtype and q.shape == expected.shape
-        if dtype == INT8 or m > small_m_gemm.GATED_MAX_M[dtype]:
+        if dtype == INT8 or small_m_gemm.gated_row(m, dtype) is None:
             assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
         else:  # fp8 sums in the gated kernel's order and the plain GEMM's (GEMV or cuBLAS) in their own
             _assert_close_codes(q, expected)
