@@ -553,10 +553,11 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: int8 per token M 1: 34.3 / 31.4 (the GEMV's gated form on half the warps loses), 8: 31.5 / 33.5, 16: 33.7 / 36.2,
 #: 32: 34.9 / 37.6 and 64: 35.9 / 41.4 with 64 x 128 tiles (the table's 32 x 64: 39.5 at 32), 128: 42.4 / 43.5 (the
 #: first form was 7.3% slower in the step there); fp8 static M 1: 32.2 / 29.8, 8-64: 30.3-34.2, 128: 43.8 / 41.7.
+_GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
+_GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
-    dtype: ((1, None), (16, SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)),
-            (64, SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)))
-    for dtype in (torch.int8, torch.float8_e4m3fn)
+    torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
+    torch.float8_e4m3fn: ((1, None), (16, _GATED_16), (32, None), (64, _GATED_64)),
 }
 #: The largest M at which the gated form may run, per operand dtype.
 GATED_MAX_M: dict[torch.dtype, int] = {dtype: rows[-1][0] for dtype, rows in GATED_ROWS.items()}

@@ -84,6 +84,10 @@ class GemmActQuantPass(QuantFusionPass):
     def state_key(self) -> str:
         return super().state_key() + "|" + native_forms_key(["silu_and_mul"] + [q.name for q in QUANT_OPS])
 
+    def anchor_ops(self) -> frozenset:
+        """The W8A8 GEMMs: a graph without one (a bf16 model's) traces no pattern."""
+        return frozenset(op for op in (dynamo_once_op(name) for name, _ in _GEMMS) if op is not None)
+
     def pattern_functions(self) -> list[tuple[Callable, Callable, list]]:
         out = []
         for gemm_name, operand in _GEMMS:

@@ -28,7 +28,7 @@ __all__ = ["PassConfig"]
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "gemm_act_quant": False, "sequence_parallel": False,
+                               "act_quant": False, "gemm_act_quant": True, "sequence_parallel": False,
                                "small_m_linear": True}
 
 

@@ -59,6 +59,15 @@ class PatternPass(GraphPass):
             self._patterns, self._prepared_for = patterns, key
         logger.debug("%s: %d patterns traced in %.2fs", self.name, self.num_patterns, time.perf_counter() - t0)
 
+    def anchor_ops(self) -> frozenset | None:
+        """Ops every pattern of this pass contains, or None (the default): a graph calling none of them is left
+        alone without tracing the patterns (a pass that is on by default then costs a model it cannot match
+        nothing)."""
+        return None
+
     def __call__(self, graph: torch.fx.Graph, size: int | None) -> int:
+        anchors = self.anchor_ops()
+        if anchors is not None and not any(node.target in anchors for node in graph.nodes):
+            return 0
         self.prepare()
         return int(self._patterns.apply(graph) or 0)
