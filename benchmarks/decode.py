@@ -17,9 +17,9 @@ each), the µs of one step (decoder + LM head), for:
   ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names); ``level 3 +NAME``,
   ``level 3 +ops +NAME``: the default passes and pass NAME;
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
-- ``weights+KV floor``: the bytes a decode step must read (every weight once, and the K and V of every
-  cached token of every sequence in every layer) / measured copy bandwidth; ``pct_of_floor`` is that floor
-  over a row's time.
+- ``weights+KV floor``: the bytes a decode step must read (every weight once, but of an embedding table only a
+  lookup reads just a row a sequence; and the K and V of every cached token of every sequence in every layer) /
+  measured copy bandwidth; ``pct_of_floor`` is that floor over a row's time.
 
 Also prefill throughput (one ``--prefill`` token prompt) per mode and the
 cold start-up of level 3 (trace + compile, then capture of every capture
@@ -167,13 +167,31 @@ def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return times[len(times) // 2]
 
 
+def _lookup_tables(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The embedding tables only a lookup reads (by data pointer): a decode step reads one row a sequence of
+    those, not the table; one tied to the LM head (Llama 3.2 1B's) is read whole there and is not listed."""
+    tables = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Embedding):
+            for p in m.parameters(recurse=False):
+                tables.pop(p.data_ptr(), None)
+    return tables
+
+
 def _weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
+    """Bytes of every weight a decode step reads whole: each parameter once, but the lookup-only embedding tables
+    (``Floor`` counts the rows a step reads of them)."""
+    seen, total = set(_lookup_tables(model)), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def _row_bytes(model: torch.nn.Module) -> int:
+    """Bytes a token reads of the lookup-only embedding tables: one row of each."""
+    return sum(t[0].numel() * t.element_size() for t in _lookup_tables(model).values())
 
 
 def _kv_bytes_per_token(cache: KVCache) -> float:
@@ -185,17 +203,19 @@ def _kv_bytes_per_token(cache: KVCache) -> float:
 class Floor:
     """The bandwidth floor of a decode step: weights read once, plus the K and V of every cached token.
 
-    ``us(batch, context)``: µs to read ``weight_bytes + kv_per_token * batch * (context + 1)`` bytes at the
-    measured copy bandwidth (the step reads ``context`` cached tokens and writes, then reads, one more).
+    ``us(batch, context)``: µs to read ``weight_bytes + (kv_per_token * (context + 1) + row_bytes) * batch``
+    bytes at the measured copy bandwidth (the step reads ``context`` cached tokens and writes, then reads, one
+    more; and a row of the embedding table a sequence: ``row_bytes``).
     """
 
-    def __init__(self, weight_bytes: int, kv_per_token: float, copy_bw_gbs: float):
+    def __init__(self, weight_bytes: int, kv_per_token: float, copy_bw_gbs: float, row_bytes: int = 0):
         self.weight_bytes = weight_bytes
         self.kv_per_token = kv_per_token
         self.copy_bw_gbs = copy_bw_gbs
+        self.row_bytes = row_bytes
 
     def us(self, batch: int, context: int) -> float:
-        nbytes = self.weight_bytes + self.kv_per_token * batch * (context + 1)
+        nbytes = self.weight_bytes + (self.kv_per_token * (context + 1) + self.row_bytes) * batch
         return nbytes / (self.copy_bw_gbs * 1e9) * 1e6
 
 
@@ -265,7 +285,7 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
         level, graph_mode = cfg.level, cfg.cudagraph_mode
         h = Harness(name, cfg, max_b, context, prefill, device, dtype, kv_cache_dtype)
         if floor is None and copy_bw:
-            floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw)
+            floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
         compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
         full = cuda and (mode in ("level 3", "full-graph floor") or bool(_level3_words(mode)))
@@ -401,7 +421,8 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
     max_b = max(batches)
     llm = LLM(name, level=3, max_num_tokens=max(512, max_b), max_num_seqs=max_b, dtype=dtype, device=device,
               num_cache_tokens=max_b * (prompt_len + new_tokens + 16))
-    floor = (Floor(_weight_bytes(llm.model), _kv_bytes_per_token(llm.kv_cache), copy_bw) if copy_bw else None)
+    floor = (Floor(_weight_bytes(llm.model), _kv_bytes_per_token(llm.kv_cache), copy_bw, _row_bytes(llm.model))
+             if copy_bw else None)
     context = prompt_len + new_tokens // 2
     rows = []
     for b in batches:
@@ -570,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
                                  device=device, out_dir=a.out,
                                  notes=[f"context {context} cached tokens per sequence; {bw}{kv_note}",
                                         "pct_of_floor: the weights+KV floor (every weight, and K and V of every "
-                                        "cached token, read once at the copy bandwidth) / this step's time"
+                                        "cached token, read once at the copy bandwidth; of the input embedding "
+                                        "table, unless tied to the LM head, a row a sequence) / this step's time"
                                         + (f"; LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} "
                                            "tokens)" if a.generate else ""),
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "

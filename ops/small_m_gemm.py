@@ -552,7 +552,9 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: Measured on the H200 on Llama-3-8B's gate-up (K 4096, 2D 28672), µs gated / unfused (results/gated_gemm_*.md):
 #: int8 per token M 1: 34.3 / 31.4 (the GEMV's gated form on half the warps loses), 8: 31.5 / 33.5, 16: 33.7 / 36.2,
 #: 32: 34.9 / 37.6 and 64: 35.9 / 41.4 with 64 x 128 tiles (the table's 32 x 64: 39.5 at 32), 128: 42.4 / 43.5 (the
-#: first form was 7.3% slower in the step there); fp8 static M 1: 32.2 / 29.8, 8-64: 30.3-34.2, 128: 43.8 / 41.7.
+#: first form was 7.3% slower in the step there); fp8 static, per-tensor scales (cuBLAS's fast path): M 1: 32.8 /
+#: 29.5, 8: 31.0 / 32.8, 32: 34.1 / 34.0 (and the 8B step at batch 32 2.2% slower gated: the unfused pair at 17-32),
+#: 64: 34.6 / 37.6, 128: 44.7 / 40.9.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {

@@ -19,9 +19,11 @@ __all__ = ["PassConfig"]
 #: quantization passes, which keep the Triton ops opaque, slowed the fp8 prefill by 45%.
 #: ``act_quant``'s native per-token patterns (custom ops off) were within 0.4% of native code at int8 decode batch
 #: 1-128 and a 2048-token prefill (``benchmarks/results/act_quant_native_*``): off too.
-#: ``gemm_act_quant``: off until its kernel form in the tree is measured (a first form made the int8 step 4.2% / 2.3%
-#: faster at batch 8 / 32 and 7.3% slower at 128, which GATED_MAX_M now leaves to the unfused ops; README "Graph
-#: passes").
+#: ``gemm_act_quant``: on. With native code otherwise (the default), in two H200 runs of the 8B decode step
+#: (README "Graph passes", ``benchmarks/results/passes_{gated_,}decode_*``): int8 1.1-2.3% / 3.5-3.6% / 1.3-2.1%
+#: faster at batch 1 / 8 / 32 and within 0.8% at 128, fp8 within 0.5% at 1, 8 and 128 and 2.9% faster at 32 in
+#: the second run (the first, with the gated form at 17-32 tokens, now the unfused pair, had it 2.2% slower);
+#: a 2048-token prefill within 1.5%. A graph without a W8A8 GEMM never traces its patterns.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1

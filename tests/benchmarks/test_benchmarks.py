@@ -250,10 +250,24 @@ def test_decode_floor_counts_weights_and_every_cached_token():
     cfg = model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
     assert decode._kv_bytes_per_token(cache) == per_token
-    weights = sum(p.numel() * 2 for p in model.parameters())
-    floor = decode.Floor(decode._weight_bytes(model), decode._kv_bytes_per_token(cache), copy_bw_gbs=1.0)
-    assert floor.us(1, 0) == pytest.approx((weights + per_token) / 1e3)  # 1 GB/s: bytes / 1000 = µs
-    assert floor.us(8, 511) - floor.us(1, 511) == pytest.approx(7 * 512 * per_token / 1e3)
+    table = cfg.vocab_size * cfg.hidden_size * 2  # the input embedding: a lookup reads a row a sequence
+    weights = sum(p.numel() * 2 for p in model.parameters()) - table
+    row = cfg.hidden_size * 2
+    floor = decode.Floor(decode._weight_bytes(model), decode._kv_bytes_per_token(cache), 1.0, decode._row_bytes(model))
+    assert floor.us(1, 0) == pytest.approx((weights + per_token + row) / 1e3)  # 1 GB/s: bytes / 1000 = µs
+    assert floor.us(8, 511) - floor.us(1, 511) == pytest.approx(7 * (512 * per_token + row) / 1e3)
+
+
+def test_decode_floor_reads_a_tied_embedding_whole():
+    """An input embedding tied to the LM head (Llama 3.2 1B's) is read whole by the head: the floor counts it once."""
+    from models import load_model
+
+    model = load_model("tiny-llama", dtype=torch.bfloat16)
+    untied = decode._weight_bytes(model)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    cfg = model.config
+    assert decode._weight_bytes(model) == untied  # the head's own table gone, the embedding's counted instead
+    assert decode._row_bytes(model) == 0 and decode._weight_bytes(model) > cfg.vocab_size * cfg.hidden_size * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
