@@ -74,7 +74,7 @@ def _variants(dtype: torch.dtype, static: bool, configs: list[tuple[str, SmallMC
 
     def with_config(config: SmallMConfig | None) -> Callable[..., Any]:
         def run(a, w, a_scale, w_scale):
-            c = config or gated_config(table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype))
+            c = config or gated_config(table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype), a.dtype)
             if static:
                 return small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, c, scale, q)[0]
             return launch_gated_quant(*small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, c), q)

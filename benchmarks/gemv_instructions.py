@@ -111,9 +111,9 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
 
 def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
     """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` (the gated config of the tile: its rows half
-    gate, half up, on half the warps, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table)."""
+    gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half the warps)."""
     gated = form == "8-bit gated"
-    n, w = (block_n // 2, max(warps // 2, 1)) if gated else (block_n, warps)
+    n, w = (block_n // 2, max(warps // 2, 1) if dtype == torch.int8 else warps) if gated else (block_n, warps)
     cubin = compile_cubin(dtype, n, block_k, w, k, form != "plain", gated)
     ops_count = count(_cuobjdump(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
              "form 8-bit: the kernel's for fp8 / int8 weights (fp8 an fma a product, int8 dp4a, a read in w's layout); "
              "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before",
              "8-bit gated (--gated): the gate-up GEMM with SiLU-and-mul in its epilogue (ops.gated_quant), the tile's "
-             "rows half gate, half up, on half its warps (small_m_gemm.gated_config); the epilogue's instructions "
+             "rows half gate, half up (small_m_gemm.gated_config: int8 on half its warps); the epilogue's instructions "
              "count too",
              "registers: a thread's (cuobjdump -res-usage)"]
     stem = "gemv_instructions_gated" if a.gated else "gemv_instructions"

@@ -586,7 +586,7 @@ def gated_runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | Non
     """The gated form's config for these CUDA operands at an op's call, or None: an M ``GATED_ROWS`` leaves to the
     unfused ops, no Triton, or ``DYNAMO_ONCE_SMALL_M_GEMM=0``."""
     config = gated_row(a.shape[0], a.dtype) if HAS_TRITON and envs.small_m_gemm() else None
-    return None if config is None else gated_config(config)
+    return None if config is None else gated_config(config, a.dtype)
 
 
 def _check(fn: str, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -750,12 +750,16 @@ def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 
-def gated_config(config: SmallMConfig) -> SmallMConfig:
-    """``config`` as the gated form runs it: one split (the epilogue needs the whole sum), at least one gate-up pair
-    of weight rows a program, and for the unrolled GEMV half the warps: each of its two tiles has half the rows, so
-    a thread keeps the row bytes it has in the plain form (the 16 adjacent bytes dp4a takes: ``_dp4a_tile``)."""
+def gated_config(config: SmallMConfig, dtype: torch.dtype) -> SmallMConfig:
+    """``config`` as the gated form runs it for ``dtype`` operands: one split (the epilogue needs the whole sum), at
+    least one gate-up pair of weight rows a program, and for int8's unrolled GEMV half the warps: each of its two
+    tiles has half the rows, so a thread keeps the row bytes it has in the plain form (the 16 adjacent bytes dp4a
+    takes: ``_dp4a_tile``). fp8's GEMV keeps its warps (no dp4a): with half of them a thread held twice the
+    elements, 128 registers against 72 (``benchmarks.gemv_instructions --gated``), and the gated GEMV ran 11%
+    slower than the plain one and the activation kernel (``results/gated_gemm_fp8_static.md``, M = 1)."""
     c = dataclasses.replace(config, SPLIT_K=1, SERIAL=False, BLOCK_N=max(config.BLOCK_N, 2))
-    return dataclasses.replace(c, num_warps=c.num_warps // 2) if c.UNROLL and c.num_warps > 1 else c
+    halve = c.UNROLL and c.num_warps > 1 and dtype == torch.int8
+    return dataclasses.replace(c, num_warps=c.num_warps // 2) if halve else c
 
 
 def gated_column_blocks(n: int, config: SmallMConfig) -> int:
@@ -771,12 +775,12 @@ def small_m_gated_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Ten
     kernel; ``amax [M, column blocks]`` fp32: each program's row amax of ``|h|`` (their max over axis 1 is the
     row's). With a per-tensor ``scale`` (fp32, one element) and ``quant_dtype``: ``(q, None)``, ``h`` quantized as
     ``ops.static_scaled_{fp8,int8}_quant`` would, in the same kernel. Same arguments as :func:`small_m_scaled_mm`,
-    no bias; ``config`` runs as :func:`gated_config`."""
+    no bias; ``config`` runs as :func:`gated_config` gives it for ``a``'s dtype."""
     _check("small_m_gated_scaled_mm", a, w, None, _SCALED_DTYPES)
     if w.shape[0] % 2:
         raise ValueError(f"small_m_gated_scaled_mm: w must be [gate; up], an even number of rows; got "
                          f"{list(w.shape)}")
-    config = gated_config(config)
+    config = gated_config(config, a.dtype)
     if scale is not None:
         if quant_dtype not in _SCALED_DTYPES or scale.dtype != torch.float32 or scale.numel() != 1:
             raise ValueError(f"small_m_gated_scaled_mm: a static quantization takes an fp32 scale of one element and "

@@ -143,12 +143,17 @@ def test_errors_name_the_argument():
         ops.gated_scaled_mm_static_quant(a, w, a_scale, w_scale, BF16, "relu", torch.ones(1), INT8)
 
 
-@pytest.mark.parametrize("rule", [r for r in small_m_gemm.SMALL_M_TABLE if r.config is not None and r.config.UNROLL],
-                         ids=str)
-def test_gated_gemv_keeps_each_threads_row_bytes(rule):
-    """The unrolled GEMV's gated form splits a program's rows into a gate and an up tile; with half the warps a
-    thread still loads as many adjacent bytes of a row as in the plain form (dp4a takes 16 of them)."""
-    c = small_m_gemm.gated_config(rule.config)
-    assert c.BLOCK_N == rule.config.BLOCK_N and c.SPLIT_K == 1
-    per_thread = rule.config.BLOCK_N * rule.config.BLOCK_K // (32 * rule.config.num_warps)
-    assert (c.BLOCK_N // 2) * c.BLOCK_K // (32 * c.num_warps) == per_thread
+@pytest.mark.parametrize("rule", [r for r in small_m_gemm.SMALL_M_TABLE if r.config is not None and r.config.UNROLL
+                                  and set(r.dtypes) & {INT8, FP8}], ids=str)
+def test_gated_gemv_keeps_int8s_row_bytes_and_fp8s_registers(rule):
+    """The unrolled GEMV's gated form splits a program's rows into a gate and an up tile. int8: on half the warps a
+    thread still loads as many adjacent bytes of a row as in the plain form (dp4a takes 16 of them); fp8: on all of
+    them, a thread holds as many elements as in the plain form."""
+    for dtype in set(rule.dtypes) & {INT8, FP8}:
+        c = small_m_gemm.gated_config(rule.config, dtype)
+        assert c.BLOCK_N == rule.config.BLOCK_N and c.SPLIT_K == 1
+        per_thread = rule.config.BLOCK_N * rule.config.BLOCK_K // (32 * rule.config.num_warps)
+        if dtype == INT8:
+            assert (c.BLOCK_N // 2) * c.BLOCK_K // (32 * c.num_warps) == per_thread
+        else:
+            assert c.BLOCK_N * c.BLOCK_K // (32 * c.num_warps) == per_thread

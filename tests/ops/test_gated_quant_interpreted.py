@@ -48,7 +48,7 @@ def _operands(dtype, m, k, d, seed=0):
 
 
 def _unfused(a, w, a_scale, w_scale, out_dtype, config, quant_dtype):
-    out = small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, None, gated_config(config))
+    out = small_m_scaled_mm(a, w, a_scale, w_scale, out_dtype, None, gated_config(config, a.dtype))
     return out, act_quant._launch_act_and_mul_quant(out, None, "silu", quant_dtype)
 
 
@@ -86,7 +86,7 @@ def test_gated_gemm_static_quant_is_the_unfused_kernels(config, quant_dtype, sca
     a, w, a_scale, w_scale = _operands(INT8, 3, 208, 40)
     s = torch.tensor([scale])
     q, none = small_m_gated_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, config, s, quant_dtype)
-    out = small_m_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, None, gated_config(config))
+    out = small_m_scaled_mm(a, w, a_scale, w_scale, torch.bfloat16, None, gated_config(config, a.dtype))
     q_ref, _ = act_quant._launch_act_and_mul_quant(out, s, "silu", quant_dtype)
     assert none is None and q.dtype == quant_dtype and torch.equal(_bits(q), _bits(q_ref))
 
