@@ -56,9 +56,10 @@ class PassConfig:
     with the custom ops off it also matches the native form of a per-token quantization (see
     ``dispatcher.passes.quant_fusion``)."""
     gemm_act_quant: bool | None = None
-    """A W8A8 gate-up GEMM + the SiLU-and-mul + per-token quantization ``act_quant`` made of its output -> one op
-    whose GEMM computes the activation and the rows' amax in its epilogue (see
-    ``dispatcher.passes.gemm_act_quant``; matches ``act_quant``'s output, so it needs ``act_quant`` on)."""
+    """A W8A8 gate-up GEMM + the SiLU-and-mul and static or per-token quantization of its output -> one op whose
+    GEMM computes the activation and the quantization (static) or the rows' amax (per token) in its epilogue, at the
+    token counts where that measured faster (see ``dispatcher.passes.gemm_act_quant``; matches the native forms,
+    and with the custom ops on ``act_quant``'s fused op, so there it needs ``act_quant`` too)."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least
