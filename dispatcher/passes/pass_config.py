@@ -21,7 +21,7 @@ __all__ = ["PassConfig"]
 #: 1-128 and a 2048-token prefill (``benchmarks/results/act_quant_native_*``): off too.
 #: ``gemm_act_quant``: on. With native code otherwise (the default), in two H200 runs of the 8B decode step
 #: (README "Graph passes", ``benchmarks/results/passes_{gated_,}decode_*``): int8 1.1-2.3% / 3.5-3.6% / 1.3-2.1%
-#: faster at batch 1 / 8 / 32 and within 0.8% at 128, fp8 within 0.5% at 1, 8 and 128 and 2.9% faster at 32 in
+#: faster at batch 1 / 8 / 32 and within 0.8% at 128, fp8 0-0.8% faster at 1, 8 and 128 and 2.9% faster at 32 in
 #: the second run (the first, with the gated form at 17-32 tokens, now the unfused pair, had it 2.2% slower);
 #: a 2048-token prefill within 1.5%. A graph without a W8A8 GEMM never traces its patterns.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
