@@ -549,12 +549,13 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: Per operand dtype, where ``ops.gated_quant``'s ops run the gated form (gate-up GEMM, SiLU-and-mul and the
 #: quantization's amax, or the quantization itself, in one kernel): ``(max_m, config)`` rows, ascending M; a config
 #: of None, and every M past the last row, run the unfused pair (the GEMM op, then the activation's fused quant op).
-#: Measured on the H200 on Llama-3-8B's gate-up (K 4096, 2D 28672), µs gated / unfused (results/gated_gemm_*.md):
-#: int8 per token M 1: 34.3 / 31.4 (the GEMV's gated form on half the warps loses), 8: 31.5 / 33.5, 16: 33.7 / 36.2,
-#: 32: 34.9 / 37.6 and 64: 35.9 / 41.4 with 64 x 128 tiles (the table's 32 x 64: 39.5 at 32), 128: 42.4 / 43.5 (the
-#: first form was 7.3% slower in the step there); fp8 static, per-tensor scales (cuBLAS's fast path): M 1: 32.8 /
-#: 29.5, 8: 31.0 / 32.8, 32: 34.1 / 34.0 (and the 8B step at batch 32 2.2% slower gated: the unfused pair at 17-32),
-#: 64: 34.6 / 37.6, 128: 44.7 / 40.9.
+#: Measured on the H200 on Llama-3-8B's gate-up (K 4096, 2D 28672), µs gated / unfused. int8 per token
+#: (results/gated_gemm_int8_dynamic_before_rows.md; gated_gemm_int8_dynamic.md repeats it with these rows): M 1: 34.3
+#: / 31.4 (the GEMV's gated form on half the warps loses), 8: 31.5 / 33.5, 16: 33.7 / 36.2, 32: 34.9 / 37.6 and 64:
+#: 35.9 / 41.4 with 64 x 128 tiles (the table's 32 x 64: 39.5 at 32), 128: 42.4 / 43.5 (the first form was 7.3%
+#: slower in the step there). fp8 static, per-tensor scales (cuBLAS's fast path; results/gated_gemm_fp8_static.md): M
+#: 1: 32.8 / 29.5, 8: 31.0 / 32.8, 32: 34.1 / 34.0 (and the 8B step at batch 32 2.2% slower gated: the unfused pair
+#: at 17-32), 64: 34.6 / 37.6, 128: 44.7 / 40.9.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
