@@ -112,8 +112,13 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
 def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
     """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` (the gated config of the tile: its rows half
     gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half the warps)."""
+    from ops import small_m_gemm
+
     gated = form == "8-bit gated"
-    n, w = (block_n // 2, max(warps // 2, 1) if dtype == torch.int8 else warps) if gated else (block_n, warps)
+    n, w = block_n, warps
+    if gated:
+        tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
+        n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
     cubin = compile_cubin(dtype, n, block_k, w, k, form != "plain", gated)
     ops_count = count(_cuobjdump(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows

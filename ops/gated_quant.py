@@ -105,8 +105,8 @@ def _check(op: str, a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_s
 
 def _gated_path(a: torch.Tensor, w: torch.Tensor, act: str) -> tuple[bool, Any, Any]:
     """``(on_cuda, gemm op, gated config)``: off CUDA (or below the GEMM's capability) the references; on it the
-    gated form's config, or None where it does not apply (an M past ``GATED_MAX_M``, an activation not SiLU): the
-    unfused ops, which compute the same values."""
+    gated form's config, or None where it does not apply (an M ``small_m_gemm.GATED_ROWS`` leaves to the unfused
+    pair, an activation not SiLU): the unfused ops, which compute the same values."""
     gemm, _, _, capability = _GEMMS[a.dtype]
     if not cuda_at_least(a, capability):
         return False, gemm, None

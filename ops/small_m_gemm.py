@@ -65,7 +65,6 @@ __all__ = [
     "gated_column_blocks",
     "table_row",
     "gated_runtime_config",
-    "GATED_MAX_M",
     "GATED_ROWS",
     "gated_row",
 ]
@@ -562,8 +561,6 @@ GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
     torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
     torch.float8_e4m3fn: ((1, None), (16, _GATED_16), (32, None), (64, _GATED_64)),
 }
-#: The largest M at which the gated form may run, per operand dtype.
-GATED_MAX_M: dict[torch.dtype, int] = {dtype: rows[-1][0] for dtype, rows in GATED_ROWS.items()}
 
 
 def gated_row(m: int, dtype: torch.dtype) -> SmallMConfig | None:
