@@ -197,8 +197,8 @@ for step in $steps; do
                 | tee "$R/gemm_step_ab.log" | grep -E "^\{|Error" ;;
     gated|gatedk|gatedstep) # issues 12/13: the gate-up GEMM + SiLU + quant fused (gemm_act_quant) against the unfused ops,
               # alone (gatedk: int8 per token, fp8 static, the gated GEMM's configs GATED_CONFIGS) and in the quantized 8B's
-              # steps (gatedstep: native code with and without gemm_act_quant); gated: both
-              [ $step = gatedstep ] || for dq in "int8 dynamic" "fp8 static"; do set -- $dq
+              # steps (gatedstep: native code with and without gemm_act_quant); gated: both; GATED_DTYPES: e.g. "fp8,static"
+              [ $step = gatedstep ] || for dq in ${GATED_DTYPES:-int8,dynamic fp8,static}; do set -- ${dq/,/ }
                 timeout ${GATED_TIMEOUT:-150} python3 -m benchmarks.gated_gemm --dtype $1 --quant $2 --ms ${GATED_MS:-1,8,16,32,64,128} \
                   --configs "${GATED_CONFIGS:-64x64x128,w4,s5;128x128x128,w8,s4;64x128x128,w4,s4}" --out "$R/gated_gemm" \
                   > "$R/gated_gemm_$1.log" 2>&1; grep -E "^\| |Error" "$R/gated_gemm_$1.log" | cut -c1-110
