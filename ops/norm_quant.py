@@ -59,15 +59,14 @@ QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr, res_out_ptr, n_rows, n_cols, x_row_stride, res_row_stride, eps,
     MIN_S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, INT8: tl.constexpr, DYNAMIC: tl.constexpr,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COL_SPLIT: tl.constexpr, INT64: tl.constexpr,
-    EVICT_FIRST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COL_SPLIT: tl.constexpr, SPLIT_MAX: tl.constexpr,
+    INT64: tl.constexpr, EVICT_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     # ops.rms_norm's kernel statement for statement up to the normed row (the same values), then the quant
     # kernels' arithmetic. Self-contained: Inductor re-emits a user kernel's source and fails to compile one
     # that calls another jitted function (torch 2.11 + Triton 3.6). DYNAMIC: scale_ptr is the [T, 1] output.
-    # COL_SPLIT > 1 (static scale only): COL_SPLIT adjacent programs share a block of rows; each sums the squares
-    # of the whole rows (the same tile, so the same sums) and normalizes and quantizes its 1/COL_SPLIT of the
-    # columns, loaded again (from cache): a few tokens' rows spread over COL_SPLIT SMs instead of one.
+    # COL_SPLIT > 1 (static scale only, norm_quant_col_split): up to SPLIT_MAX elements COL_SPLIT programs sum the
+    # rows' squares and each writes its share of the columns; past it, the first writes every share.
     if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -76,63 +75,67 @@ def _rms_norm_quant_kernel(
         pid = pid.to(tl.int64)
     rows = (pid // COL_SPLIT) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    if not DYNAMIC:
-        # Issued with the row's loads, not after the reduction (and, with the fused add, after the residual's
-        # store, past which the compiler may not move a load): at one token its latency is the kernel's tail.
+    share = pid % COL_SPLIT
+    n_shares = 1
+    if COL_SPLIT > 1:
+        whole = n_rows > SPLIT_MAX // BLOCK_N
+        row_ok = row_ok & ((share == 0) | ~whole)
+        n_shares = tl.where(whole, tl.where(share == 0, COL_SPLIT, 0), 1)
+    if not DYNAMIC:  # with the row's loads, not after the residual's store: at one token, the kernel's tail
         static_scale = tl.load(scale_ptr).to(tl.float32)
     cols = tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    # This program's columns: all of them, or its share (loaded now, with the rows, not after the reduction).
-    pcols = cols if COL_SPLIT == 1 else (pid % COL_SPLIT) * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
-    pmask = mask if COL_SPLIT == 1 else row_ok[:, None] & (pcols < n_cols)[None, :]
-    w = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    if EVICT_FIRST:  # activations are read once: keep the weight (read by every program) in L2
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first")
-    else:
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    if COL_SPLIT > 1:
-        xp = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
+    if COL_SPLIT == 1:
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    # EVICT_FIRST: activations are read once: keep the weight (read by every program) in L2
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first" if EVICT_FIRST else "")
+    xf, s = x.to(tl.float32), x
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
-        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        s = (xf + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         xf = s.to(tl.float32)
-        if COL_SPLIT > 1:
-            rp = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
-            s = (xp.to(tl.float32) + rp.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-    else:
-        xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    if COL_SPLIT > 1:  # the share's values, bit for bit the whole rows' at those columns
-        xf = s.to(tl.float32) if HAS_RESIDUAL else xp.to(tl.float32)
-    out_offs = rows[:, None] * n_cols + pcols[None, :]
-    if HAS_RESIDUAL:
-        tl.store(res_out_ptr + out_offs, s, mask=pmask)
-    if GEMMA:
-        w = 1.0 + w
-    # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
-    y = (xf * rstd[:, None] * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    if DYNAMIC:
-        qmax = 127.0 if INT8 else 448.0
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), qmax), tl.full([ROWS], MIN_S, tl.float32))
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
-        scale = scale[:, None]
-    else:
-        scale = static_scale
-    # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
-    inv = tl.div_rn(1.0, scale)
-    q0 = y * inv
-    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-    if not DYNAMIC:
-        if (inv > 1.0e27) | (inv < 1.0e-27):
-            q = tl.div_rn(y, scale)
-    y = q
-    if INT8:
-        y = tl.minimum(tl.maximum(y, -128.0), 127.0)
-        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
-    else:
-        q = tl.minimum(tl.maximum(y, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + out_offs, q, mask=pmask)
+    for i in range(0, n_shares):
+        if COL_SPLIT > 1:  # this share's columns, loaded again: its values bit for bit the whole rows' there
+            pcols = (share + i) * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
+            pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
+            ws = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            xs = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
+            xs = xs.to(tl.float32)
+            if HAS_RESIDUAL:
+                rs = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
+                ss = (xs + rs.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+                xs = ss.to(tl.float32)
+        else:
+            pcols, pmask, ws, xs, ss = cols, mask, w, xf, s
+        out_offs = rows[:, None] * n_cols + pcols[None, :]
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + out_offs, ss, mask=pmask)
+        ws = 1.0 + ws if GEMMA else ws
+        # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
+        y = (xs * rstd[:, None] * ws[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if DYNAMIC:
+            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0 if INT8 else 448.0),
+                               tl.full([ROWS], MIN_S, tl.float32))
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            scale = scale[:, None]
+        else:
+            scale = static_scale
+        # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
+        inv = tl.div_rn(1.0, scale)
+        q0 = y * inv
+        q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0),
+                     q0)
+        if not DYNAMIC:
+            if (inv > 1.0e27) | (inv < 1.0e-27):
+                q = tl.div_rn(y, scale)
+        if INT8:
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
+        else:
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + out_offs, q, mask=pmask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +149,11 @@ def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) ->
 
     A quantized row's divisions (``div_rn``, correctly rounded as the reference's) are the kernel's longest
     stretch at a few tokens, where one program a row leaves all but a few SMs idle: splitting the columns
-    spreads them. At a known large size, one program a row (no second read)."""
+    spreads them. At a known large size, one program a row (no second read). At a symbolic count the split is
+    launched and the kernel checks the rows at run time: past ``SMALL_ELEMENTS`` elements the first program of
+    each row block writes all its columns and the others do nothing, so a compiled graph's prefill reads each row
+    once (measured on the H200 before that check, a 2048-token fused-add norm + static fp8 quant of 4096 columns:
+    23.6 µs split in four against 16.0 µs in one program a row; results/fused_quant_configs.md)."""
     if dynamic or block_n < 2048 or (known_rows is not None and known_rows * block_n > SMALL_ELEMENTS):
         return 1
     return NORM_QUANT_COL_SPLIT
@@ -196,6 +203,7 @@ def _launch_rms_norm_quant(
         BLOCK_N=block_n,
         ROWS=rows,
         COL_SPLIT=col_split,
+        SPLIT_MAX=SMALL_ELEMENTS,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,

@@ -18,6 +18,7 @@ from test_fused_quant import ACTS, EPS, QUANT_DTYPES, Q_IDS, STATIC_SCALE, TIES,
 from test_kernels_interpreted import _interpreter_fp8
 
 import ops
+from ops.triton_utils import SMALL_ELEMENTS
 
 pytestmark = [pytest.mark.interpret,
               # NumPy's exp overflows to inf inside tanh-GELU's formula for large inputs: the result is right.
@@ -117,13 +118,16 @@ def test_norm_quant_configs_and_strided_rows(config, quant_dtype):
                                       quant_dtype, False, config))
 
 
+@pytest.mark.parametrize("n_rows", [5, 40])
 @pytest.mark.parametrize("col_split", [2, 4, 8])
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=Q_IDS.get)
-def test_norm_quant_column_split_is_bit_for_bit_one_program_a_row(col_split, quant_dtype):
+def test_norm_quant_column_split_is_bit_for_bit_one_program_a_row(n_rows, col_split, quant_dtype):
     """Static scale, the columns of a row block split over programs (a few tokens spread over SMs): the same
-    values as one program a row, for partial slices (a width not a multiple of the split) and strided rows."""
-    wide = randn((5, 2500), torch.bfloat16, "cpu")
-    x, r = wide[:, :2049], randn((5, 2049), torch.bfloat16, "cpu", seed=1)
+    values as one program a row, for partial slices (a width not a multiple of the split) and strided rows. 40
+    rows of 4096-wide blocks are past SMALL_ELEMENTS: the block's first program writes every share."""
+    assert (n_rows > SMALL_ELEMENTS // 4096) == (n_rows == 40)
+    wide = randn((n_rows, 2500), torch.bfloat16, "cpu")
+    x, r = wide[:, :2049], randn((n_rows, 2049), torch.bfloat16, "cpu", seed=1)
     w, scale = randn((2049,), torch.bfloat16, "cpu", seed=2), torch.tensor([STATIC_SCALE])
     for rr in (None, r):
         for gemma in (False, True):
