@@ -212,7 +212,7 @@ for step in $steps; do
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
     fqconfigs) # issue 13: the quant kernels' launch configs at a symbolic token count (as a compiled graph launches them)
-              timeout ${FQ_TIMEOUT:-240} python3 -m benchmarks.fused_quant_configs --out "$R/fused_quant_configs" 2>&1 \
+              timeout ${FQ_TIMEOUT:-240} python3 -m benchmarks.fused_quant_configs ${FQ_ARGS:-} --out "$R/fused_quant_configs" 2>&1 \
                 > "$R/fused_quant_configs.log" 2>&1; grep -E "Error|'default': True|'inductor'" "$R/fused_quant_configs.log" ;;
     kprofmodes) # issue 16: the decode graphs' kernels per level-3 mode (KPM_MODES, comma-separated), one process a mode
               IFS=, read -ra kpm <<< "${KPM_MODES:-level 3}"; i=0
