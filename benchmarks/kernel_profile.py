@@ -8,7 +8,7 @@ and the top kernels by time. This is the profile the decode-kernel work (issue 1
 is a weight read, and every µs that is not a GEMM streaming weights is overhead.
 
 Usage: ``python -m benchmarks.kernel_profile [--models llama-3-8b-fp8,llama-3-8b] [--batches 1,128]
-[--stack bf16,fp8] [--context 512] [--out DIR]``; CUDA only. Files (``kernel_profile.{md,csv}``, a row per
+[--prefill 2048] [--stack bf16,fp8] [--context 512] [--out DIR]``; CUDA only. Files (``kernel_profile.{md,csv}``, a row per
 graph and kind, and ``kernel_profile_top.{md,csv}``) only with ``--out``.
 """
 
@@ -106,6 +106,17 @@ def decode_graphs(name: str, batches: list[int], context: int, mode: str = "leve
     return runs
 
 
+def prefill_run(name: str, tokens: int, mode: str = "level 3") -> Callable[[], Any]:
+    """``name``'s prefill of one ``tokens``-token prompt in ``mode`` (as ``benchmarks.decode``'s prefill rows run
+    it: the compiled model called directly, its pieces and kernels launched from the host)."""
+    from benchmarks.decode import Harness, mode_config
+
+    h = Harness(name, mode_config(mode, True, [1]), 1, 0, tokens, torch.device("cuda"), torch.bfloat16)
+    h.first_call(tokens)
+    h.set_prefill(tokens)
+    return h.step
+
+
 @contextlib.contextmanager
 def gemm_table(fp8_ours: bool, prefetch: int | None) -> Iterator[None]:
     """``ops.small_m_gemm.SMALL_M_TABLE`` for a variant: ``fp8_ours``, fp8 GEMMs up to ``SMALL_M_MAX`` take the
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,128", help="decode batch sizes")
     p.add_argument("--context", type=int, default=512, help="cached tokens a sequence")
     p.add_argument("--stack", default="", help="also benchmarks.gemm's stack at M = 1 for these dtypes (bf16,fp8)")
+    p.add_argument("--prefill", type=int, default=0, help="also each model's prefill of a prompt of this many "
+                   "tokens (0: none)")
     p.add_argument("--replays", type=int, default=5, help="graph replays profiled")
     p.add_argument("--fp8-ours", action="store_true", help="fp8 GEMMs up to SMALL_M_MAX on the small-M kernel "
                                                            "everywhere (int8's rows where the table says cuBLAS)")
@@ -169,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in [m for m in a.models.split(",") if m]:
         builders.append(lambda name=name: {f"{name} decode b{b}{tag}": run for b, run
                                            in decode_graphs(name, batches, a.context, a.mode).items()})
+        if a.prefill:
+            builders.append(lambda name=name: {f"{name} prefill {a.prefill}{tag}": prefill_run(name, a.prefill,
+                                                                                               a.mode)})
     kinds, tops = [], []
     with gemm_table(a.fp8_ours, a.prefetch):
         for build in builders:
@@ -179,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 tops += t
             torch.cuda.empty_cache()
         notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
-                 f"decode: {a.mode} whole-step graph, context {a.context}; stack: benchmarks.gemm's 8B linear stack",
+                 f"decode: {a.mode} whole-step graph, context {a.context}; prefill: the compiled model's call, no "
+                 "graph; stack: benchmarks.gemm's 8B linear stack",
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
                  f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, TORCHINDUCTOR_ENABLE_PDL="
