@@ -218,7 +218,7 @@ for step in $steps; do
               IFS=, read -ra kpm <<< "${KPM_MODES:-level 3}"; i=0
               for md in "${kpm[@]}"; do i=$((i+1))
                 timeout ${KPM_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models ${KPM_MODELS:-llama-3.2-1b} \
-                  --batches ${KPM_BATCHES:-1} --mode "$md" --tag "$md" --out "$R/kprofmode$i" > "$R/kprofmode$i.log" 2>&1
+                  --batches ${KPM_BATCHES:-1} ${KPM_ARGS:-} --mode "$md" --tag "$md" --out "$R/kprofmode$i" > "$R/kprofmode$i.log" 2>&1
                 grep -E "\| total \||Error" "$R/kprofmode$i.log" | tail -6
               done ;;
     *) echo "unknown step $step" ;;
