@@ -4,7 +4,8 @@ At level 3 one graph serves every token count, so a Triton op's launch config is
 (``known_int`` None: the bandwidth config), and Inductor launches the kernel without programmatic dependent
 launch. At one decode token that config may put a whole row on one SM. For each kernel the graph passes put
 in (RMSNorm + static quant, with and without the residual add; SiLU-and-mul + static quant) and the plain static
-quant, at 1 / 8 / 32 / 2048 tokens (hidden 4096, intermediate 14336, bf16 in, fp8 out), this times:
+quant, at 1 / 8 / 32 / 128 / 2048 tokens (128: a decode batch past the norm kernel's run-time split check;
+hidden 4096, intermediate 14336, bf16 in, fp8 out), this times:
 
 - each candidate config, launched eagerly without PDL (the graph's launch);
 - ``compiled op``: the op itself in a ``torch.compile`` graph with the token dim dynamic (first call at 2048
@@ -14,7 +15,7 @@ quant, at 1 / 8 / 32 / 2048 tokens (hidden 4096, intermediate 14336, bf16 in, fp
 All of one cell timed together (``common.bench_gpu_interleaved``: CUDA graphs of many calls, replayed in turn),
 inputs rotated over copies larger than the L2. ``vs_inductor``: inductor's µs / this row's (> 1: faster).
 
-Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,2048] [--out DIR]`` (CUDA).
+Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,128,2048] [--out DIR]`` (CUDA).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _plot(rows: list[dict], out_dir: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="1,8,32,2048")
+    p.add_argument("--tokens", default="1,8,32,128,2048")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     args = p.parse_args()
     if not torch.cuda.is_available():
