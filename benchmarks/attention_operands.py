@@ -3,7 +3,10 @@
 ``python -m benchmarks.attention_operands [--out DIR]``: a one-split decode kernel (no window, soft cap or fused write) in three forms, bf16 and fp8 e4m3 caches, Llama-3-8B
 heads (32 q heads, 8 KV heads, D 128), 16-token pages scattered: 0 q·kᵀ and p·v as ops.paged_attention does
 (the key tile is the MMA's shared-memory operand); 1 k·qᵀ (the key tile the register operand, the small q tile in
-shared memory); 2 also (p·v)ᵀ = vᵀ·pᵀ (the value tile the register operand). Prints µs per call (CUDA-graph
+shared memory); 2 also (p·v)ᵀ = vᵀ·pᵀ (the value tile the register operand); 3 (an fp8 cache only) form 0 with the
+value tile converted to fp16 by an opaque ``cvt`` (:func:`f16_from_e4m3`) before its shared-memory round trip, where
+Triton otherwise moves the conversion after it and gathers the transposed tile a byte at a time
+(``benchmarks.attention_instructions`` counts the difference in the sm_90 code). Prints µs per call (CUDA-graph
 replays) and % of copy bandwidth, each checked against ops.paged_decode_ref; the table, CSV and PNG (with ``--out``)
 ``attention_operands``. The kernel is this file's own, smaller than ops.paged_attention's (which also splits,
 merges, writes the new tokens and takes windows and soft caps): a lower bound of what its loop costs.
@@ -24,6 +27,16 @@ from ops.paged_attention import paged_decode_ref
 from ops.triton_utils import tl, triton
 
 HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
+
+
+@triton.jit
+def f16_from_e4m3(x):
+    """fp8 e4m3 ``x`` as fp16, four elements (one 32-bit word) a ``cvt`` pair: the instruction Triton's own
+    conversion emits, but opaque (``is_pure=False``), so Triton cannot move it past a layout change. Not in Triton's
+    interpreter (no inline assembly there)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -52,7 +65,7 @@ def _kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_bt, stride_h
         block = tl.load(bt_ptr + b * stride_bt + k_pos // PAGE_, mask=n_mask, other=0).to(tl.int64)
         off = block[:, None] * stride_b + (k_pos % PAGE_)[:, None] * stride_s + kvh * stride_h + offs_d[None, :]
         k = tl.load(cache_ptr + off, mask=n_mask[:, None], other=0.0).to(q.dtype)
-        if FORM == 0:
+        if FORM == 0 or FORM == 3:
             s = tl.dot(q, tl.trans(k))
         else:
             s = tl.trans(tl.dot(k, q_t))
@@ -61,7 +74,8 @@ def _kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_bt, stride_h
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_half + off, mask=n_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(cache_ptr + stride_half + off, mask=n_mask[:, None], other=0.0)
+        v = f16_from_e4m3(v) if FORM == 3 else v.to(q.dtype)
         if FORM == 2:
             acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(v.dtype)))
         else:
@@ -72,6 +86,11 @@ def _kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_bt, stride_h
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * (GROUP * tl.num_programs(1) * HEAD_D) + heads[:, None] * HEAD_D + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def forms(dtype: torch.dtype) -> tuple[int, ...]:
+    """The kernel's forms for a cache of ``dtype`` (form 3 converts an fp8 value tile)."""
+    return (0, 1, 2, 3) if dtype == torch.float8_e4m3fn else (0, 1, 2)
 
 
 def run(form: int, q, cache, table, seq_lens, out, block_n: int, warps: int, stages: int) -> None:
@@ -98,7 +117,7 @@ def measure(dtype: torch.dtype, batch: int, ctx: int, configs: list[str], copy_g
     rows = []
     for cfg in configs:
         bn, w, st = (int(x) for x in cfg.split("x"))
-        for form in (0, 1, 2):
+        for form in forms(dtype):
             try:
                 run(form, q, cache, table, seq_lens, out, bn, w, st)
                 err = (out.float() - ref.float()).abs().max().item()
@@ -132,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                          device="cuda", out_dir=a.out,
                          notes=[f"copy bandwidth {copy_gbps:.0f} GB/s; Llama-3-8B heads (32 q, 8 KV, D 128), "
                                 f"{PAGE}-token pages scattered; bytes: every K and V byte of the cache's dtype",
-                                "form 0: q·kᵀ, p·v (ops.paged_attention's); 1: k·qᵀ; 2: k·qᵀ and vᵀ·pᵀ; config: "
+                                "form 0: q·kᵀ, p·v (ops.paged_attention's); 1: k·qᵀ; 2: k·qᵀ and vᵀ·pᵀ; "
+                                "3: form 0, fp8 values converted before their shared-memory round trip; config: "
                                 "BLOCK_N x warps x stages; us: triton.testing.do_bench_cudagraph, per call",
                                 "fp8 cache: q and the tiles in fp16 for the dots, as ops.kv_quant.dot_operand"])
     common.plot_panels("attention_operands", [dict(r, shape=f"b{r['batch']} ctx{r['context']} {r['config']}")

@@ -497,6 +497,23 @@ def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
     assert e.value.code == 2 and "--variant" in err and says in err
 
 
+def test_attention_instructions_count_the_fp8_value_tiles_conversion():
+    """Compiled for Hopper without a GPU: over an fp8 cache the decode loop (attention_operands' form 0) gathers the
+    transposed value tile from shared memory a byte at a time; converted before that round trip (form 3) it does
+    not, and costs about bf16's instructions a cache element, far fewer than form 0's."""
+    pytest.importorskip("triton")
+    from benchmarks import attention_instructions as ai
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    form0, form3, plain = (ai.loop_counts(ai.compile_sass(dtype, form, 128, 4))
+                           for dtype, form in ((fp8, 0), (fp8, 3), (bf16, 0)))
+    assert form0["LDS.U8"] > 0 and form3["LDS.U8"] == 0 and plain["LDS.U8"] == 0
+    mma = [sum(v for k, v in c.items() if k.startswith("HMMA")) for c in (form0, form3, plain)]
+    assert mma[0] == mma[1] == mma[2] > 0  # the same two dots a tile
+    total = [sum(c.values()) for c in (form0, form3, plain)]
+    assert total[1] < 0.75 * total[0] and total[1] < 1.1 * total[2]
+
+
 def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
     """Compiled for Hopper without a GPU: int8's 8-bit form sums with dp4a and the plain one never does; fp8's 8-bit
     form multiplies and adds in one fma; both take fewer instructions an element than the plain form; the gated
