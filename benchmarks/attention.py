@@ -61,6 +61,8 @@ TOP_FLIPPED = 6  # the sweep's fastest configs per shape timed again in each of 
 #: The other forms the fastest configs are timed in again: the other grid order, and the fused kernels (the merge in
 #: the split kernel; the cache write in it; both: one launch). The candidates take DecodeConfig's defaults (unfused).
 FORMS = ({"heads_first": True}, {"fused_merge": True}, {"fused_write": True}, {"fused_merge": True, "fused_write": True})
+#: Over an fp8 cache, also: each value tile converted as loaded (DecodeConfig.convert_v), alone and with both fusions.
+FP8_FORMS = ({"convert_v": True}, {"convert_v": True, "fused_merge": True, "fused_write": True})
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -252,7 +254,7 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
     # The other forms (grid order, fused kernels): the fastest few again in each.
     top = sorted((r for r in rows if r["correct"]), key=lambda r: r["us"])[:TOP_FLIPPED]
     measure([dataclasses.replace(DecodeConfig(**{k: r[k] for k in _CONFIG_FIELDS}), **form)
-             for form in FORMS for r in top])
+             for form in FORMS + (FP8_FORMS if _fp8() else ()) for r in top])
     del case, ref
     torch.cuda.empty_cache()
     return rows
@@ -260,7 +262,7 @@ def sweep_shape(batch: int, context: int, device: str, copy_gbps: float, num_sms
 
 SWEEP_COLUMNS = ["batch", "context", *DecodeConfig.__dataclass_fields__, "us", "pct_of_copy_bw", "correct", "table"]
 _CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps", "heads_first", "fused_merge",
-                  "fused_write")
+                  "fused_write", "convert_v")
 
 
 def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@
 heads (32 q heads, 8 KV heads, D 128), 16-token pages scattered: 0 q·kᵀ and p·v as ops.paged_attention does
 (the key tile is the MMA's shared-memory operand); 1 k·qᵀ (the key tile the register operand, the small q tile in
 shared memory); 2 also (p·v)ᵀ = vᵀ·pᵀ (the value tile the register operand); 3 (an fp8 cache only) form 0 with the
-value tile converted to fp16 by an opaque ``cvt`` (:func:`f16_from_e4m3`) before its shared-memory round trip, where
+value tile converted to fp16 by an opaque ``cvt`` (``ops.kv_quant.f16_from_e4m3``) before its shared-memory round trip, where
 Triton otherwise moves the conversion after it and gathers the transposed tile a byte at a time
 (``benchmarks.attention_instructions`` counts the difference in the sm_90 code). Prints µs per call (CUDA-graph
 replays) and % of copy bandwidth, each checked against ops.paged_decode_ref; the table, CSV and PNG (with ``--out``)
@@ -22,21 +22,11 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from ops.kv_quant import dot_operand
+from ops.kv_quant import dot_operand, f16_from_e4m3
 from ops.paged_attention import paged_decode_ref
 from ops.triton_utils import tl, triton
 
 HEADS, KV_HEADS, D, PAGE = 32, 8, 128, 16
-
-
-@triton.jit
-def f16_from_e4m3(x):
-    """fp8 e4m3 ``x`` as fp16, four elements (one 32-bit word) a ``cvt`` pair: the instruction Triton's own
-    conversion emits, but opaque (``is_pure=False``), so Triton cannot move it past a layout change. Not in Triton's
-    interpreter (no inline assembly there)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit

@@ -88,6 +88,18 @@ def to_cache(x, inv_scale, cache_ptr):
 
 
 @triton.jit
+def f16_from_e4m3(x):
+    """fp8 e4m3 ``x`` as fp16, four elements (one 32-bit word) a ``cvt`` pair: the instruction Triton's own
+    conversion emits, but opaque (``is_pure=False``), so Triton cannot move it past a layout change: a value tile
+    converted this way goes through shared memory (for the MMA's transposed operand) as fp16, where Triton's own
+    conversion is moved after that round trip and the fp8 tile is gathered a byte at a time
+    (``benchmarks.attention_instructions``). Not in Triton's interpreter (no inline assembly there)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def dot_operand(q, cache_ptr):
     """q as the attention's dot operand over ``cache_ptr``'s cache: fp16 where a bf16 q meets an fp8 cache (an fp8
     tile converts to fp16 in one instruction a pair, to bf16 only through fp32; fp16 holds every bf16 value of q's

@@ -51,7 +51,8 @@ import functools
 
 import torch
 
-from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, inverse_scale, quantize_kv_ref, to_cache
+from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_from_e4m3, inverse_scale, \
+    quantize_kv_ref, to_cache
 from .paged_decode_config import DecodeConfig, decode_config
 from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
 
@@ -170,6 +171,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    CONVERT_V: tl.constexpr = False,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
@@ -204,7 +206,8 @@ def _decode_split_kernel(
                                      (p0 * PAGE <= last) & (last < end), k_inv, v_inv, HEAD_D, BLOCK_D, PAGE)
     m_i, l_i, acc = _attend_range(q, k_new, v_new, cache_ptr, block_table_ptr + b * stride_bt, kvh, start, p0, end,
                                   last, stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
-                                  BLOCK_G, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, USE_SOFTCAP, IEEE, FUSED_WRITE)
+                                  BLOCK_G, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, USE_SOFTCAP, IEEE, FUSED_WRITE,
+                                  CONVERT_V)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -262,9 +265,10 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
                   stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
                   BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-                  FUSED_WRITE: tl.constexpr):
+                  FUSED_WRITE: tl.constexpr, CONVERT_V: tl.constexpr = False):
     """The online softmax of q over positions ``[max(start, p0 * PAGE), end)``: ``(m, l, acc)``. FUSED_WRITE: the
-    position ``last`` from k_new / v_new (registers), not the cache (whose slot this launch writes)."""
+    position ``last`` from k_new / v_new (registers), not the cache (whose slot this launch writes). CONVERT_V (an
+    fp8 cache, on a GPU): each value tile converted to fp16 as loaded (``DecodeConfig.convert_v``)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_D
@@ -299,7 +303,8 @@ def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, la
         alpha = tl.exp(m_i - m_ref)
         p = tl.exp(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
+        v = (f16_from_e4m3(v) if CONVERT_V else v).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -506,7 +511,8 @@ class DecodePlan:
         self.split_constexprs = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot: >= 16 rows
                                      HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=max(page, cfg.BLOCK_N),
                                      SPLIT=splits > 1, EVEN_D=block_d == head_size, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages)
+                                     num_stages=cfg.num_stages,
+                                     CONVERT_V=cfg.convert_v and kv_fp8 and torch.device(device).type == "cuda")
         self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=cfg.merge_warps)
         self.counters: torch.Tensor | None = None
         if cfg.fused_merge and splits > 1:

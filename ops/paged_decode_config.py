@@ -42,6 +42,12 @@ class DecodeConfig:
         fused_write: the decode kernel also writes the decode sequences' new keys and values to the cache (the
             caller's separate cache-write launch then covers the other tokens only; none in a decode-only step),
             when the caller passes them (``paged_decode_launch``'s ``new_kv``).
+        convert_v: over an fp8 cache (on a GPU), each value tile converted to fp16 as loaded, by an opaque
+            ``cvt`` (``ops.kv_quant.f16_from_e4m3``), before the shared-memory round trip the MMA's transposed
+            operand takes: Triton otherwise converts after it and gathers the fp8 tile a byte at a time. In sm_90
+            code compiled on the CPU that takes the minimal kernel's loop from 5.96 to 9.68 cache elements a warp
+            instruction (bf16's: 9.67; ``benchmarks.attention_instructions``); not yet timed on a GPU, so off in
+            every row. The same values either way (the instruction Triton's conversion emits).
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -59,6 +65,7 @@ class DecodeConfig:
     heads_first: bool = False
     fused_merge: bool = False
     fused_write: bool = False
+    convert_v: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):

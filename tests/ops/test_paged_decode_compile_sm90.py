@@ -1,0 +1,53 @@
+"""The paged decode kernel over an fp8 cache compiles for Hopper (sm_90) on any machine, with and without
+``DecodeConfig.convert_v``; converted as loaded, its loop no longer gathers the value tile a byte at a time.
+
+``convert_v`` uses inline assembly, which Triton's interpreter does not run (the plan turns it off on CPU tensors),
+so its code is checked here: compiled down to ptxas and read back with cuobjdump (Triton's package carries both).
+"""
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from ops import paged_attention  # noqa: E402
+
+_POINTERS = dict(q_ptr="*bf16", cache_ptr="*fp8e4nv", block_table_ptr="*i32", seq_lens_ptr="*i32", mid_o_ptr="*bf16",
+                 mid_lse_ptr="*fp32", out_ptr="*bf16", counter_ptr="*i32", k_new_ptr="*bf16", v_new_ptr="*bf16",
+                 slot_ptr="*i64")
+_FLOATS = ("scale", "soft_cap", "k_inv", "v_inv", "v_scale")
+
+
+def _loop(convert_v: bool, fused_write: bool):
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
+    except ImportError as e:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
+    from benchmarks.attention_instructions import loop_counts
+    from benchmarks.gemv_instructions import _cuobjdump, cuobjdump
+
+    if not os.path.exists(cuobjdump()):
+        pytest.skip("Triton's package has no cuobjdump")
+    kernel = paged_attention._decode_split_kernel
+    consts = dict(GROUP=4, BLOCK_G=16, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=False, EVEN_D=True,
+                  USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False, FUSED_WRITE=fused_write, FUSED_MERGE=False,
+                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v)
+    sig = {n: "constexpr" if n in consts else _POINTERS.get(n, "fp32" if n in _FLOATS else "i32")
+           for n in kernel.arg_names}
+    # what a launch on Llama-3-8B's cache specializes as 16-divisible: the pointers and the cache's strides
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if n.endswith("_ptr") or n.startswith("stride_c")}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=3))
+    return loop_counts(_cuobjdump(compiled.asm["cubin"], "-sass"))
+
+
+@pytest.mark.parametrize("fused_write", [False, True], ids=["decode", "fused-write"])
+def test_fp8_value_tiles_converted_as_loaded_are_not_gathered_by_byte(fused_write):
+    plain, converted = _loop(False, fused_write), _loop(True, fused_write)
+    mma = [sum(v for k, v in c.items() if k.startswith("HMMA")) for c in (plain, converted)]
+    assert mma[0] == mma[1] > 0  # the same dots
+    assert plain["LDS.U8"] > 0 and converted["LDS.U8"] == 0
+    assert sum(converted.values()) < 0.75 * sum(plain.values())
