@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|attnops ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -105,8 +105,12 @@ for step in $steps; do
                 | grep -E "'ours|Error" ;;
     attn)     # issue 16: paged decode attention alone at batch 1-128 x context 512-4096 (% of copy bandwidth), then the
               # sweep of its configs (best per shape, suggested DECODE_TABLE rows: the "best" lines)
-              timeout ${ATTN_TIMEOUT:-330} python3 -m benchmarks.attention --sweep --deadline ${ATTN_DEADLINE:-220} \
+              timeout ${ATTN_TIMEOUT:-330} python3 -m benchmarks.attention --sweep --deadline ${ATTN_DEADLINE:-220} ${ATTN_ARGS:-} \
                 --out "$R/attention" 2>&1 | tee "$R/attention.log" | grep -E "^\{|^best|precompiled|deadline|Error" ;;
+    attnops)  # issue 12/16: the minimal decode kernel's dot orders and the fp8 value tile converted as loaded (form 3),
+              # bf16 and fp8 caches (ATTNOPS_ARGS, e.g. --shapes 128x512 --configs 64x2x3,128x4x3)
+              timeout ${ATTNOPS_TIMEOUT:-200} python3 -m benchmarks.attention_operands ${ATTNOPS_ARGS:-} \
+                --out "$R/attention_operands" 2>&1 | tee "$R/attention_operands.log" | grep -E "^\{|Error" ;;
     gemmsweep) # the small-M GEMM's configs on each layer shape (int8, fp8, bf16): the best per shape, for its table
               timeout ${SWEEP_TIMEOUT:-300} python3 -m benchmarks.gemm --sweep --sweep-ms ${SWEEP_MS:-1,4,16} \
                 --sweep-dtypes ${SWEEP_DTYPES:-bf16,fp8,int8} ${SWEEP_ARGS:-} --out "$R/gemm_sweep" 2>&1 | tee "$R/gemm_sweep.log" \
