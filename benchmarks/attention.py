@@ -187,9 +187,9 @@ def sweep_candidates(batch: int, num_sms: int) -> list[DecodeConfig]:
 
 
 def _resolved(cfg: DecodeConfig, batch: int, num_sms: int) -> tuple:
-    """What a config launches at ``batch``: (splits, BLOCK_N, warps, stages, merge warps)."""
+    """What a config launches at ``batch``: (splits, BLOCK_N, warps, stages, merge warps, and its forms)."""
     return (cfg.splits(batch, KV_HEADS, num_sms), max(PAGE, cfg.BLOCK_N), cfg.num_warps, cfg.num_stages,
-            cfg.merge_warps, cfg.heads_first, cfg.fused_merge, cfg.fused_write)
+            cfg.merge_warps, cfg.heads_first, cfg.fused_merge, cfg.fused_write, cfg.convert_v and _fp8())
 
 
 @contextmanager
