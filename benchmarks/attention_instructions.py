@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from benchmarks.gemv_instructions import _cuobjdump, cuobjdump
+from benchmarks.gemv_instructions import read_cubin, cuobjdump
 
 _TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 _SIG = {"q_ptr": "*bf16", "cache_ptr": "*{t}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
@@ -56,7 +56,7 @@ def compile_sass(dtype: torch.dtype, form: int, block_n: int, num_warps: int, nu
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                             num_stages=num_stages))
-    return _cuobjdump(compiled.asm["cubin"], "-sass")
+    return read_cubin(compiled.asm["cubin"], "-sass")
 
 
 def loop_counts(sass: str) -> collections.Counter:

@@ -71,9 +71,10 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     return compiled.asm["cubin"]
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
+def read_cubin(cubin: bytes, flag: str) -> str:
+    """``cuobjdump flag`` (e.g. ``-sass``, ``-res-usage``) of a compiled kernel's cubin, as text."""
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "gemv.cubin")
+        path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         return subprocess.run([cuobjdump(), flag, path], check=True, capture_output=True, text=True).stdout
@@ -82,12 +83,12 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
                  gated: bool = False) -> str:
     """:func:`compile_cubin`'s SASS (``cuobjdump -sass``)."""
-    return _cuobjdump(compile_cubin(dtype, block_n, block_k, num_warps, k, bytes_form, gated), "-sass")
+    return read_cubin(compile_cubin(dtype, block_n, block_k, num_warps, k, bytes_form, gated), "-sass")
 
 
 def registers(cubin: bytes) -> int:
     """Registers a thread of the kernel (``cuobjdump -res-usage``): with the warps, what bounds its programs an SM."""
-    found = re.search(r"REG:(\d+)", _cuobjdump(cubin, "-res-usage"))
+    found = re.search(r"REG:(\d+)", read_cubin(cubin, "-res-usage"))
     assert found, "cuobjdump -res-usage names the kernel's registers"
     return int(found.group(1))
 
@@ -120,7 +121,7 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
         tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
         n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
     cubin = compile_cubin(dtype, n, block_k, w, k, form != "plain", gated)
-    ops_count = count(_cuobjdump(cubin, "-sass"))
+    ops_count = count(read_cubin(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
     total = sum(ops_count.values())
     return {"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}", "form": form,

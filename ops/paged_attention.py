@@ -512,7 +512,7 @@ class DecodePlan:
                                      HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=max(page, cfg.BLOCK_N),
                                      SPLIT=splits > 1, EVEN_D=block_d == head_size, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages,
-                                     CONVERT_V=cfg.convert_v and kv_fp8 and torch.device(device).type == "cuda")
+                                     CONVERT_V=cfg.convert_v and kv_fp8 and device.type == "cuda")
         self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=cfg.merge_warps)
         self.counters: torch.Tensor | None = None
         if cfg.fused_merge and splits > 1:

@@ -26,7 +26,7 @@ def _loop(convert_v: bool, fused_write: bool):
     except ImportError as e:
         pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
     from benchmarks.attention_instructions import loop_counts
-    from benchmarks.gemv_instructions import _cuobjdump, cuobjdump
+    from benchmarks.gemv_instructions import read_cubin, cuobjdump
 
     if not os.path.exists(cuobjdump()):
         pytest.skip("Triton's package has no cuobjdump")
@@ -41,7 +41,7 @@ def _loop(convert_v: bool, fused_write: bool):
              if n.endswith("_ptr") or n.startswith("stride_c")}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=3))
-    return loop_counts(_cuobjdump(compiled.asm["cubin"], "-sass"))
+    return loop_counts(read_cubin(compiled.asm["cubin"], "-sass"))
 
 
 @pytest.mark.parametrize("fused_write", [False, True], ids=["decode", "fused-write"])
