@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|attnops ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -213,6 +213,18 @@ for step in $steps; do
                 timeout ${GATED_DECODE_TIMEOUT:-200} python3 -m benchmarks.decode --models $m --iters 30 \
                   --modes "${GATED_MODES:-level 3,level 3 +gemm_act_quant}" --out "$R/gated_$m" 2>&1 | tee "$R/gated_$m.log" \
                   | grep -E "^\{|Error"
+              done ;;
+    gatedlin) # issue 16: bf16 gate-up GEMM + SiLU-and-mul in one kernel (ops.gated_linear) against the unfused pair, alone
+              # (both models' shapes) and in the bf16 decode steps with and without the gated_linear pass
+              for m in llama-3.2-1b llama-3-8b; do
+                timeout ${GATEDLIN_TIMEOUT:-120} python3 -m benchmarks.gated_gemm --dtype bf16 --model $m --ms ${GATEDLIN_MS:-1,2,4,8,16} \
+                  ${GATEDLIN_ARGS:-} --out "$R/gated_gemm" > "$R/gated_gemm_bf16_$m.log" 2>&1
+                grep -E "^\| |Error" "$R/gated_gemm_bf16_$m.log" | cut -c1-110
+              done
+              for m in ${GATEDLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
+                timeout ${GATEDLIN_DECODE_TIMEOUT:-200} python3 -m benchmarks.decode --models $m --iters 30 --batches ${GATEDLIN_BATCHES:-1,8} \
+                  --prefill 0 --modes "level 3,level 3 +gated_linear" --out "$R/gatedlin_$m" 2>&1 \
+                  | tee "$R/gatedlin_$m.log" | grep -E "^\{|Error"
               done ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \

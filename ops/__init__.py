@@ -8,7 +8,8 @@ norm + quant and activation + quant ops (``norm_quant``, ``act_quant``): the gra
 the unfused sequences, nor the gate-up GEMM fused with its activation and per-token quant (``gated_quant``:
 the ``gemm_act_quant`` pass puts it in place of a W8A8 GEMM and ``act_and_mul_dynamic_quant``). The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
 small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque op that runs it at decode sizes,
-put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass.
+put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass, and ``gated_linear`` the one that
+runs its gated form (gate-up GEMM + SiLU-and-mul), put in place of that pair by the ``gated_linear`` pass.
 """
 
 from .triton_utils import HAS_TRITON
@@ -87,6 +88,7 @@ from .scaled_mm import (
     int8_scaled_mm_ref,
 )
 from .linear import LINEAR_DTYPES, linear, linear_uses_small_m
+from .gated_linear import GATED_LINEAR_DTYPES, gated_linear, gated_linear_ref, gated_linear_uses_small_m
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
@@ -107,6 +109,7 @@ TORCH_OP_NAMES = (
     "fp8_scaled_mm",
     "int8_scaled_mm",
     "linear",
+    "gated_linear",
     "write_kv_cache",
     "paged_decode",
     "paged_prefill",
@@ -146,6 +149,9 @@ __all__ = [
     "linear",
     "linear_uses_small_m",
     "LINEAR_DTYPES",
+    "gated_linear",
+    "gated_linear_uses_small_m",
+    "GATED_LINEAR_DTYPES",
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_config",
@@ -198,6 +204,7 @@ __all__ = [
     "act_and_mul_static_quant_ref",
     "act_and_mul_dynamic_quant_ref",
     "gated_scaled_mm_static_quant_ref",
+    "gated_linear_ref",
     "gated_scaled_mm_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",

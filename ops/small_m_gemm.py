@@ -32,7 +32,8 @@ Gated form (``small_m_gated_scaled_mm``, for ``ops.gated_quant``): ``w`` is a ga
 (``[2D, K]``) and a program takes ``BLOCK_N / 2`` output columns, streaming their gate rows and their up rows into two
 accumulators; the epilogue rounds both to the activation's dtype (as the plain GEMM's output is), computes
 SiLU(gate) * up as ``ops.silu_and_mul``'s kernel does, and stores either that ``[M, D]`` with each row's amax over
-the tile (a per-token quantization follows) or its quantization with a per-tensor scale. One split only.
+the tile (a per-token quantization follows) or its quantization with a per-tensor scale. One split only. The same
+form for bf16 / fp16 operands (``small_m_gated_mm``, for ``ops.gated_linear``): ``[M, D]`` alone.
 
 Launchers run eagerly on CUDA tensors, inside CUDA-graph capture (no host sync; memory from torch's allocator),
 and on CPU tensors under ``TRITON_INTERPRET=1``. The public W8A8 ops (:func:`ops.int8_scaled_mm`,
@@ -61,6 +62,7 @@ __all__ = [
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_gated_scaled_mm",
+    "small_m_gated_mm",
     "gated_config",
     "gated_column_blocks",
     "table_row",
@@ -206,16 +208,17 @@ def _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid_n, 
     ``H`` (the activation's dtype) as the unfused GEMM's output is, then SiLU(gate) * up as ``ops.silu_and_mul``'s
     kernel computes it (fp32, rounded to ``H``); ``[M, N // 2]`` to ``out_ptr``. An ``out_ptr`` of dtype ``H``
     takes it as it is, and ``amax_ptr[row, pid_n]`` (``[M, column blocks]`` fp32) each row's amax of it over the
-    tile, for a per-token quantization after it (``ops.gated_quant``); an 8-bit ``out_ptr`` takes it quantized
-    with the per-tensor scale at ``amax_ptr``, as the static quant ops do."""
+    tile, for a per-token quantization after it (``ops.gated_quant``; an ``amax_ptr`` of None: none); an 8-bit
+    ``out_ptr`` takes it quantized with the per-tensor scale at ``amax_ptr``, as the static quant ops do."""
     g = y.to(H).to(tl.float32)
     u = y_up.to(H).to(tl.float32)
     h = (g * tl.sigmoid(g) * u).to(H)
     out_ptrs = out_ptr + offs_m[:, None] * (N // 2) + offs_n[None, :]
     if out_ptr.dtype.element_ty == H:
         tl.store(out_ptrs, h, mask=m_ok[:, None] & n_ok[None, :])
-        blocks = tl.cdiv(N // 2, BLOCK_N)
-        tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
+        if amax_ptr is not None:  # None: no quantization follows (small_m_gated_mm)
+            blocks = tl.cdiv(N // 2, BLOCK_N)
+            tl.store(amax_ptr + offs_m * blocks + pid_n, tl.max(tl.abs(h.to(tl.float32)), axis=1), mask=m_ok)
     else:
         q = quantize_by_scale(h.to(tl.float32), tl.load(amax_ptr), out_ptr.dtype.element_ty, True)
         tl.store(out_ptrs, q, mask=m_ok[:, None] & n_ok[None, :])
@@ -545,7 +548,7 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     return config if config is not None and envs.small_m_gemm() else None
 
 
-#: Per operand dtype, where ``ops.gated_quant``'s ops run the gated form (gate-up GEMM, SiLU-and-mul and the
+#: Per operand dtype, where ``ops.gated_quant``'s ops (8-bit) and ``ops.gated_linear`` (bf16 / fp16) run the gated form (gate-up GEMM, SiLU-and-mul and the
 #: quantization's amax, or the quantization itself, in one kernel): ``(max_m, config)`` rows, ascending M; a config
 #: of None, and every M past the last row, run the unfused pair (the GEMM op, then the activation's fused quant op).
 #: Measured on the H200 on Llama-3-8B's gate-up (K 4096, 2D 28672), µs gated / unfused. int8 per token
@@ -558,11 +561,18 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: gated_gemm_fp8_static_m1_full_warps.md): 28.64 / 29.14 µs, 1.7% faster; fp8's M = 1 row stays unfused until the
 #: gated GEMV in that form has passed the CUDA tests (tests/ops/test_gated_quant.py, with this row set to the table's
 #: gate-up GEMV, ``SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)``).
+#: bf16 / fp16 (``ops.gated_linear``, the ``gated_linear`` pass's op, off by default): M = 1 only, the plain table's
+#: gate-up GEMV row (the gated form streams the same weight rows, half gate and half up, so the plain form's tile is
+#: its start), not yet timed gated on a GPU (``benchmarks.gated_gemm --dtype bf16``); M 2-16 the unfused pair, where
+#: the plain table leaves gate-up to cuBLAS.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
+_GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
     torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
     torch.float8_e4m3fn: ((1, None), (16, _GATED_16), (32, None), (64, _GATED_64)),
+    torch.bfloat16: ((1, _GATED_GEMV_F16),),
+    torch.float16: ((1, _GATED_GEMV_F16),),
 }
 
 
@@ -644,10 +654,11 @@ def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) ->
 
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig,
-            gated: tuple[torch.dtype, torch.Tensor] | None = None) -> torch.Tensor:
+            gated: tuple[torch.dtype, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``[M, N]``, or with ``gated = (h_dtype, amax)`` the gated form ``[M, N // 2]`` (``_store_gated``: SiLU(gate) *
     up of the GEMM's output rounded to ``h_dtype``; an ``out_dtype`` of ``h_dtype``: each tile's row amax to ``amax``
-    ``[M, column blocks]`` fp32 (:func:`gated_column_blocks`); an 8-bit one: quantized with the scale ``amax``)."""
+    ``[M, column blocks]`` fp32 (:func:`gated_column_blocks`), or none with ``amax`` None; an 8-bit one: quantized
+    with the scale ``amax``)."""
     if not HAS_TRITON:
         raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
@@ -792,3 +803,19 @@ def small_m_gated_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Ten
         return q, None
     amax = torch.empty((a.shape[0], gated_column_blocks(w.shape[0], config)), dtype=torch.float32, device=a.device)
     return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, None, config, (out_dtype, amax)), amax
+
+
+def small_m_gated_mm(a: torch.Tensor, w: torch.Tensor, config: SmallMConfig) -> torch.Tensor:
+    """``h = silu_and_mul(small_m_mm(a, w))`` ``[M, N // 2]`` in ``a``'s dtype for a gate-up weight ``w = [gate; up]``
+    ``[N, K]``, in one kernel: the GEMM's output rounded to ``a``'s dtype first, as the unfused pair's is, then
+    SiLU(gate) * up in fp32, rounded once (``ops.silu_and_mul``'s arithmetic). ``config`` runs as
+    :func:`gated_config` gives it.
+
+    Args:
+        a: ``bfloat16`` or ``float16 [M, K]``; w: the same dtype, ``[N, K]``, N even.
+        config: the launch configuration (e.g. :func:`gated_runtime_config`'s).
+    """
+    _check("small_m_gated_mm", a, w, None, _FLOAT_DTYPES)
+    if w.shape[0] % 2:
+        raise ValueError(f"small_m_gated_mm: w must be [gate; up], an even number of rows; got {list(w.shape)}")
+    return _launch(a, w, None, None, a.dtype, None, gated_config(config, a.dtype), (a.dtype, None))

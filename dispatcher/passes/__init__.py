@@ -8,6 +8,7 @@ The library's passes are switched by ``CompilationConfig.pass_config`` (:class:`
 
 from .counters import PassCounter, PassCounts, pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
+from .gated_linear import GatedLinearPass
 from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass
 from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
@@ -21,6 +22,7 @@ from .small_m_linear import SmallMLinearPass
 __all__ = [
     "ActQuantPass",
     "FusedAddRMSNormPass",
+    "GatedLinearPass",
     "GemmActQuantPass",
     "GraphPass",
     "NoOpEliminationPass",

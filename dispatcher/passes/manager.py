@@ -27,6 +27,7 @@ import torch.fx
 from .. import compat, plugins
 from .counters import pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
+from .gated_linear import GatedLinearPass
 from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass, module_source_hash
 from .noop_elimination import NoOpEliminationPass
@@ -46,7 +47,7 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
     passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), GemmActQuantPass(),
-              SequenceParallelPass(), SmallMLinearPass())
+              SequenceParallelPass(), GatedLinearPass(), SmallMLinearPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

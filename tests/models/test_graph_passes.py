@@ -136,3 +136,55 @@ def test_llama_small_m_linear_on_cuda():
     (ref, none), (out, matched) = runs["none"], runs["none,+small_m_linear"]
     assert none == 0 and matched >= LINEARS
     assert_close(out, ref, torch.bfloat16)
+
+
+GATED = torch.ops.dynamo_once.gated_linear.default
+GATE_UPS = 2  # one a layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_gate_up_and_activation_take_the_gated_op(pass_free, dtype):
+    """Custom ops off: bf16's gate-up GEMM and the native SiLU-and-mul after it become ``dynamo_once::gated_linear``
+    (on the CPU, ``F.linear`` then the activation's reference: within the bf16 tolerance of Inductor's code for the
+    pair); fp32, which the op does not take, keeps both."""
+    with counted_after("gated_linear") as after:
+        out, counts = logits("none,+gated_linear", dtype=dtype)
+    assert counts.runs["gated_linear"] == PIECES
+    expected = GATE_UPS if dtype == torch.bfloat16 else 0
+    assert counts.matches["gated_linear"] == after[GATED] == expected
+    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - expected
+    assert_close(out, pass_free[dtype], dtype)
+
+
+def test_llama_calling_silu_and_mul_takes_the_gated_op(pass_free, monkeypatch):
+    """Custom ops on, the MLPs calling ``dynamo_once::silu_and_mul`` (kept opaque while the pass is on): the GEMM
+    and the op become the gated op."""
+    monkeypatch.setattr(ops.SiluAndMul, "forward_cpu", ops.SiluAndMul.forward_cuda)
+    with counted_after("gated_linear") as after:
+        out, counts = logits("none,+gated_linear", custom_ops="all", opaque=True, dtype=torch.bfloat16)
+    assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
+    assert after[torch.ops.dynamo_once.silu_and_mul.default] == 0
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_llama_gated_linear_on_cuda():
+    """On the GPU the decode steps' gate-up GEMMs run the gated kernel at one token (whole-step graphs), the unfused
+    pair elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
+    runs = {}
+    for passes in ("none", "none,+gated_linear"):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, pass_config=passes)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=cfg, dtype=torch.bfloat16, device="cuda")
+            steps = []
+
+            def choose(seqs, step_logits, steps=steps):
+                steps.append(step_logits.float().cpu())
+                return [7] * len(seqs)
+
+            llm.run([[5, 9, 2]], 4, choose)  # one sequence: its decode steps are one token
+        runs[passes] = torch.cat(steps), counts.matches["gated_linear"]
+    (ref, none), (out, matched) = runs["none"], runs["none,+gated_linear"]
+    assert none == 0 and matched >= GATE_UPS
+    assert_close(out, ref, torch.bfloat16)

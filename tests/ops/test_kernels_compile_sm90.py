@@ -9,8 +9,10 @@ epilogue) and ``ops.gated_quant``'s kernel. Skipped where Triton or its NVIDIA b
 """
 
 import importlib
+import re
 
 import pytest
+from benchmarks.gemv_instructions import read_cubin
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -82,3 +84,30 @@ def test_gated_quant_kernel_compiles_for_sm90(int8):
                  BLOCKS="i32")
     consts = dict(MIN_S=1e-5, INT8=int8, BLOCK_D=gated_quant.GATED_QUANT_BLOCK, BLOCK_P=4096, PDL=True)
     assert _compile(gated_quant._gated_quant_kernel, types, consts, num_warps=4).asm["cubin"]
+
+
+def _bf16_gated(**more):
+    """The bf16 gated form ``small_m_gated_mm`` launches: no scales, no bias, no amax (None: constexprs)."""
+    types = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", stride_am="i32", stride_wn="i32",
+                 **more)
+    consts = dict(a_scale_ptr=None, w_scale_ptr=None, bias_ptr=None, amax_ptr=None, INTEGER=False, SCALED=False,
+                  A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True, GATED=True,
+                  H=tl.bfloat16)
+    return types, consts
+
+
+def test_bf16_gated_gemv_compiles_for_sm90():
+    """``GATED_ROWS``' bf16 row as ``ops.gated_linear`` launches it: one gate row and one up row a program."""
+    types, consts = _bf16_gated()
+    c = gemm_mod.gated_config(gemm_mod.gated_row(1, gemm_mod.torch.bfloat16), gemm_mod.torch.bfloat16)
+    consts.update(K=4096, BLOCK_N=c.BLOCK_N // 2, BLOCK_K=c.BLOCK_K, BYTES=False, DP4A=False)
+    usage = read_cubin(_compile(gemm_mod._small_m_gemv_kernel, types, consts, num_warps=c.num_warps).asm["cubin"],
+                       "-res-usage")
+    assert re.search(r"LOCAL:0\b", usage), usage  # the two accumulators in registers: nothing spilled
+
+
+def test_bf16_gated_dot_tile_compiles_for_sm90():
+    types, consts = _bf16_gated(ws_ptr="*fp32", lock_ptr="*i32", K="i32", K_SPLIT="i32")
+    consts.update(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=True, PF_LINES=8, LINE=128, SERIAL=False,
+                  SWAP=False)
+    assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
