@@ -48,7 +48,8 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
                   gated: bool = False) -> bytes:
     """The GEMV kernel compiled for sm_90 for one tile, per-tensor scales, no bias, every load unmasked (EVEN).
     ``gated``: the gate-up form (``ops.small_m_gemm``'s GATED, bf16 activation): ``block_n`` gate rows and as many
-    up rows a program, as the op launches the gated config of a ``2 x block_n``-row tile."""
+    up rows a program, as the op launches the gated config of a ``2 x block_n``-row tile; bf16 operands without the
+    per-tile amax (``ops.gated_linear``'s launch: ``amax_ptr`` None)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -63,6 +64,8 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
                   BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile),
                   GATED=gated, H=tl.bfloat16 if gated else None)  # H: the gated form's activation dtype
+    if gated and dtype == torch.bfloat16:
+        consts["amax_ptr"] = None
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -111,16 +114,17 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
 
 
 def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
-    """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` (the gated config of the tile: its rows half
-    gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half the warps)."""
+    """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` / ``gated`` (bf16) (the gated config of the tile:
+    its rows half gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half
+    the warps)."""
     from ops import small_m_gemm
 
-    gated = form == "8-bit gated"
+    gated = form in ("8-bit gated", "gated")
     n, w = block_n, warps
     if gated:
         tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
         n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
-    cubin = compile_cubin(dtype, n, block_k, w, k, form != "plain", gated)
+    cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated)
     ops_count = count(read_cubin(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
     total = sum(ops_count.values())
@@ -133,8 +137,8 @@ def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
     rows = []
     for dtype, block_n, block_k, warps in m1_tiles():
         forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
-        if gated and dtype.itemsize == 1 and block_n >= 2:
-            forms.insert(1, "8-bit gated")
+        if gated and block_n >= 2:
+            forms.insert(1, "8-bit gated" if dtype.itemsize == 1 else "gated")
         for form in forms:
             rows.append(_row(dtype, block_n, block_k, warps, k, form))
             print(rows[-1], flush=True)
@@ -144,7 +148,7 @@ def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=4096, help="K (a compile-time constant of the GEMV; default the 8B's 4096)")
-    p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each 8-bit tile")
+    p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each tile")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if a.k < 1 or a.k % 1024:
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
              "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before",
              "8-bit gated (--gated): the gate-up GEMM with SiLU-and-mul in its epilogue (ops.gated_quant), the tile's "
              "rows half gate, half up (small_m_gemm.gated_config: int8 on half its warps); the epilogue's instructions "
-             "count too",
+             "count too; gated: bf16's (ops.gated_linear: no amax)",
              "registers: a thread's (cuobjdump -res-usage)"]
     stem = "gemv_instructions_gated" if a.gated else "gemv_instructions"
     common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
