@@ -18,6 +18,7 @@ arithmetic (the gated GEMM's fp32 sums in its own order, as ``ops.linear``'s sma
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .linear import linear
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
@@ -60,7 +61,8 @@ def _gated_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     config = _config(x, weight)
     if config is not None:
         return small_m_gated_mm(x, weight, config)
-    h = linear(x, weight)
+    # ops.linear where its small-M table may apply; a prefill's GEMM straight to cuBLAS (the same call)
+    h = linear(x, weight) if x.shape[0] <= SMALL_M_MAX else F.linear(x, weight)
     return silu_and_mul(h) if use_triton(h) else silu_and_mul_ref(h)
 
 
@@ -94,4 +96,4 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The reference: ``F.linear`` in ``x``'s dtype, then :func:`ops.silu_and_mul_ref` (fp32, one rounding)."""
-    return silu_and_mul_ref(torch.nn.functional.linear(x, weight))
+    return silu_and_mul_ref(F.linear(x, weight))
