@@ -37,6 +37,9 @@ __all__ = [
     "custom_graph_pass_class",
     "pattern_matcher_pass",
     "register_replacement",
+    "pattern_expressions",
+    "register_graph_pattern",
+    "replace_match",
     "outside_compile",
     "trace_inference_graph",
     "statically_equal",
@@ -268,6 +271,34 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
     pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, trace, patterns,
                                          extra_check=extra_check or (lambda match: True),
                                          scalar_workaround=scalars or {})
+
+
+def pattern_expressions() -> types.SimpleNamespace:
+    """Inductor's pattern-matcher expressions (``torch._inductor.pattern_matcher``), for a pattern written node by
+    node where a traced one cannot capture what its rewrite needs (a traced pattern ignores int arguments, e.g. a
+    split's sizes): ``CallFunction(target, *args, _users=n)``, ``KeywordArg(name)`` (matches any argument and passes
+    it to the handler by name), ``Ignored()``, ``MultiOutputPattern([...])``."""
+    from torch._inductor import pattern_matcher as pm
+
+    return types.SimpleNamespace(CallFunction=pm.CallFunction, KeywordArg=pm.KeywordArg, Ignored=pm.Ignored,
+                                 MultiOutputPattern=pm.MultiOutputPattern)
+
+
+def register_graph_pattern(pattern: Any, patterns: Any, handler: Callable[..., Any],
+                           extra_check: Callable[[Any], bool] | None = None) -> None:
+    """``pattern_matcher.register_graph_pattern``: ``handler(match, **keyword_args)`` rewrites each match of
+    ``pattern`` (in ``patterns``, a ``PatternMatcherPass``) that ``extra_check(match)`` accepts, e.g. with
+    :func:`replace_match`; the keyword arguments are the matched nodes, or the values of non-node arguments."""
+    from torch._inductor import pattern_matcher
+
+    pattern_matcher.register_graph_pattern(pattern, extra_check=extra_check or (lambda match: True),
+                                           pass_dict=patterns)(handler)
+
+
+def replace_match(match: Any, replace_fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Replace a match's output nodes, in its pattern's output order, by ``replace_fn``'s results, traced on the
+    values of ``args`` (nodes of the graph) as ``register_replacement`` traces a replacement (``Match.replace_by_example``)."""
+    match.replace_by_example(replace_fn, list(args))
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ the unfused sequences, nor the gate-up GEMM fused with its activation and per-to
 the ``gemm_act_quant`` pass puts it in place of a W8A8 GEMM and ``act_and_mul_dynamic_quant``). The small-M GEMM (``small_m_gemm``) is no op either: launchers the W8A8 GEMMs call at
 small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque op that runs it at decode sizes,
 put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass, and ``gated_linear`` the one that
-runs its gated form (gate-up GEMM + SiLU-and-mul), put in place of that pair by the ``gated_linear`` pass.
+runs its gated form (gate-up GEMM + SiLU-and-mul), put in place of that pair by the ``gated_linear`` pass;
+``rope_linear`` the QKV GEMM with the rotary embedding of q and k in its epilogue (the ``rope_linear`` pass).
 """
 
 from .triton_utils import HAS_TRITON
@@ -89,6 +90,7 @@ from .scaled_mm import (
 )
 from .linear import LINEAR_DTYPES, linear, linear_uses_small_m
 from .gated_linear import GATED_LINEAR_DTYPES, gated_linear, gated_linear_ref, gated_linear_uses_small_m
+from .rope_linear import ROPE_LINEAR_DTYPES, rope_linear, rope_linear_ref, rope_linear_uses_small_m
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
@@ -110,6 +112,7 @@ TORCH_OP_NAMES = (
     "int8_scaled_mm",
     "linear",
     "gated_linear",
+    "rope_linear",
     "write_kv_cache",
     "paged_decode",
     "paged_prefill",
@@ -152,6 +155,9 @@ __all__ = [
     "gated_linear",
     "gated_linear_uses_small_m",
     "GATED_LINEAR_DTYPES",
+    "rope_linear",
+    "rope_linear_uses_small_m",
+    "ROPE_LINEAR_DTYPES",
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_config",
@@ -205,6 +211,7 @@ __all__ = [
     "act_and_mul_dynamic_quant_ref",
     "gated_scaled_mm_static_quant_ref",
     "gated_linear_ref",
+    "rope_linear_ref",
     "gated_scaled_mm_dynamic_quant_ref",
     "FP8_DTYPE",
     "FP8_MAX",

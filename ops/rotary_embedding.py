@@ -16,11 +16,14 @@ from typing import Any
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
 __all__ = [
     "rotary_embedding", "compute_cos_sin_cache", "RotaryEmbedding", "rotary_embedding_ref", "rotary_embedding_native",
+    "rotate_heads_in_place",
 ]
 
 
@@ -34,6 +37,8 @@ def _rotary_embedding_kernel(
     k_out_ptr,
     q_row_stride,
     k_row_stride,
+    q_out_row_stride,
+    k_out_row_stride,
     cache_row_stride,
     n_q_heads,
     n_k_heads,
@@ -44,7 +49,8 @@ def _rotary_embedding_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
 ):
-    # Axis 0: one token; axis 1: a block of heads, q's heads first, then k's.
+    # Axis 0: one token; axis 1: a block of heads, q's heads first, then k's. Each program loads what it stores
+    # before storing it: the outputs may be the inputs (rotate_heads_in_place).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_q = (heads < n_q_heads)[:, None]
@@ -56,8 +62,8 @@ def _rotary_embedding_kernel(
     )
     out_base = tl.where(
         is_q,
-        q_out_ptr + t * (n_q_heads * HEAD_SIZE) + heads[:, None] * HEAD_SIZE,
-        k_out_ptr + t * (n_k_heads * HEAD_SIZE) + (heads - n_q_heads)[:, None] * HEAD_SIZE,
+        q_out_ptr + t * q_out_row_stride + heads[:, None] * HEAD_SIZE,
+        k_out_ptr + t * k_out_row_stride + (heads - n_q_heads)[:, None] * HEAD_SIZE,
     )
 
     half = tl.arange(0, BLOCK_HALF)
@@ -105,10 +111,7 @@ def _launch_rotary_embedding(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     n_q_heads, n_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size
-    block_half = next_power_of_2(rot_dim // 2)
-    # ~2048 elements per program: 8 heads of 128, enough to keep 4 warps' loads in flight.
-    block_h = min(next_power_of_2(n_q_heads + n_k_heads), max(1, 1024 // block_half))
-    pass_dims = head_size - rot_dim
+    block_h, consts = _launch_consts(n_q_heads + n_k_heads, head_size, rot_dim, is_neox)
     wrap_triton(_rotary_embedding_kernel)[(pos.shape[0], cdiv(n_q_heads + n_k_heads, block_h))](
         pos,
         q2,
@@ -118,18 +121,43 @@ def _launch_rotary_embedding(
         k_out,
         q2.stride(0),
         k2.stride(0),
+        n_q_heads * head_size,
+        n_k_heads * head_size,
         cache.stride(0),
         n_q_heads,
         n_k_heads,
-        HEAD_SIZE=head_size,
-        ROT_DIM=rot_dim,
-        IS_NEOX=is_neox,
-        BLOCK_H=block_h,
-        BLOCK_HALF=block_half,
-        BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims > 0 else 0,
-        num_warps=4,
+        **consts,
     )
     return q_out, k_out
+
+
+def _launch_consts(n_heads: int, head_size: int, rot_dim: int, is_neox: bool) -> tuple[int, dict[str, Any]]:
+    """``(BLOCK_H, the kernel's constexprs and num_warps)`` for rows of ``n_heads`` heads."""
+    block_half = next_power_of_2(rot_dim // 2)
+    # ~2048 elements per program: 8 heads of 128, enough to keep 4 warps' loads in flight.
+    block_h = min(next_power_of_2(n_heads), max(1, 1024 // block_half))
+    pass_dims = head_size - rot_dim
+    return block_h, dict(HEAD_SIZE=head_size, ROT_DIM=rot_dim, IS_NEOX=is_neox, BLOCK_H=block_h,
+                         BLOCK_HALF=block_half, BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims > 0 else 0,
+                         num_warps=4)
+
+
+def rotate_heads_in_place(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int,
+                          rot_heads: int) -> None:
+    """Rotate (NeoX) the first ``rot_heads`` heads of each row of ``x`` ``[T, N]`` (unit column stride, rows of any
+    stride) in place, with :func:`rotary_embedding_ref`'s values: the Triton kernel on CUDA, the reference elsewhere.
+    An eager launcher (``ops.rope_linear``'s unfused path); the caller checks the arguments."""
+    cols = rot_heads * head_size
+    if not use_triton(x):
+        cos, sin = _cos_sin(positions, cos_sin_cache)
+        x[:, :cols] = _rotate(x[:, :cols], cos, sin, head_size, True).reshape(x.shape[0], cols)
+        return
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    block_h, consts = _launch_consts(rot_heads, head_size, cache.shape[-1], True)
+    _rotary_embedding_kernel[(x.shape[0], cdiv(rot_heads, block_h))](
+        positions.reshape(-1), x, x, cache, x, x, x.stride(0), x.stride(0), x.stride(0), x.stride(0),
+        cache.stride(0), rot_heads, 0, **consts,
+    )
 
 
 @triton_op("dynamo_once::rotary_embedding", mutates_args=())
@@ -303,7 +331,9 @@ def rotary_embedding_native(
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, 1, rotary_dim / 2]`` fp32 cos and sin of each token's position."""
-    cos, sin = cos_sin_cache.index_select(0, positions.reshape(-1)).float().chunk(2, dim=-1)
+    # 1-d positions (the models') indexed as they are: no no-op reshape in the traced form (a graph pass's pattern)
+    cos, sin = cos_sin_cache.index_select(0, positions if positions.dim() == 1 else positions.reshape(-1)).float() \
+        .chunk(2, dim=-1)
     return cos[:, None, :], sin[:, None, :]
 
 
@@ -322,3 +352,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: in
         x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((rotated, x_pass), dim=-1).to(x.dtype)
+
+
+register_native_form("rotary_embedding", rotary_embedding_native)

@@ -27,13 +27,14 @@ __all__ = ["PassConfig"]
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``gated_linear``: off until measured (``benchmarks.gated_gemm --dtype bf16``, then the bf16 decode step with and
-#: without it: issue 16's Llama-3.2-1B batch 1).
+#: without it: issue 16's Llama-3.2-1B batch 1). ``rope_linear``: the same (``benchmarks.decode --modes "level 3,level 3
+#: +rope_linear"``).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
                                "act_quant": False, "gemm_act_quant": True, "sequence_parallel": False,
-                               "gated_linear": False, "small_m_linear": True}
+                               "gated_linear": False, "rope_linear": False, "small_m_linear": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,10 @@ class PassConfig:
     """bf16 / fp16 gate-up GEMM + SiLU-and-mul -> ``dynamo_once::gated_linear``: one small-M kernel with the
     activation in its epilogue at the decode sizes ``ops.small_m_gemm.GATED_ROWS`` covers, the unfused pair elsewhere
     (see ``dispatcher.passes.gated_linear``; before ``small_m_linear``, which would take the GEMM)."""
+    rope_linear: bool | None = None
+    """bf16 / fp16 merged QKV GEMM + the rotary embedding of its q and k -> ``dynamo_once::rope_linear``: one GEMV with
+    the rotation in its epilogue at one token, the GEMM and the rotary kernel in place elsewhere (see
+    ``dispatcher.passes.rope_linear``; before ``small_m_linear``, which would take the GEMM)."""
     small_m_linear: bool | None = None
     """bf16 / fp16 linear layers' GEMMs -> ``dynamo_once::linear``: the library's small-M Triton GEMM at decode
     sizes (M <= 16) on the shapes where it is faster than cuBLAS, cuBLAS elsewhere (see

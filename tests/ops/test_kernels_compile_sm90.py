@@ -111,3 +111,14 @@ def test_bf16_gated_dot_tile_compiles_for_sm90():
     consts.update(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=True, PF_LINES=8, LINE=128, SERIAL=False,
                   SWAP=False)
     assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
+
+
+def test_rope_gemv_compiles_for_sm90():
+    """``ops.rope_linear``'s fused kernel as it launches at the bf16 QKV GEMV row: one column pair a program, the
+    rotation in the epilogue; nothing spilled."""
+    rope = importlib.import_module("ops.rope_linear")
+    types = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64", cs_ptr="*bf16", M="i32", N="i32",
+                 rot_cols="i32", stride_am="i32", stride_wn="i32", stride_cs="i32")
+    consts = dict(K=4096, BLOCK_N=1, BLOCK_K=1024, HALF=64, EVEN=True, INT64=False, PDL=True)
+    usage = read_cubin(_compile(rope._rope_gemv_kernel, types, consts, num_warps=4).asm["cubin"], "-res-usage")
+    assert re.search(r"LOCAL:0\b", usage), usage

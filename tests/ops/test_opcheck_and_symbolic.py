@@ -63,6 +63,7 @@ def _samples(num_tokens: int, device: str) -> dict:
         "int8_scaled_mm": (ops.int8_scaled_mm, (int8_a, int8_w, a_scale, w_scale, torch.bfloat16, rand(48))),
         "linear": (ops.linear, (x, rand(48, x.shape[1]), rand(48))),
         "gated_linear": (ops.gated_linear, (x, rand(48, x.shape[1]))),
+        "rope_linear": (ops.rope_linear, (x, rand(3 * HEAD_SIZE, x.shape[1]), positions, cache, HEAD_SIZE, 2)),
         "write_kv_cache": (_write_kv_cache, (kv_cache, rand(num_tokens, 2 * HEAD_SIZE), rand(num_tokens, 2 * HEAD_SIZE),
                                              slots)),
         "paged_decode": (ops.paged_decode, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache, block_table, seq_lens, 4,
