@@ -102,7 +102,7 @@ def _fusable(match: Any) -> bool:
         return False
     if not (isinstance(head_size, int) and cache.dim() == 2 and cache.shape[-1] == head_size and head_size % 2 == 0):
         return False
-    return (all(isinstance(s, int) for s in sizes) and sizes[0] % head_size == 0 and sizes[1] % head_size == 0
+    return (all(isinstance(s, int) and s % head_size == 0 for s in sizes)  # whole heads: the op pairs a head's halves
             and compat.statically_equal([sum(sizes)], w.shape[:1]))
 
 
