@@ -140,80 +140,49 @@ def test_llama_small_m_linear_on_cuda():
 
 GATED = torch.ops.dynamo_once.gated_linear.default
 GATE_UPS = 2  # one a layer
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_llama_gate_up_and_activation_take_the_gated_op(pass_free, dtype):
-    """Custom ops off: bf16's gate-up GEMM and the native SiLU-and-mul after it become ``dynamo_once::gated_linear``
-    (on the CPU, ``F.linear`` then the activation's reference: within the bf16 tolerance of Inductor's code for the
-    pair); fp32, which the op does not take, keeps both."""
-    with counted_after("gated_linear") as after:
-        out, counts = logits("none,+gated_linear", dtype=dtype)
-    assert counts.runs["gated_linear"] == PIECES
-    expected = GATE_UPS if dtype == torch.bfloat16 else 0
-    assert counts.matches["gated_linear"] == after[GATED] == expected
-    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - expected
-    assert_close(out, pass_free[dtype], dtype)
-
-
-def test_llama_calling_silu_and_mul_takes_the_gated_op(pass_free, monkeypatch):
-    """Custom ops on, the MLPs calling ``dynamo_once::silu_and_mul`` (kept opaque while the pass is on): the GEMM
-    and the op become the gated op."""
-    monkeypatch.setattr(ops.SiluAndMul, "forward_cpu", ops.SiluAndMul.forward_cuda)
-    with counted_after("gated_linear") as after:
-        out, counts = logits("none,+gated_linear", custom_ops="all", opaque=True, dtype=torch.bfloat16)
-    assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
-    assert after[torch.ops.dynamo_once.silu_and_mul.default] == 0
-    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
-
-
-@pytest.mark.cuda
-def test_llama_gated_linear_on_cuda():
-    """On the GPU the decode steps' gate-up GEMMs run the gated kernel at one token (whole-step graphs), the unfused
-    pair elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
-    runs = {}
-    for passes in ("none", "none,+gated_linear"):
-        torch._dynamo.reset()
-        cfg = CompilationConfig(level=3, pass_config=passes)
-        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
-            llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=cfg, dtype=torch.bfloat16, device="cuda")
-            steps = []
-
-            def choose(seqs, step_logits, steps=steps):
-                steps.append(step_logits.float().cpu())
-                return [7] * len(seqs)
-
-            llm.run([[5, 9, 2]], 4, choose)  # one sequence: its decode steps are one token
-        runs[passes] = torch.cat(steps), counts.matches["gated_linear"]
-    (ref, none), (out, matched) = runs["none"], runs["none,+gated_linear"]
-    assert none == 0 and matched >= GATE_UPS
-    assert_close(out, ref, torch.bfloat16)
-
-
 ROPE = torch.ops.dynamo_once.rope_linear.default
 QKVS = 2  # one a layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_llama_qkv_and_rotary_take_the_rope_op(pass_free, dtype):
+def test_llama_gate_up_and_activation_take_the_gated_op(pass_free):
+    """Custom ops off: bf16's gate-up GEMM and the native SiLU-and-mul after it become ``dynamo_once::gated_linear``
+    (on the CPU, ``F.linear`` then the activation's reference: within the bf16 tolerance of Inductor's code for the
+    pair)."""
+    with counted_after("gated_linear") as after:
+        out, counts = logits("none,+gated_linear", dtype=torch.bfloat16)
+    assert counts.runs["gated_linear"] == PIECES
+    assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
+    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - GATE_UPS
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
+
+
+def test_llama_qkv_and_rotary_take_the_rope_op(pass_free):
     """Custom ops off: bf16's QKV GEMM and the rotary module's native form on its q and k become
     ``dynamo_once::rope_linear`` (on the CPU, ``F.linear`` then the rotary reference: within the bf16 tolerance of
-    Inductor's code for the pair); fp32, which the op does not take, keeps both, and no rotary op is left in any
-    graph (the first stage rewrites only what the second fuses)."""
+    Inductor's code for the pair), and no rotary op is left (the first stage rewrites only what the second fuses)."""
     with counted_after("rope_linear") as after:
-        out, counts = logits("none,+rope_linear", dtype=dtype)
+        out, counts = logits("none,+rope_linear", dtype=torch.bfloat16)
     assert counts.runs["rope_linear"] == PIECES
-    expected = QKVS if dtype == torch.bfloat16 else 0
-    assert counts.matches["rope_linear"] == after[ROPE] == expected
-    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - expected
+    assert counts.matches["rope_linear"] == after[ROPE] == QKVS
+    assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - QKVS
     assert after[torch.ops.dynamo_once.rotary_embedding.default] == 0
-    assert_close(out, pass_free[dtype], dtype)
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
 
 
-def test_llama_calling_the_rotary_op_takes_the_rope_op(pass_free, monkeypatch):
-    """Custom ops on, the attention layers calling ``dynamo_once::rotary_embedding`` (kept opaque while the pass is
-    on): with the GEMMs' other passes on too (gate-up, small-M linear), each layer's QKV GEMM and its rotary become
-    the rope op, its gate-up and activation the gated op, and the remaining GEMMs the small-M linear."""
+def test_llama_fp32_keeps_what_the_bf16_fusions_take(pass_free):
+    """fp32, which neither op takes: both passes run and rewrite nothing; the same logits bit for bit."""
+    with counted_after("rope_linear") as after:
+        out, counts = logits("none,+gated_linear,+rope_linear", dtype=torch.float32)
+    assert counts.runs["gated_linear"] == counts.runs["rope_linear"] == PIECES
+    assert not counts.matches["gated_linear"] and not counts.matches["rope_linear"]
+    assert after[GATED] == after[ROPE] == after[torch.ops.dynamo_once.rotary_embedding.default] == 0
+    assert torch.equal(out, pass_free[torch.float32])
+
+
+def test_llama_calling_the_ops_takes_the_fused_ops(pass_free, monkeypatch):
+    """Custom ops on, the layers calling ``dynamo_once::rotary_embedding`` and ``silu_and_mul`` (kept opaque while
+    the passes are on), with the small-M linear pass too: each layer's QKV GEMM and its rotary become the rope op,
+    its gate-up and activation the gated op, and the remaining GEMMs the small-M linear."""
     monkeypatch.setattr(ops.RotaryEmbedding, "forward_cpu", ops.RotaryEmbedding.forward_cuda)
     monkeypatch.setattr(ops.SiluAndMul, "forward_cpu", ops.SiluAndMul.forward_cuda)
     with counted_after("small_m_linear") as after:
@@ -222,16 +191,17 @@ def test_llama_calling_the_rotary_op_takes_the_rope_op(pass_free, monkeypatch):
     assert counts.matches["rope_linear"] == after[ROPE] == QKVS
     assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
     assert after[torch.ops.dynamo_once.linear.default] == LINEARS - QKVS - GATE_UPS
-    assert after[torch.ops.dynamo_once.rotary_embedding.default] == after[torch.ops.aten.mm.default] == 0
+    assert after[torch.ops.dynamo_once.rotary_embedding.default] == after[torch.ops.dynamo_once.silu_and_mul.default] == 0
+    assert after[torch.ops.aten.mm.default] == 0
     assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
 
 
 @pytest.mark.cuda
-def test_llama_rope_linear_on_cuda():
-    """On the GPU the decode steps' QKV GEMMs take the fused kernel at one token (whole-step graphs), the unfused
-    pair elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
+def test_llama_gated_and_rope_linear_on_cuda():
+    """On the GPU the decode steps' gate-up and QKV GEMMs take the fused kernels at one token (whole-step graphs),
+    the unfused pairs elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
     runs = {}
-    for passes in ("none", "none,+rope_linear"):
+    for passes in ("none", "none,+gated_linear,+rope_linear"):
         torch._dynamo.reset()
         cfg = CompilationConfig(level=3, pass_config=passes)
         with compat.fresh_inductor_cache(), pass_counter.record() as counts:
@@ -243,7 +213,7 @@ def test_llama_rope_linear_on_cuda():
                 return [7] * len(seqs)
 
             llm.run([[5, 9, 2]], 4, choose)  # one sequence: its decode steps are one token
-        runs[passes] = torch.cat(steps), counts.matches["rope_linear"]
-    (ref, none), (out, matched) = runs["none"], runs["none,+rope_linear"]
-    assert none == 0 and matched >= QKVS
+        runs[passes] = torch.cat(steps), counts.matches["gated_linear"], counts.matches["rope_linear"]
+    (ref, *none), (out, gated, rope) = runs.values()
+    assert none == [0, 0] and gated >= GATE_UPS and rope >= QKVS
     assert_close(out, ref, torch.bfloat16)
