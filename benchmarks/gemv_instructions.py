@@ -96,6 +96,28 @@ def registers(cubin: bytes) -> int:
     return int(found.group(1))
 
 
+def compile_rope_cubin(block_n: int, block_k: int, num_warps: int, k: int, head_size: int = 128) -> bytes:
+    """``ops.rope_linear``'s fused GEMV (QKV + rotary in the epilogue) compiled for sm_90 as it launches a
+    ``block_n``-row bf16 tile: ``block_n / 2`` column pairs a program, every load unmasked."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import importlib
+
+    kernel = importlib.import_module("ops.rope_linear")._rope_gemv_kernel  # the module: ops.rope_linear is the op
+    consts = dict(K=k, BLOCK_N=block_n // 2, BLOCK_K=block_k, HALF=head_size // 2, EVEN=True, INT64=False, PDL=True)
+    sig = {name: {"pos_ptr": "*i64", "cs_ptr": "*bf16", "rot_cols": "i32", "stride_cs": "i32"}.get(name)
+           or _SIG[name].format(t="bf16") for name in kernel.arg_names if name not in consts} \
+        | {name: "constexpr" for name in consts}
+    divisible = [*_DIVISIBLE, "cs_ptr", "pos_ptr", "stride_cs"]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible
+             if name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    return compiled.asm["cubin"]
+
+
 def count(sass: str) -> collections.Counter:
     """Instructions by opcode (predicated ones included)."""
     return collections.Counter(m.group(1) for line in sass.splitlines() if (m := _SASS_LINE.match(line)))
@@ -116,7 +138,7 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
 def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
     """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` / ``gated`` (bf16) (the gated config of the tile:
     its rows half gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half
-    the warps)."""
+    the warps), or ``rope`` (bf16: ``ops.rope_linear``'s kernel on the tile)."""
     from ops import small_m_gemm
 
     gated = form in ("8-bit gated", "gated")
@@ -124,7 +146,10 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
     if gated:
         tile = small_m_gemm.SmallMConfig(1, block_n, block_k, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
         n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
-    cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated)
+    if form == "rope":
+        cubin = compile_rope_cubin(block_n, block_k, warps, k)
+    else:
+        cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated)
     ops_count = count(read_cubin(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
     total = sum(ops_count.values())
@@ -139,6 +164,7 @@ def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
         forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
         if gated and block_n >= 2:
             forms.insert(1, "8-bit gated" if dtype.itemsize == 1 else "gated")
+            forms += ["rope"] if dtype == torch.bfloat16 else []
         for form in forms:
             rows.append(_row(dtype, block_n, block_k, warps, k, form))
             print(rows[-1], flush=True)
@@ -148,7 +174,7 @@ def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=4096, help="K (a compile-time constant of the GEMV; default the 8B's 4096)")
-    p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each tile")
+    p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each tile, and bf16's rope form")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if a.k < 1 or a.k % 1024:
@@ -171,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
              "plain: bf16's (a multiply and an add, a broadcast through shared memory), and 8-bit weights' before",
              "8-bit gated (--gated): the gate-up GEMM with SiLU-and-mul in its epilogue (ops.gated_quant), the tile's "
              "rows half gate, half up (small_m_gemm.gated_config: int8 on half its warps); the epilogue's instructions "
-             "count too; gated: bf16's (ops.gated_linear: no amax)",
+             "count too; gated: bf16's (ops.gated_linear: no amax); rope: ops.rope_linear's fused GEMV (QKV + rotary "
+             "in its epilogue, head size 128), the tile's rows the two halves of a head's columns",
              "registers: a thread's (cuobjdump -res-usage)"]
     stem = "gemv_instructions_gated" if a.gated else "gemv_instructions"
     common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
