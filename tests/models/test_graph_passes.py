@@ -115,26 +115,29 @@ def test_llama_linears_take_the_small_m_op(pass_free, dtype):
     assert torch.equal(out, pass_free[dtype])
 
 
+def cuda_logits(passes, prompts):
+    """Every step's logits (fp32, on the CPU) of a bf16 tiny-llama on the GPU at level 3 (whole-step graphs for the
+    decode steps) with ``passes``, each step fed token 7, and the passes' match counts."""
+    torch._dynamo.reset()
+    cfg = CompilationConfig(level=3, pass_config=passes)
+    steps = []
+
+    def choose(seqs, step_logits):
+        steps.append(step_logits.float().cpu())
+        return [7] * len(seqs)
+
+    with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+        llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=cfg, dtype=torch.bfloat16, device="cuda")
+        llm.run(prompts, 4, choose)
+    return torch.cat(steps), counts.matches
+
+
 @pytest.mark.cuda
 def test_llama_small_m_linear_on_cuda():
     """On the GPU the steps' GEMMs run the small-M kernel at decode sizes (whole-step graphs) and cuBLAS for the
     prompts: the logits within the bf16 tolerance of the pass-free model's."""
-    cfg = {passes: CompilationConfig(level=3, pass_config=passes) for passes in ("none", "none,+small_m_linear")}
-    runs = {}
-    for passes, c in cfg.items():
-        torch._dynamo.reset()
-        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
-            llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=c, dtype=torch.bfloat16, device="cuda")
-            steps = []
-
-            def choose(seqs, step_logits, steps=steps):
-                steps.append(step_logits.float().cpu())
-                return [7] * len(seqs)
-
-            llm.run(PROMPTS, 4, choose)
-        runs[passes] = torch.cat(steps), counts.matches["small_m_linear"]
-    (ref, none), (out, matched) = runs["none"], runs["none,+small_m_linear"]
-    assert none == 0 and matched >= LINEARS
+    (ref, none), (out, matched) = (cuda_logits(p, PROMPTS) for p in ("none", "none,+small_m_linear"))
+    assert none["small_m_linear"] == 0 and matched["small_m_linear"] >= LINEARS
     assert_close(out, ref, torch.bfloat16)
 
 
@@ -200,20 +203,8 @@ def test_llama_calling_the_ops_takes_the_fused_ops(pass_free, monkeypatch):
 def test_llama_gated_and_rope_linear_on_cuda():
     """On the GPU the decode steps' gate-up and QKV GEMMs take the fused kernels at one token (whole-step graphs),
     the unfused pairs elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
-    runs = {}
-    for passes in ("none", "none,+gated_linear,+rope_linear"):
-        torch._dynamo.reset()
-        cfg = CompilationConfig(level=3, pass_config=passes)
-        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
-            llm = LLM("tiny-llama", max_num_tokens=64, compilation_config=cfg, dtype=torch.bfloat16, device="cuda")
-            steps = []
-
-            def choose(seqs, step_logits, steps=steps):
-                steps.append(step_logits.float().cpu())
-                return [7] * len(seqs)
-
-            llm.run([[5, 9, 2]], 4, choose)  # one sequence: its decode steps are one token
-        runs[passes] = torch.cat(steps), counts.matches["gated_linear"], counts.matches["rope_linear"]
-    (ref, *none), (out, gated, rope) = runs.values()
-    assert none == [0, 0] and gated >= GATE_UPS and rope >= QKVS
+    prompts = [[5, 9, 2]]  # one sequence: its decode steps are one token
+    (ref, none), (out, matched) = (cuda_logits(p, prompts) for p in ("none", "none,+gated_linear,+rope_linear"))
+    assert none["gated_linear"] == none["rope_linear"] == 0
+    assert matched["gated_linear"] >= GATE_UPS and matched["rope_linear"] >= QKVS
     assert_close(out, ref, torch.bfloat16)
