@@ -8,7 +8,7 @@ what the ``rope_linear`` graph pass (``dispatcher.passes``) puts in place of tha
 concrete M:
 
 - CUDA, one token, a GEMV row of ``ops.small_m_gemm.SMALL_M_TABLE`` for the shape, ``x`` with unit column stride
-  and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: one kernel (:func:`rope_gemv`), each program
+  and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: one kernel (:func:`rope_small_m_mm`), each program
   streaming the weight rows of column pairs ``(c, c + D / 2)`` of a head into two accumulators and rotating them in
   its epilogue (value heads stored as they are);
 - anything else: ``ops.linear`` (cuBLAS above the small-M sizes), then the rotary kernel in place on its output
@@ -28,10 +28,10 @@ from dispatcher import envs
 
 from .linear import linear
 from .rotary_embedding import rotary_embedding_ref, rotate_heads_in_place
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, small_m_config
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_available, tl, triton
 
-__all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_gemv"]
+__all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
 
 #: The dtypes ``ops.rope_linear`` takes.
 ROPE_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
@@ -73,40 +73,89 @@ def _rope_gemv_kernel(
             a = tl.load(a_ptr + row * stride_am + offs_k, mask=offs_k < K, other=0.0, eviction_policy="evict_last")
         acc1 = _gemv_step(acc1, w1, a, False, False, False)
         acc2 = _gemv_step(acc2, w2, a, False, False, False)
+    rows = tl.zeros((1,), dtype=row.dtype) + row
+    _store_rotated(tl.sum(acc1, axis=1)[None, :], tl.sum(acc2, axis=1)[None, :], out_ptr, pos_ptr, cs_ptr, rows,
+                   rows < M, pairs, cols, n_ok, N, rot_cols, stride_cs, HALF)
+
+
+@triton.jit(do_not_specialize=["M", "K", "rot_cols"])
+def _rope_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, pos_ptr, cs_ptr, M, N, K, rot_cols, stride_am, stride_wn, stride_cs, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr,
+):
+    # The dot-tile form (2-16 tokens): program (m block, pair block) takes BLOCK_M rows and BLOCK_N column pairs,
+    # the small-M GEMM's loop with its gate-up form's two accumulators (ops.small_m_gemm._k_loop), the second on the
+    # rows HALF after the first's; the same epilogue as the GEMV form.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        offs_m = offs_m.to(tl.int64)
+        pairs = pairs.to(tl.int64)
+    n_ok = pairs < N // 2
+    cols = (pairs // HALF) * (2 * HALF) + pairs % HALF
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + cols[:, None] * stride_wn + offs_k[None, :]
+    acc1, acc2 = _k_loop(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], w_ptrs, w_ptrs + HALF * stride_wn, m_ok,
+                         n_ok, offs_k, K, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, True, False, SWAP, True)
+    _store_rotated(acc1, acc2, out_ptr, pos_ptr, cs_ptr, offs_m, m_ok, pairs, cols, n_ok, N, rot_cols, stride_cs, HALF)
+
+
+@triton.jit
+def _store_rotated(y1, y2, out_ptr, pos_ptr, cs_ptr, offs_m, m_ok, pairs, cols, n_ok, N, rot_cols, stride_cs,
+                   HALF: tl.constexpr):
+    """A ``[rows, pairs]`` tile's fp32 sums of the columns ``cols`` (``y1``) and ``cols + HALF`` (``y2``): each rounded
+    to the output's dtype (the GEMM's output, as the unfused op rounds it), then rotated by its row's position where
+    ``cols < rot_cols`` (fp32, ``rotary_embedding_ref``'s arithmetic), rounded again and stored."""
     out_ty = out_ptr.dtype.element_ty
-    x1 = tl.sum(acc1, axis=1).to(out_ty).to(tl.float32)  # the GEMM's output, as the unfused op rounds it
-    x2 = tl.sum(acc2, axis=1).to(out_ty).to(tl.float32)
-    cs_row = cs_ptr + tl.load(pos_ptr + row).to(tl.int64) * stride_cs + pairs % HALF
-    cos = tl.load(cs_row, mask=n_ok, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row + HALF, mask=n_ok, other=0.0).to(tl.float32)
-    rot = cols < rot_cols
-    out_row = out_ptr + row * N + cols
-    tl.store(out_row, tl.where(rot, x1 * cos - x2 * sin, x1).to(out_ty), mask=n_ok)
-    tl.store(out_row + HALF, tl.where(rot, x2 * cos + x1 * sin, x2).to(out_ty), mask=n_ok)
+    x1 = y1.to(out_ty).to(tl.float32)
+    x2 = y2.to(out_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    cs = cs_ptr + pos[:, None] * stride_cs + (pairs % HALF)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    cos = tl.load(cs, mask=mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+    rot = (cols < rot_cols)[None, :]
+    out = out_ptr + offs_m[:, None] * N + cols[None, :]
+    tl.store(out, tl.where(rot, x1 * cos - x2 * sin, x1).to(out_ty), mask=mask)
+    tl.store(out + HALF, tl.where(rot, x2 * cos + x1 * sin, x2).to(out_ty), mask=mask)
 
 
-def rope_gemv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-              head_size: int, rot_heads: int, config: SmallMConfig) -> torch.Tensor:
-    """:func:`rope_linear`'s fused kernel, ``[M, N]``, one row a program: ``config`` an unrolled GEMV row of the
-    small-M table (its ``BLOCK_N`` weight rows a program: ``BLOCK_N / 2`` column pairs, which must divide
-    ``head_size / 2``). An eager launcher for CUDA tensors, and CPU tensors under ``TRITON_INTERPRET=1``."""
+def rope_small_m_mm(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    head_size: int, rot_heads: int, config: SmallMConfig) -> torch.Tensor:
+    """:func:`rope_linear`'s fused kernel, ``[M, N]``: ``config`` a small-M table config, its ``BLOCK_N`` weight rows a
+    program ``BLOCK_N / 2`` column pairs, which must divide ``head_size / 2``. An unrolled GEMV (``UNROLL``: a row a
+    program), or a dot tile of one split (``BLOCK_N / 2 >= 16`` for ``tl.dot``). An eager launcher for CUDA tensors,
+    and CPU tensors under ``TRITON_INTERPRET=1``."""
     if not HAS_TRITON:
-        raise RuntimeError("rope_gemv needs Triton, which does not import here")
+        raise RuntimeError("rope_small_m_mm needs Triton, which does not import here")
     pairs = config.BLOCK_N // 2
-    if not config.UNROLL or pairs < 1 or (head_size // 2) % pairs:
-        raise ValueError(f"rope_gemv: config must be an unrolled GEMV of BLOCK_N = 2 x a divisor of head_size / 2 = "
-                         f"{head_size // 2}; got {config}")
+    if pairs < 1 or (head_size // 2) % pairs or not (config.UNROLL or (config.DOT and config.SPLIT_K == 1 and pairs >= 16)):
+        raise ValueError(f"rope_small_m_mm: config must be an unrolled GEMV, or a dot tile of one split with BLOCK_N >= "
+                         f"32, of BLOCK_N = 2 x a divisor of head_size / 2 = {head_size // 2}; got {config}")
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    _rope_gemv_kernel[(m * cdiv(n // 2, pairs),)](
-        x, weight, out, positions.reshape(-1), cache, m, n, rot_heads * head_size, x.stride(0), weight.stride(0),
-        cache.stride(0), K=k, BLOCK_N=pairs, BLOCK_K=config.BLOCK_K, HALF=head_size // 2,
-        EVEN=(n // 2) % pairs == 0 and k % config.BLOCK_K == 0, INT64=needs_int64(m * x.stride(0), n * weight.stride(0)),
-        num_warps=config.num_warps, enable_fp_fusion=False, **pdl_args(pdl_available(x)),
-    )
+    args = (x, weight, out, positions.reshape(-1), cache)
+    flags = dict(HALF=head_size // 2, EVEN=(n // 2) % pairs == 0 and k % config.BLOCK_K == 0, num_warps=config.num_warps,
+                 INT64=needs_int64(m * x.stride(0), n * weight.stride(0)), enable_fp_fusion=False,
+                 **pdl_args(pdl_available(x)))
+    strides = (x.stride(0), weight.stride(0), cache.stride(0))
+    if config.UNROLL:
+        _rope_gemv_kernel[(m * cdiv(n // 2, pairs),)](*args, m, n, rot_heads * head_size, *strides, K=k, BLOCK_N=pairs,
+                                                      BLOCK_K=config.BLOCK_K, **flags)
+    else:
+        _rope_gemm_kernel[(cdiv(m, config.BLOCK_M) * cdiv(n // 2, pairs),)](
+            *args, m, n, k, rot_heads * head_size, *strides, BLOCK_M=config.BLOCK_M, BLOCK_N=pairs,
+            BLOCK_K=config.BLOCK_K, SWAP=config.SWAP, num_stages=config.num_stages, **flags)
     return out
 
 
@@ -148,7 +197,7 @@ def _rope_linear_impl(x: torch.Tensor, weight: torch.Tensor, positions: torch.Te
                       head_size: int, rot_heads: int) -> torch.Tensor:
     config = _config(x, weight, head_size)
     if config is not None:
-        return rope_gemv(x, weight, positions, cos_sin_cache, head_size, rot_heads, config)
+        return rope_small_m_mm(x, weight, positions, cos_sin_cache, head_size, rot_heads, config)
     out = linear(x, weight) if x.shape[0] <= SMALL_M_MAX else F.linear(x, weight)
     rotate_heads_in_place(positions, out, cos_sin_cache, head_size, rot_heads)
     return out

@@ -113,12 +113,21 @@ def test_bf16_gated_dot_tile_compiles_for_sm90():
     assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
 
 
+_ROPE_TYPES = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64", cs_ptr="*bf16", M="i32", N="i32",
+                   K="i32", rot_cols="i32", stride_am="i32", stride_wn="i32", stride_cs="i32")
+
+
 def test_rope_gemv_compiles_for_sm90():
-    """``ops.rope_linear``'s fused kernel as it launches at the bf16 QKV GEMV row: one column pair a program, the
+    """``ops.rope_linear``'s fused GEMV as it launches at the bf16 QKV GEMV row: one column pair a program, the
     rotation in the epilogue; nothing spilled."""
     rope = importlib.import_module("ops.rope_linear")
-    types = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", pos_ptr="*i64", cs_ptr="*bf16", M="i32", N="i32",
-                 rot_cols="i32", stride_am="i32", stride_wn="i32", stride_cs="i32")
     consts = dict(K=4096, BLOCK_N=1, BLOCK_K=1024, HALF=64, EVEN=True, INT64=False, PDL=True)
-    usage = read_cubin(_compile(rope._rope_gemv_kernel, types, consts, num_warps=4).asm["cubin"], "-res-usage")
+    usage = read_cubin(_compile(rope._rope_gemv_kernel, _ROPE_TYPES, consts, num_warps=4).asm["cubin"], "-res-usage")
     assert re.search(r"LOCAL:0\b", usage), usage
+
+
+def test_rope_dot_tile_compiles_for_sm90():
+    """Its dot-tile form (2-16 tokens): 16 rows, 32 column pairs, two accumulators."""
+    rope = importlib.import_module("ops.rope_linear")
+    consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HALF=64, EVEN=True, SWAP=False, INT64=False, PDL=True)
+    assert _compile(rope._rope_gemm_kernel, _ROPE_TYPES, consts, num_warps=4, num_stages=4).asm["cubin"]

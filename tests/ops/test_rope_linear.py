@@ -54,7 +54,7 @@ def _assert_within_bound(out, x, w, pos, cache, d, rot_heads):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """The M of every call ``ops.rope_linear`` makes to the fused kernel's launcher."""
-    return spy_on_rows(monkeypatch, rope_module, "rope_gemv")
+    return spy_on_rows(monkeypatch, rope_module, "rope_small_m_mm")
 
 
 @pytest.mark.cuda
