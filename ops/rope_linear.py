@@ -48,15 +48,9 @@ def _rope_gemv_kernel(
     # (ops.small_m_gemm), two accumulators; the rotation in the epilogue for the columns below rot_cols.
     pid = tl.program_id(0)
     row = pid % M
-    pairs = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INT64:
         row = row.to(tl.int64)
-        pairs = pairs.to(tl.int64)
-    n_ok = pairs < N // 2
-    cols = (pairs // HALF) * (2 * HALF) + pairs % HALF
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pairs, cols, n_ok = _pair_columns(pid // M, N, BLOCK_N, HALF, INT64, PDL)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros_like(acc1)
     for k in tl.static_range(0, K, BLOCK_K):
@@ -90,21 +84,29 @@ def _rope_gemm_kernel(
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     offs_m = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     if INT64:
         offs_m = offs_m.to(tl.int64)
-        pairs = pairs.to(tl.int64)
-    n_ok = pairs < N // 2
-    cols = (pairs // HALF) * (2 * HALF) + pairs % HALF
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pairs, cols, n_ok = _pair_columns(pid // num_m, N, BLOCK_N, HALF, INT64, PDL)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     w_ptrs = w_ptr + cols[:, None] * stride_wn + offs_k[None, :]
     acc1, acc2 = _k_loop(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], w_ptrs, w_ptrs + HALF * stride_wn, m_ok,
                          n_ok, offs_k, K, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, True, False, SWAP, True)
     _store_rotated(acc1, acc2, out_ptr, pos_ptr, cs_ptr, offs_m, m_ok, pairs, cols, n_ok, N, rot_cols, stride_cs, HALF)
+
+
+@triton.jit
+def _pair_columns(block, N, BLOCK_N: tl.constexpr, HALF: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr):
+    """Pair block ``block``'s ``(pairs, cols, n_ok)``: its ``BLOCK_N`` pairs of the ``N // 2``, their first columns
+    ``cols`` (a head's first half; ``cols + HALF`` the second), which exist; then, with PDL, the wait for the kernel
+    before (nothing above reads memory) and the next launch let go."""
+    pairs = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        pairs = pairs.to(tl.int64)
+    if PDL:  # launched early (ops.triton_utils.pdl_launch)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return pairs, (pairs // HALF) * (2 * HALF) + pairs % HALF, pairs < N // 2
 
 
 @triton.jit
