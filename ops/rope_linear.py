@@ -166,8 +166,9 @@ def _config(x: torch.Tensor, weight: torch.Tensor, head_size: int) -> SmallMConf
     if x.shape[0] != 1 or not (HAS_TRITON and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
         return None
     config = small_m_config(1, weight.shape[0], weight.shape[1], x.dtype)
-    fits = config is not None and config.UNROLL and (head_size // 2) % max(config.BLOCK_N // 2, 1) == 0
-    return config if fits and config.BLOCK_N >= 2 and envs.small_m_gemm() else None
+    # the table's GEMV row, its BLOCK_N rows a program whole pairs within half a head (rope_small_m_mm's condition)
+    fits = config is not None and config.UNROLL and config.BLOCK_N >= 2 and (head_size // 2) % (config.BLOCK_N // 2) == 0
+    return config if fits and envs.small_m_gemm() else None
 
 
 def rope_linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor, head_size: int) -> bool:

@@ -65,9 +65,14 @@ class PatternPass(GraphPass):
         nothing)."""
         return None
 
+    def apply_patterns(self, graph: torch.fx.Graph) -> int:
+        """Rewrite ``graph`` with the traced patterns; return the rewrites counted as matches (a pass of several
+        stages applies each here)."""
+        return int(self._patterns.apply(graph) or 0)
+
     def __call__(self, graph: torch.fx.Graph, size: int | None) -> int:
         anchors = self.anchor_ops()
         if anchors is not None and not any(node.target in anchors for node in graph.nodes):
             return 0
         self.prepare()
-        return int(self._patterns.apply(graph) or 0)
+        return self.apply_patterns(graph)

@@ -160,10 +160,7 @@ class RopeLinearPass(PatternPass):
         compat.register_graph_pattern(_fused_pattern(rotary_op), self._fusions, _fuse(op), _fusable)
         return count + 1
 
-    def __call__(self, graph: torch.fx.Graph, size: int | None) -> int:
-        anchors = self.anchor_ops()
-        if not any(node.target in anchors for node in graph.nodes):
-            return 0
-        self.prepare()
+    def apply_patterns(self, graph: torch.fx.Graph) -> int:
+        """Stage 1, then stage 2; the count is stage 2's (the fusions)."""
         self._patterns.apply(graph)
         return int(self._fusions.apply(graph) or 0)
