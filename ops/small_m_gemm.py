@@ -558,9 +558,8 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: slower in the step there). fp8 static, per-tensor scales (cuBLAS's fast path; results/gated_gemm_fp8_static.md): M
 #: 1: 32.8 / 29.5, 8: 31.0 / 32.8, 32: 34.1 / 34.0 (and the 8B step at batch 32 2.2% slower gated: the unfused pair
 #: at 17-32), 64: 34.6 / 37.6, 128: 44.7 / 40.9; M 1 again with the fp8 GEMV's full warps (``gated_config``; results/
-#: gated_gemm_fp8_static_m1_full_warps.md): 28.64 / 29.14 µs, 1.7% faster; fp8's M = 1 row stays unfused until the
-#: gated GEMV in that form has passed the CUDA tests (tests/ops/test_gated_quant.py, with this row set to the table's
-#: gate-up GEMV, ``SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)``).
+#: gated_gemm_fp8_static_m1_full_warps.md): 28.64 / 29.14 µs, 1.7% faster: fp8's M = 1 row is the table's gate-up
+#: GEMV (``_GATED_GEMV_FP8``), which passes the CUDA tests (tests/ops/test_gated_quant.py) in that form.
 #: bf16 / fp16 (``ops.gated_linear``, the ``gated_linear`` pass's op, off by default): M = 1 only, the plain table's
 #: gate-up GEMV row (the gated form streams the same weight rows, half gate and half up, so the plain form's tile is
 #: its start), not yet timed gated on a GPU (``benchmarks.gated_gemm --dtype bf16``); M 2-16 the unfused pair, where
@@ -568,9 +567,10 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 _GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
+_GATED_GEMV_FP8 = SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
     torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
-    torch.float8_e4m3fn: ((1, None), (16, _GATED_16), (32, None), (64, _GATED_64)),
+    torch.float8_e4m3fn: ((1, _GATED_GEMV_FP8), (16, _GATED_16), (32, None), (64, _GATED_64)),
     torch.bfloat16: ((1, _GATED_GEMV_F16),),
     torch.float16: ((1, _GATED_GEMV_F16),),
 }
