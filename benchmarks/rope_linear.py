@@ -7,11 +7,13 @@ K 2048, 32 + 2 x 8 heads of 64), bf16:
 - ``unfused``: ``ops.linear`` (the small-M kernel where its table has a config, else cuBLAS), then
   ``ops.rotary_embedding`` on its q and k (what the custom ops on run; with them off Inductor fuses the rotation
   into one kernel of its own);
-- ``fused``: ``ops.rope_linear`` as it runs (the fused GEMV at one token, the fused dot tile at 2-16 tokens, else
-  the GEMM and the rotary kernel in place);
+- ``fused``: ``ops.rope_linear`` as it runs (the fused GEMV at one token, else the GEMM and the rotary kernel in
+  place);
 - ``fused gemv``: the fused GEMV (``rope_small_m_mm`` with the table's M = 1 tile) at every M: a program a row, each
   reading the weights again (from L2);
-- ``fused dot``: the fused dot tile (``ops.rope_linear.DOT_CONFIG``: 16 rows, 32 column pairs) at every M.
+- ``fused dot``: the fused dot tile (``DOT_CANDIDATE``: 16 rows, 32 column pairs) at every M, for the 2-16 tokens
+  the op leaves to the unfused pair (measured faster than ``unfused`` alone on the H100, but slower in the step than
+  cuBLAS then Inductor's rotary: see ``ops.rope_linear``).
 
 Each variant is a CUDA graph of calls over rotating weight copies (every call reads its weight from HBM), the graphs
 replayed in turn (``common.bench_gpu_interleaved``); µs a call and % of the copy bandwidth for the weight's bytes.
@@ -30,9 +32,13 @@ import torch
 
 import ops
 from benchmarks import common
-from ops.rope_linear import DOT_CONFIG, rope_small_m_mm
+from ops.rope_linear import rope_small_m_mm
+from ops.small_m_gemm import SmallMConfig
 
 SHAPES = {"llama-3-8b": (4096, 128, 32, 8), "llama-3.2-1b": (2048, 64, 32, 8)}  # K, head size, q heads, kv heads
+#: The dot tile timed at every M: 16 rows, 32 column pairs (a divisor of both models' half heads), the small-M table's
+#: 16-row tile depth and stages.
+DOT_CANDIDATE = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 
 
 def _operands(m: int, copies: int, k: int, d: int, heads: int) -> list[tuple]:
@@ -56,7 +62,7 @@ def _variants(d: int, hq: int, hk: int) -> dict[str, Callable[..., Any]]:
         return rope_small_m_mm(x, w, pos, cache, d, hq + hk, config)
 
     def dot(x, w, pos, cache):
-        return rope_small_m_mm(x, w, pos, cache, d, hq + hk, DOT_CONFIG)
+        return rope_small_m_mm(x, w, pos, cache, d, hq + hk, DOT_CANDIDATE)
 
     return {"unfused": unfused, "fused": lambda x, w, pos, cache: ops.rope_linear(x, w, pos, cache, d, hq + hk),
             "fused gemv": gemv, "fused dot": dot}

@@ -9,7 +9,8 @@ layer in a CUDA graph, most of it the launch). This op is what the ``gated_linea
   and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: the small-M GEMM's gated form
   (:func:`ops.small_m_gemm.small_m_gated_mm`), whose epilogue computes SiLU(gate) * up (one kernel, the ``[T, 2D]``
   output never written);
-- anything else: the unfused pair, ``ops.linear`` then ``ops.silu_and_mul`` (on the CPU their references).
+- anything else: the unfused pair, ``ops.linear`` then ``ops.silu_and_mul``'s kernel, launched without PDL (on the
+  CPU their references).
 
 Values: the GEMM's output rounded to ``x``'s dtype, then SiLU(gate) * up in fp32, rounded once: the unfused ops'
 arithmetic (the gated GEMM's fp32 sums in its own order, as ``ops.linear``'s small-M kernel's are).
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear
-from .silu_and_mul import silu_and_mul, silu_and_mul_ref
+from .silu_and_mul import SILU, launch_act_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, gated_runtime_config, small_m_gated_mm
 from .triton_utils import use_triton
 
@@ -63,7 +64,10 @@ def _gated_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return small_m_gated_mm(x, weight, config)
     # ops.linear where its small-M table may apply; a prefill's GEMM straight to cuBLAS (the same call)
     h = linear(x, weight) if x.shape[0] <= SMALL_M_MAX else F.linear(x, weight)
-    return silu_and_mul(h) if use_triton(h) else silu_and_mul_ref(h)
+    # ops.silu_and_mul's kernel without PDL, as Inductor launches the activation it replaces: launched early, it
+    # let the down projection's small-M GEMM launch early too, and the H100's batch-8 step of Llama-3.2-1B took
+    # 3.5% longer (results/gatedlin_kernel_profile_1b_h100.md; with DYNAMO_ONCE_PDL=0 no slower).
+    return launch_act_and_mul(h, SILU, pdl=False) if use_triton(h) else silu_and_mul_ref(h)
 
 
 def _gated_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,10 @@ q's and k's heads. At one token the GEMM is a read of its weight and the rotary 
 what the ``rope_linear`` graph pass (``dispatcher.passes``) puts in place of that pair, deciding at run time on the
 concrete M:
 
-- CUDA, at most ``ops.SMALL_M_MAX`` tokens, ``x`` with unit column stride and ``weight`` contiguous,
-  ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: one kernel (:func:`rope_small_m_mm`), each program streaming the weight rows of
-  column pairs ``(c, c + D / 2)`` of a head into two accumulators and rotating them in its epilogue (value heads
-  stored as they are). One token: the GEMV form, on the tile of ``ops.small_m_gemm.SMALL_M_TABLE``'s GEMV row for
-  the shape; 2-16 tokens: the dot-tile form, :data:`DOT_CONFIG` (head sizes a multiple of 64);
+- CUDA, one token, a GEMV row of ``ops.small_m_gemm.SMALL_M_TABLE`` for the shape, ``x`` with unit column stride
+  and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: one kernel (:func:`rope_small_m_mm`), each program
+  streaming the weight rows of column pairs ``(c, c + D / 2)`` of a head into two accumulators and rotating them in
+  its epilogue (value heads stored as they are);
 - anything else: ``ops.linear`` (cuBLAS above the small-M sizes), then the rotary kernel in place on its output
   (:func:`ops.rotary_embedding.rotate_heads_in_place`; on the CPU the reference).
 
@@ -32,7 +31,7 @@ from .rotary_embedding import rotary_embedding_ref, rotate_heads_in_place
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_available, tl, triton
 
-__all__ = ["DOT_CONFIG", "ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
+__all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
 
 #: The dtypes ``ops.rope_linear`` takes.
 ROPE_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
@@ -162,24 +161,18 @@ def rope_small_m_mm(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     return out
 
 
-#: The fused kernel's dot tile at 2 to ``SMALL_M_MAX`` tokens: 16 rows, 32 column pairs (whole pairs within half a
-#: head of 64 or 128 columns), the small-M table's 16-row tile depth and stages. Measured on the H100 (``python -m
-#: benchmarks.rope_linear``, results/rope_linear_h100.md, rope_linear_1b_h100.md; its "fused dot" variant), µs at 2-16
-#: tokens: Llama-3-8B's QKV 20.35-20.65 against 22.74-23.34 for cuBLAS then the rotary kernel (1.12-1.13x),
-#: Llama-3.2-1B's 8.64-8.71 against 8.95-9.13 (1.04-1.05x); at one token the GEMV row is faster (19.12 / 5.91 µs).
-DOT_CONFIG = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
-
-
 def _config(x: torch.Tensor, weight: torch.Tensor, head_size: int) -> SmallMConfig | None:
     """The fused kernel's config for these operands, or None: the unfused pair. M first: a prefill pays one test.
-    One token: the small-M table's GEMV row for the shape; 2 to ``SMALL_M_MAX``: :data:`DOT_CONFIG`."""
-    m = x.shape[0]
-    if m > SMALL_M_MAX or not (HAS_TRITON and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
+
+    One token only. The dot-tile form at 2-16 tokens (16 rows, 32 column pairs) beat ``ops.linear`` then the rotary
+    kernel alone on the H100 (results/rope_linear_h100.md, "fused dot": 20.35 against 22.74 µs on Llama-3-8B's QKV
+    at 2 tokens), but not cuBLAS then Inductor's rotary in the step: Llama-3.2-1B's batch-8 step ran it at 9.15 µs a
+    layer against 7.13 + 1.55 (results/gatedlin_kernel_profile_1b_h100.md), and the step was 2.2% slower."""
+    if x.shape[0] != 1 or not (HAS_TRITON and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
         return None
-    config = small_m_config(1, weight.shape[0], weight.shape[1], x.dtype) if m == 1 else DOT_CONFIG
-    # a GEMV row at one token, its BLOCK_N rows a program whole pairs within half a head (rope_small_m_mm's condition)
-    fits = (config is not None and (config.UNROLL or m > 1) and config.BLOCK_N >= 2
-            and (head_size // 2) % (config.BLOCK_N // 2) == 0)
+    config = small_m_config(1, weight.shape[0], weight.shape[1], x.dtype)
+    # the table's GEMV row, its BLOCK_N rows a program whole pairs within half a head (rope_small_m_mm's condition)
+    fits = config is not None and config.UNROLL and config.BLOCK_N >= 2 and (head_size // 2) % (config.BLOCK_N // 2) == 0
     return config if fits and envs.small_m_gemm() else None
 
 
@@ -235,8 +228,8 @@ torch.library.register_fake("dynamo_once::rope_linear", _rope_linear_fake, lib=_
 def rope_linear(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 head_size: int, rot_heads: int) -> torch.Tensor:
     """``x @ weight.T`` ``[M, N]`` in ``x``'s dtype, the first ``rot_heads`` heads of ``head_size`` columns of each
-    row rotated by the angles of its position (NeoX halves, full rotary): one fused kernel up to ``ops.SMALL_M_MAX``
-    tokens (see the module docstring), else ``ops.linear`` and the rotary kernel.
+    row rotated by the angles of its position (NeoX halves, full rotary): one fused kernel at one token (see the
+    module docstring), else ``ops.linear`` and the rotary kernel.
 
     Args:
         x: ``bfloat16`` or ``float16 [M, K]``; weight: the same dtype, ``[N, K]`` (a merged QKV projection's, the

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 __all__ = ["PassConfig"]
 
 
-#: Each pass's default: off but ``small_m_linear``'s. Measured on the H200 (README "Graph passes"; Llama 3 8B bf16, fp8 and int8 decode
+#: Each pass's default: off but ``gemm_act_quant``'s, ``gated_linear``'s and ``small_m_linear``'s. Measured on the H200 (README "Graph passes"; Llama 3 8B bf16, fp8 and int8 decode
 #: and a 2048-token prefill at level 3): against native code with no pass (Inductor fuses the add, the norm and
 #: the quantization itself), the custom ops with every pass were slower for fp8 at every batch size and for int8
 #: but at batch 1, 0.7-1.8% faster for bf16 at batch 1-32 (about the runs' noise) and slower at 128, and the
@@ -26,15 +26,19 @@ __all__ = ["PassConfig"]
 #: a 2048-token prefill within 1.5%. A graph without a W8A8 GEMM never traces its patterns.
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
-#: ``gated_linear``: off until measured (``benchmarks.gated_gemm --dtype bf16``, then the bf16 decode step with and
-#: without it: issue 16's Llama-3.2-1B batch 1). ``rope_linear``: the same (``benchmarks.decode --modes "level 3,level 3
-#: +rope_linear"``).
+#: ``gated_linear``: on. Measured on an H100 only (no H200 was lent; ``benchmarks/results/gatedlin_*_h100*``), the bf16
+#: decode step with it against level 3 without: Llama-3.2-1B at batch 1 20.5 / 50.7 / 31.1 µs faster in three of four
+#: runs (12.2 slower in the fourth; ~2% of 1109-1131 µs), Llama-3-8B 12.5-57.2 µs faster in all four (~0.6%); at
+#: batch 8, with the unfused activation launched without PDL, 7.0 / 3.5 µs slower (0.5% / 0.06%: within the
+#: level-3 runs' own 1341-1351 spread); a 2048-token prefill within that machine's noise (its two level-3 runs of the
+#: 1B differ by 46%). ``rope_linear``: off. With it too the batch-1 steps were no faster (1B 1092.3 against 1088.5
+#: µs, 8B 5509.4 against 5464.6) and batch 8 1.5-1.7% slower (``gatedlin_decode_*_h100_v2.md``).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
                                "act_quant": False, "gemm_act_quant": True, "sequence_parallel": False,
-                               "gated_linear": False, "rope_linear": False, "small_m_linear": True}
+                               "gated_linear": True, "rope_linear": False, "small_m_linear": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,9 +133,9 @@ def test_manager_installed_at_levels_3_and_4_only():
     for level in (CompilationLevel.INDUCTOR, CompilationLevel.INDUCTOR_MAX_AUTOTUNE):
         manager = inductor_options(CompilationConfig(pass_config="-noop,+fused_add_rms_norm"), level)[key]
         assert isinstance(manager, PostGradPassManager)
-        assert [p.name for p in manager.passes] == ["fused_add_rms_norm", "gemm_act_quant", "small_m_linear"]
+        assert [p.name for p in manager.passes] == ["fused_add_rms_norm", "gemm_act_quant", "gated_linear", "small_m_linear"]
         default = inductor_options(CompilationConfig(), level)[key]
-        assert [p.name for p in default.passes] == ["gemm_act_quant", "small_m_linear"]  # the passes measured faster
+        assert [p.name for p in default.passes] == ["gemm_act_quant", "gated_linear", "small_m_linear"]  # the passes measured faster
     assert key not in inductor_options(CompilationConfig(level=2, backend="inductor"), CompilationLevel.DYNAMO_ONCE)
 
 
