@@ -216,8 +216,8 @@ for step in $steps; do
               done ;;
     gatedlin) # issue 16: bf16 gate-up GEMM + SiLU-and-mul (ops.gated_linear) and QKV GEMM + rotary (ops.rope_linear) in one
               # kernel each, against the unfused pairs, alone (both models' shapes) and in the bf16 decode steps with and
-              # without the gated_linear and rope_linear passes (GATEDLIN_MODES; a 2048-token prefill too, GATEDLIN_PREFILL=0:
-              # none); GATEDLIN_KERNELS=0 skips the kernels alone (e.g. a second call for the 8B's steps)
+              # without the gated_linear (on by default) and rope_linear passes (GATEDLIN_MODES; a 2048-token prefill too,
+              # GATEDLIN_PREFILL=0: none); GATEDLIN_KERNELS=0 skips the kernels alone (e.g. a second call for the 8B's steps)
               [ "${GATEDLIN_KERNELS:-1}" = 0 ] || for m in llama-3.2-1b llama-3-8b; do
                 timeout ${GATEDLIN_TIMEOUT:-120} python3 -m benchmarks.gated_gemm --dtype bf16 --model $m --ms ${GATEDLIN_MS:-1,2,4,8,16} \
                   ${GATEDLIN_ARGS:-} --out "$R/gated_gemm" > "$R/gated_gemm_bf16_$m.log" 2>&1
@@ -228,7 +228,7 @@ for step in $steps; do
               done
               for m in ${GATEDLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${GATEDLIN_DECODE_TIMEOUT:-240} python3 -m benchmarks.decode --models $m --iters 30 --batches ${GATEDLIN_BATCHES:-1,8} \
-                  --prefill ${GATEDLIN_PREFILL:-2048} --modes "${GATEDLIN_MODES:-level 3,level 3 +gated_linear +rope_linear,level 3 +gated_linear,level 3 +rope_linear}" \
+                  --prefill ${GATEDLIN_PREFILL:-2048} --modes "${GATEDLIN_MODES:-level 3 -gated_linear,level 3,level 3 +rope_linear}" \
                   --out "$R/gatedlin_$m" 2>&1 | tee "$R/gatedlin_$m.log" | grep -E "^\{|Error"
               done ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
