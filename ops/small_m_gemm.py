@@ -560,10 +560,12 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: at 17-32), 64: 34.6 / 37.6, 128: 44.7 / 40.9; M 1 again with the fp8 GEMV's full warps (``gated_config``; results/
 #: gated_gemm_fp8_static_m1_full_warps.md): 28.64 / 29.14 µs, 1.7% faster: fp8's M = 1 row is the table's gate-up
 #: GEMV (``_GATED_GEMV_FP8``), which passes the CUDA tests (tests/ops/test_gated_quant.py) in that form.
-#: bf16 / fp16 (``ops.gated_linear``, the ``gated_linear`` pass's op, off by default): M = 1 only, the plain table's
-#: gate-up GEMV row (the gated form streams the same weight rows, half gate and half up, so the plain form's tile is
-#: its start), not yet timed gated on a GPU (``benchmarks.gated_gemm --dtype bf16``); M 2-16 the unfused pair, where
-#: the plain table leaves gate-up to cuBLAS.
+#: bf16 / fp16 (``ops.gated_linear``, the ``gated_linear`` pass's op, on by default): M = 1 only, the plain table's
+#: gate-up GEMV row (the gated form streams the same weight rows, half gate and half up). Measured on an H100
+#: (results/gated_gemm_bf16{,_1b}_h100.md, µs gated / unfused): Llama-3.2-1B's gate-up at M 1 22.47 / 23.89,
+#: Llama-3-8B's 75.80 / 76.62; at M 2-16 the gated form on the plain table's tile lost or tied ("gated table":
+#: 27.59-27.98 / 27.27-28.00 and 86.09-86.80 / 84.46-85.52; the unfused pair there is cuBLAS then the activation), so
+#: M 2-16 run the unfused pair.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 _GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
