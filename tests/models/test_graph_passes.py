@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ops
-from dispatcher import CompilationConfig, compat
+from dispatcher import CompilationConfig, PassConfig, compat
 from dispatcher.passes import pass_counter
 from models import LLM
 
@@ -156,6 +156,16 @@ def test_llama_gate_up_and_activation_take_the_gated_op(pass_free):
     assert counts.runs["gated_linear"] == PIECES
     assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
     assert after[torch.ops.aten.mm.default] + after[torch.ops.aten.addmm.default] == LINEARS - GATE_UPS
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
+
+
+def test_bf16_llama_takes_the_gated_op_by_default(pass_free):
+    """The default passes (``PassConfig()``): a bf16 Llama's gate-up and activation become the gated op, its QKV stays
+    a GEMM (``rope_linear`` is off by default), and the logits stay within the bf16 tolerance of the pass-free ones."""
+    with counted_after("gated_linear") as after:
+        out, counts = logits(PassConfig(), dtype=torch.bfloat16)
+    assert counts.matches["gated_linear"] == after[GATED] == GATE_UPS
+    assert not counts.runs["rope_linear"] and not after[ROPE]
     assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
 
 
