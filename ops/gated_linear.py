@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .linear import linear
 from .silu_and_mul import SILU, launch_act_and_mul, silu_and_mul_ref
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, gated_runtime_config, small_m_gated_mm
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, gated_runtime_config, small_m_gated_mm, small_m_operands
 from .triton_utils import use_triton
 
 __all__ = ["GATED_LINEAR_DTYPES", "gated_linear", "gated_linear_ref", "gated_linear_uses_small_m"]
@@ -34,9 +34,7 @@ GATED_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 def _config(x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig | None:
     """The gated form's config for these operands, or None: the unfused pair. M first: a prefill pays one test."""
-    if x.shape[0] > SMALL_M_MAX or not (x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
-        return None
-    return gated_runtime_config(x, weight)
+    return gated_runtime_config(x, weight) if small_m_operands(x, weight) else None
 
 
 def gated_linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:

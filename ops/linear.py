@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, runtime_config, small_m_mm
+from .small_m_gemm import SmallMConfig, runtime_config, small_m_mm, small_m_operands
 
 __all__ = ["LINEAR_DTYPES", "linear", "linear_uses_small_m"]
 
@@ -27,9 +27,7 @@ LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 def _config(x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig | None:
     """The small-M kernel's config for these operands, or None: ``F.linear``. M first: a prefill pays one test."""
-    if x.shape[0] > SMALL_M_MAX or not (x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
-        return None
-    return runtime_config(x, weight)
+    return runtime_config(x, weight) if small_m_operands(x, weight) else None
 
 
 def linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:

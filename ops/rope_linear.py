@@ -28,7 +28,7 @@ from dispatcher import envs
 
 from .linear import linear
 from .rotary_embedding import rotary_embedding_ref, rotate_heads_in_place
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config
+from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config, small_m_operands
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_available, tl, triton
 
 __all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
@@ -168,7 +168,7 @@ def _config(x: torch.Tensor, weight: torch.Tensor, head_size: int) -> SmallMConf
     kernel alone on the H100 (results/rope_linear_h100.md, "fused dot": 20.35 against 22.74 µs on Llama-3-8B's QKV
     at 2 tokens), but not cuBLAS then Inductor's rotary in the step: Llama-3.2-1B's batch-8 step ran it at 9.15 µs a
     layer against 7.13 + 1.55 (results/gatedlin_kernel_profile_1b_h100.md), and the step was 2.2% slower."""
-    if x.shape[0] != 1 or not (HAS_TRITON and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()):
+    if x.shape[0] != 1 or not (HAS_TRITON and small_m_operands(x, weight, max_m=1)):
         return None
     config = small_m_config(1, weight.shape[0], weight.shape[1], x.dtype)
     # the table's GEMV row, its BLOCK_N rows a program whole pairs within half a head (rope_small_m_mm's condition)

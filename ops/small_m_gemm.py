@@ -59,6 +59,7 @@ __all__ = [
     "TRITON_MAX_M",
     "SMALL_M_TABLE",
     "small_m_config",
+    "small_m_operands",
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_gated_scaled_mm",
@@ -535,6 +536,12 @@ def small_m_config(m: int, n: int, k: int, dtype: torch.dtype, max_m: int = SMAL
         if m <= rule.max_m and dtype in rule.dtypes and k >= rule.min_ratio * n and n >= rule.min_n:
             return rule.config
     return None
+
+
+def small_m_operands(x: torch.Tensor, weight: torch.Tensor, max_m: int = SMALL_M_MAX) -> bool:
+    """Whether the small-M kernels can take ``[M, K] x [N, K]`` operands: M at most ``max_m`` (tested first: a
+    prefill pays one test), CUDA, ``x`` with unit column stride, ``weight`` contiguous. The eager ops' first test."""
+    return x.shape[0] <= max_m and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()
 
 
 def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
