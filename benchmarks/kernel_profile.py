@@ -90,7 +90,9 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
 def decode_graphs(name: str, batches: list[int], context: int, mode: str = "level 3"
                   ) -> dict[int, Callable[[], Any]]:
     """``name``'s decode step in ``mode`` (a level-3 mode of benchmarks.decode: ``level 3``, ``level 3 +ops``,
-    ``level 3 +ops +passes``) at each batch as one whole-step CUDA graph replay (benchmarks.decode's)."""
+    ``level 3 +ops +passes``) at each batch as one whole-step CUDA graph replay (benchmarks.decode's); ``level 3
+    piecewise``: the step on the piecewise path (each piece's graph replayed, attention launched eagerly between
+    them, inputs and attention's outputs read in place, as benchmarks.decode's piecewise mode runs it)."""
     from benchmarks.decode import Harness, mode_config
     from dispatcher import CUDAGraphMode, CUDAGraphs
 
@@ -98,11 +100,15 @@ def decode_graphs(name: str, batches: list[int], context: int, mode: str = "leve
     h = Harness(name, mode_config(mode, True, batches), max(batches), context, 0, device, torch.bfloat16)
     h.first_call(max(max(batches), 2))
     graphs = CUDAGraphs()
+    graph_mode = CUDAGraphMode.FULL
+    if mode == "level 3 piecewise":
+        graph_mode = CUDAGraphMode.PIECEWISE
+        h.as_the_runner(graphs, max(batches))
     runs = {}
     for b in batches:
         h.set_decode(b)
-        graphs.capture([b], CUDAGraphMode.FULL, lambda n: h.step())
-        runs[b] = lambda b=b: graphs.run(CUDAGraphMode.FULL, b, lambda n: h.step())
+        graphs.capture([b], graph_mode, lambda n: h.step())
+        runs[b] = lambda b=b: graphs.run(graph_mode, b, lambda n: h.step())
     return runs
 
 
@@ -162,13 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefetch", type=int, default=None, help="every small-M config's PREFETCH")
     p.add_argument("--mode", default="level 3",
                    help="the decode graphs' mode, a level-3 mode of benchmarks.decode: 'level 3' (native code), "
-                        "'level 3 +ops' (the Triton ops), 'level 3 +ops +passes', 'level 3 +NAME' (pass NAME on), ...")
+                        "'level 3 +ops' (the Triton ops), 'level 3 +ops +passes', 'level 3 +NAME' (pass NAME on), "
+                        "...; 'level 3 piecewise': the step on the piecewise path (piece graphs, attention eager)")
     p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
-    if not (a.mode == "level 3" or a.mode.startswith("level 3 +") or a.mode.startswith("level 3 -")):
-        p.error(f"--mode: expected a level-3 mode of benchmarks.decode ('level 3', 'level 3 +ops', 'level 3 +NAME', "
-                f"...); got {a.mode!r}")
+    if not (a.mode in ("level 3", "level 3 piecewise") or a.mode.startswith(("level 3 +", "level 3 -"))):
+        p.error(f"--mode: expected a level-3 mode of benchmarks.decode ('level 3', 'level 3 piecewise', "
+                f"'level 3 +ops', 'level 3 +NAME', ...); got {a.mode!r}")
     if not torch.cuda.is_available():
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)
@@ -194,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
                 kinds += k
                 tops += t
             torch.cuda.empty_cache()
+        what = "step (piece graphs, attention eager)" if a.mode == "level 3 piecewise" else "whole-step graph"
         notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
-                 f"decode: {a.mode} whole-step graph, context {a.context}; prefill: the compiled model's call, no "
+                 f"decode: {a.mode} {what}, context {a.context}; prefill: the compiled model's call, no "
                  "graph; stack: benchmarks.gemm's 8B linear stack",
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "

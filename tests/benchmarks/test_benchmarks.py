@@ -380,6 +380,8 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
 
 @pytest.mark.parametrize("script, argv, says", [
     ("kernel_profile", ["--models", "tiny-llama"], "CUDA"),
+    ("kernel_profile", ["--mode", "level 3 piecewise"], "CUDA"),
+    ("kernel_profile", ["--mode", "level 1"], "--mode: expected a level-3 mode"),
     ("gemm_step_ab", ["--variant", "table="], "CUDA only"),
     ("attention_operands", [], "needs a CUDA GPU"),
     ("l2_prefetch", [], "needs a CUDA GPU"),
