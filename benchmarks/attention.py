@@ -120,7 +120,10 @@ def make_case(batch: int, context: int, device: str) -> Case:
 
 
 def plans(case: Case, config: DecodeConfig | None) -> list[DecodePlan]:
-    """One plan per copy's block table (the partial results share the case's workspace: stream-ordered)."""
+    """One plan per copy's block table (the partial results share the case's workspace: stream-ordered). Without
+    PDL (``DecodeConfig.pdl``): the calls here are back to back, where each launch would overlap the one before
+    it; the kernel alone is what is timed."""
+    config = dataclasses.replace(config or decode_config(case.batch, HEAD, _fp8()), pdl=False)
     return [DecodePlan(t, case.seq_lens, HEADS, KV_HEADS, HEAD, PAGE, case.q.device, workspace=case.workspace,
                        config=config, counters=case.counters, kv_fp8=_fp8()) for t in case.tables]
 

@@ -54,7 +54,8 @@ import torch
 from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_from_e4m3, inverse_scale, \
     quantize_kv_ref, to_cache
 from .paged_decode_config import DecodeConfig, decode_config
-from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, tl, triton, use_triton
+from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, pdl_args, pdl_available, tl, triton, \
+    use_triton
 
 __all__ = [
     "write_kv_cache",
@@ -171,7 +172,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    CONVERT_V: tl.constexpr = False,
+    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
@@ -183,6 +184,11 @@ def _decode_split_kernel(
     # FUSED_MERGE: the last of the sequence's splits to arrive (counter_ptr, see _arrive_and_merge) merges.
     # An fp8 cache (ops.kv_quant): scale holds k_scale, each split's output is times v_scale, and the new key and
     # value are written times k_inv, v_inv.
+    # PDL (DecodePlan.pdl): launched early behind the kernel before (q's rotary, a GEMM): wait for its end before
+    # any load, then let the kernel after this one (the o projection) launch in turn.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
@@ -521,8 +527,11 @@ class DecodePlan:
             self.counters = counters
         self.fused_merge = self.counters is not None  # one launch: no merge kernel
         self.fused_write = cfg.fused_write  # paged_decode_launch's new_kv are written by the decode kernel
+        # PDL only where every program is resident at once: the next kernel's early programs then take no SM slot
+        # one of this launch's still waits for.
+        self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)
         self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
-                                     MERGE_S=splits if self.fused_merge else 1)
+                                     MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl))
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results

@@ -48,6 +48,11 @@ class DecodeConfig:
             code compiled on the CPU that takes the minimal kernel's loop from 5.96 to 9.68 cache elements a warp
             instruction (bf16's: 9.67; ``benchmarks.attention_instructions``); not yet timed on a GPU, so off in
             every row. The same values either way (the instruction Triton's conversion emits).
+        pdl: launch the split kernel with programmatic dependent launch where :class:`~ops.paged_attention.DecodePlan`
+            allows it (``ops.triton_utils.pdl_available``, and a grid of at most two programs an SM, all resident
+            at once): its programs wait for the kernel before them, then let the next one launch. In a decode step
+            that hides the launch latency of the attention kernel and of the o projection's GEMV after it
+            (``DYNAMO_ONCE_PDL=0`` turns PDL off everywhere).
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -66,6 +71,7 @@ class DecodeConfig:
     fused_merge: bool = False
     fused_write: bool = False
     convert_v: bool = False
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):

@@ -2,6 +2,7 @@
 PDL launches, each reading the one before, gives the results of plain launches (eager and in a CUDA graph).
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -92,3 +93,85 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, tokens, hidden, graph):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _decode_chain(q0, w, cache, plan, new_kv, scale, out):
+    """A PDL norm writing q, the decode kernel reading it (and writing out), a PDL norm reading out, 8 layers over
+    one cache: the decode's reads after the norm's writes, and the next norm's after the decode's."""
+    from ops import rms_norm
+    from ops.paged_attention import paged_decode_launch
+
+    outs, h = [], q0
+    for _ in range(8):
+        q = rms_norm(h, w, 1e-6)
+        paged_decode_launch(plan, q, cache, out, scale, new_kv=new_kv)
+        h = rms_norm(out, w, 1e-6)
+        outs.append(h)
+    return outs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_seqs", [1, 8])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_pdl_decode_attention_in_a_chain_equals_plain_launches(monkeypatch, num_seqs, graph):
+    """The decode kernel launched with PDL (``DecodeConfig.pdl``) between PDL launches of the norm: bit for bit
+    the plain launches' values, the cache too (its fused write)."""
+    from ops.paged_attention import DecodePlan
+    from ops.paged_decode_config import decode_config
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
+    torch.manual_seed(0)
+    heads, kv_heads, head, page, context = 32, 8, 128, 16, 300
+    pages = context // page + 1
+    cache = torch.randn(2, num_seqs * pages, page, kv_heads, head, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(num_seqs * pages, device="cuda", dtype=torch.int32).view(num_seqs, pages)
+    seq_lens = torch.full((num_seqs,), context + 1, device="cuda", dtype=torch.int32)
+    slots = (table[:, context // page].long() * page + context % page)
+    kv = torch.randn(num_seqs, 2 * kv_heads * head, device="cuda", dtype=torch.bfloat16)
+    new_kv = (kv[:, :kv_heads * head], kv[:, kv_heads * head:], slots)
+    q0 = torch.randn(num_seqs, heads * head, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(heads * head, device="cuda", dtype=torch.bfloat16) + 0.5
+    results = {}
+    for pdl in (False, True):
+        cfg = dataclasses.replace(decode_config(num_seqs, head), pdl=pdl)
+        plan = DecodePlan(table, seq_lens, heads, kv_heads, head, page, q0.device, config=cfg)
+        assert plan.pdl is pdl
+        c, out = cache.clone(), torch.empty_like(q0)
+        if graph:
+            _decode_chain(q0, w, c, plan, new_kv, head**-0.5, out)  # compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = _decode_chain(q0, w, c, plan, new_kv, head**-0.5, out)
+            g.replay()
+            g.replay()
+        else:
+            got = _decode_chain(q0, w, c, plan, new_kv, head**-0.5, out)
+        torch.cuda.synchronize()
+        results[pdl] = (got, c)
+    for a, b in zip(results[False][0], results[True][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[False][1], results[True][1])
+
+
+@pytest.mark.cuda
+def test_decode_plan_takes_pdl_only_where_every_program_is_resident(monkeypatch):
+    from ops.paged_attention import DecodePlan
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    monkeypatch.delenv("DYNAMO_ONCE_PDL", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def plan(num_seqs: int) -> DecodePlan:
+        table = torch.zeros(num_seqs, 4, device="cuda", dtype=torch.int32)
+        lens = torch.full((num_seqs,), 40, device="cuda", dtype=torch.int32)
+        return DecodePlan(table, lens, 32, 8, 128, 16, table.device)
+
+    small, large = plan(1), plan(256)
+    assert small.pdl and small.num_seqs * 8 * small.num_splits <= 2 * sms
+    assert not large.pdl and large.num_seqs * 8 * large.num_splits > 2 * sms
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    assert not plan(1).pdl
