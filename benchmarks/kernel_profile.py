@@ -61,8 +61,11 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows per kind (and a ``total`` row with span and idle) and per kernel name, per replay."""
     busy, end = 0.0, None
-    for _, s, e in events:  # the union of kernel intervals (kernels of a stream overlap under PDL)
+    idle_before: dict[str, float] = defaultdict(float)  # idle time right before a kernel, by the kernel's kind
+    for name, s, e in events:  # the union of kernel intervals (kernels of a stream overlap under PDL)
         if end is None or s >= end:
+            if end is not None:
+                idle_before[kind_of(name)] += s - end
             busy += e - s
             end = e
         elif e > end:
@@ -80,7 +83,8 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
               "us": round(sum(e - s for _, s, e in events) / n, 1), "span_us": round(span / n, 1),
               "idle_us": round((span - busy) / n, 1)}]
     kinds += [{"graph": graph, "kind": k, "kernels": round(c / n, 1), "us": round(t / n, 1), "span_us": "",
-               "idle_us": ""} for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])]
+               "idle_us": round(idle_before[k] / n, 1)}
+              for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])]
     top = [{"graph": graph, "kernel": name[:90], "kind": kind_of(name), "count": round(c / n, 1),
             "us": round(t / n, 1), "mean_us": round(t / c, 2)}
            for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]]
@@ -104,12 +108,19 @@ def decode_graphs(name: str, batches: list[int], context: int, mode: str = "leve
     if mode == "level 3 piecewise":
         graph_mode = CUDAGraphMode.PIECEWISE
         h.as_the_runner(graphs, max(batches))
-    runs = {}
+    current = [None]  # the harness's batch: a piecewise replay runs the pieces on the harness's inputs as they are
+
+    def run(b: int) -> None:
+        if current[0] != b:  # once a batch (kernel_events' first call, before it profiles)
+            h.set_decode(b)
+            current[0] = b
+        graphs.run(graph_mode, b, lambda n: h.step())
+
     for b in batches:
         h.set_decode(b)
         graphs.capture([b], graph_mode, lambda n: h.step())
-        runs[b] = lambda b=b: graphs.run(graph_mode, b, lambda n: h.step())
-    return runs
+        current[0] = b
+    return {b: lambda b=b: run(b) for b in batches}
 
 
 def prefill_run(name: str, tokens: int, mode: str = "level 3") -> Callable[[], Any]:
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         notes = [f"torch.profiler (CUDA activity) over {a.replays} back-to-back replays of each graph, per replay; "
                  f"decode: {a.mode} {what}, context {a.context}; prefill: the compiled model's call, no "
                  "graph; stack: benchmarks.gemm's 8B linear stack",
-                 "span: first kernel start to last kernel end; idle: time in the span with no kernel running",
+                 "span: first kernel start to last kernel end; idle: time in the span with no kernel running (a kind's "
+                 "row: the idle time right before its kernels)",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
                  f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, TORCHINDUCTOR_ENABLE_PDL="
                  f"{os.environ.get('TORCHINDUCTOR_ENABLE_PDL', 'unset')}"]

@@ -111,11 +111,12 @@ def _decode_chain(q0, w, cache, plan, new_kv, scale, out):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_seqs", [1, 8])
+@pytest.mark.parametrize("num_seqs", [1, 4])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
 def test_pdl_decode_attention_in_a_chain_equals_plain_launches(monkeypatch, num_seqs, graph):
     """The decode kernel launched with PDL (``DecodeConfig.pdl``) between PDL launches of the norm: bit for bit
-    the plain launches' values, the cache too (its fused write)."""
+    the plain launches' values, the cache too (its fused write). 1 and 4 sequences: the table's 16 and 8 splits of
+    8 KV heads, 128 and 256 programs, within two an SM on a Hopper GPU of 132 SMs."""
     from ops.paged_attention import DecodePlan
     from ops.paged_decode_config import decode_config
 
@@ -137,6 +138,8 @@ def test_pdl_decode_attention_in_a_chain_equals_plain_launches(monkeypatch, num_
     for pdl in (False, True):
         cfg = dataclasses.replace(decode_config(num_seqs, head), pdl=pdl)
         plan = DecodePlan(table, seq_lens, heads, kv_heads, head, page, q0.device, config=cfg)
+        if pdl and num_seqs * kv_heads * plan.num_splits > 2 * torch.cuda.get_device_properties(0).multi_processor_count:
+            pytest.skip("this GPU has too few SMs for the grid to take PDL")
         assert plan.pdl is pdl
         c, out = cache.clone(), torch.empty_like(q0)
         if graph:
