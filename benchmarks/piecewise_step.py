@@ -6,7 +6,8 @@ On a checkout from before ``dispatcher.CUDAGraphs`` (pieces captured on their se
 that mechanism instead, which is what makes before/after comparisons possible.
 
 Usage: ``python -m benchmarks.piecewise_step [--model llama-3.2-1b] [--batches 1,8,32,128] [--tag after]
-[--cprofile STEPS]`` (prints one JSON line; GPU only; ``--cprofile``: where the host time of a step goes).
+[--cprofile STEPS]`` (prints one JSON line: the step's µs back to back, and ``host_us``, the host time of one step
+launched on an idle GPU; GPU only; ``--cprofile``: where the host time of a step goes).
 """
 
 from __future__ import annotations
@@ -33,10 +34,24 @@ def _step_fn(h: decode.Harness, graphs: object | None, b: int):
     return lambda: graphs.run(CUDAGraphMode.PIECEWISE, b, lambda n: h.step())
 
 
+def host_time(step, steps: int = 50) -> float:
+    """Median µs of host time of one step launched on an idle GPU (synchronized before each, not inside the
+    timing): the time to enqueue the step's launches. Near the step's GPU time, the path is host-bound."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return round(statistics.median(times), 1)
+
+
 def measure(model: str, batches: list[int], context: int = 512, blocks: int = 7, per_block: int = 30,
-            cprofile: int = 0) -> dict[int, float]:
+            cprofile: int = 0, hosts: dict[int, float] | None = None) -> dict[int, float]:
     """Median µs per piecewise decode step over ``blocks`` blocks of ``per_block`` steps, per batch size.
-    ``cprofile``: then that many more steps under cProfile, each batch's top functions by own time printed."""
+    ``cprofile``: then that many more steps under cProfile, each batch's top functions by own time printed.
+    ``hosts``: filled with each batch's :func:`host_time`."""
     cfg = decode.mode_config("level 3 piecewise", True, batches)
     h = decode.Harness(model, cfg, max(batches), context, 0, torch.device("cuda"), torch.bfloat16)
     h.first_call(max(batches))
@@ -63,6 +78,8 @@ def measure(model: str, batches: list[int], context: int = 512, blocks: int = 7,
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) / per_block * 1e6)
         out[b] = round(statistics.median(times), 1)
+        if hosts is not None:
+            hosts[b] = host_time(step)
         if cprofile:
             print(f"== cProfile, batch {b}: {cprofile} steps (host time; the GPU is not waited for in between)")
             print(_profile(step, cprofile), flush=True)
@@ -103,8 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--batches: expected comma-separated integers; got {a.batches!r}")
     if a.cprofile < 0:
         p.error(f"--cprofile: expected a number of steps >= 0; got {a.cprofile}")
-    times = measure(a.model, batches, cprofile=a.cprofile)
-    print(json.dumps({"tag": a.tag, "model": a.model, "piecewise_us": times}), flush=True)
+    hosts: dict[int, float] = {}
+    times = measure(a.model, batches, cprofile=a.cprofile, hosts=hosts)
+    print(json.dumps({"tag": a.tag, "model": a.model, "piecewise_us": times, "host_us": hosts}), flush=True)
 
 
 if __name__ == "__main__":
