@@ -10,7 +10,9 @@ the ``gemm_act_quant`` pass puts it in place of a W8A8 GEMM and ``act_and_mul_dy
 small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque op that runs it at decode sizes,
 put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass, and ``gated_linear`` the one that
 runs its gated form (gate-up GEMM + SiLU-and-mul), put in place of that pair by the ``gated_linear`` pass;
-``rope_linear`` the QKV GEMM with the rotary embedding of q and k in its epilogue (the ``rope_linear`` pass).
+``rope_linear`` the QKV GEMM with the rotary embedding of q and k in its epilogue (the ``rope_linear`` pass);
+``quant_gemm``'s ``static_quant_scaled_mm`` a W8A8 GEMM that quantizes its activation as it loads it (the
+``quant_gemm`` pass).
 """
 
 from .triton_utils import HAS_TRITON
@@ -91,6 +93,7 @@ from .scaled_mm import (
 from .linear import LINEAR_DTYPES, linear, linear_uses_small_m
 from .gated_linear import GATED_LINEAR_DTYPES, gated_linear, gated_linear_ref, gated_linear_uses_small_m
 from .rope_linear import ROPE_LINEAR_DTYPES, rope_linear, rope_linear_ref, rope_linear_uses_small_m
+from .quant_gemm import QUANT_GEMM_X_DTYPES, static_quant_scaled_mm, static_quant_scaled_mm_ref
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
 
@@ -124,6 +127,7 @@ TORCH_OP_NAMES = (
     "act_and_mul_dynamic_quant",
     "gated_scaled_mm_static_quant",
     "gated_scaled_mm_dynamic_quant",
+    "static_quant_scaled_mm",
 )
 
 __all__ = [
@@ -180,6 +184,8 @@ __all__ = [
     "act_and_mul_dynamic_quant",
     "gated_scaled_mm_static_quant",
     "gated_scaled_mm_dynamic_quant",
+    "static_quant_scaled_mm",
+    "QUANT_GEMM_X_DTYPES",
     "RMSNorm",
     "GemmaRMSNorm",
     "SiluAndMul",
@@ -213,6 +219,7 @@ __all__ = [
     "gated_linear_ref",
     "rope_linear_ref",
     "gated_scaled_mm_dynamic_quant_ref",
+    "static_quant_scaled_mm_ref",
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8_KV_DTYPE",

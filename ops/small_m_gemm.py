@@ -61,6 +61,7 @@ __all__ = [
     "small_m_config",
     "small_m_operands",
     "small_m_scaled_mm",
+    "small_m_quant_scaled_mm",
     "small_m_mm",
     "small_m_gated_scaled_mm",
     "small_m_gated_mm",
@@ -263,9 +264,12 @@ def _small_m_gemv_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
-    H: tl.constexpr,
+    H: tl.constexpr, QUANT_A: tl.constexpr = False,
 ):
     # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
+    # QUANT_A (8-bit w): a is in a float dtype, quantized to w's dtype as loaded with the static per-tensor scale
+    # a_scale_ptr[0] (quantize_by_scale: ops.static_scaled_{fp8,int8}_quant's values), once an element (a's row
+    # read and quantized flat, then broadcast over the tile's rows); the epilogue then scales by that scale.
     pid = tl.program_id(0)
     row = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,7 +288,7 @@ def _small_m_gemv_kernel(
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         # BYTES (8-bit weights): a's row read in w's layout (each row of the tile the same addresses, from L1), no
         # shared-memory broadcast and barrier a step; else read once and broadcast
-        if BYTES:
+        if BYTES and not QUANT_A:
             a_ptrs = a_ptr + row * stride_am + (offs_k[None, :] + 0 * offs_n[:, None])
         else:
             a_ptrs = a_ptr + row * stride_am + offs_k
@@ -299,8 +303,13 @@ def _small_m_gemv_kernel(
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             if GATED:
                 w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            a = tl.load(a_ptrs, mask=k_ok[None, :] if BYTES else k_ok, other=0.0, eviction_policy="evict_last")
-        acc = _gemv_step(acc, w, a, INTEGER, BYTES, DP4A)
+            a = tl.load(a_ptrs, mask=k_ok[None, :] if BYTES and not QUANT_A else k_ok, other=0.0,
+                        eviction_policy="evict_last")
+        if QUANT_A:  # products exact in the accumulator (8-bit x 8-bit), summed as the fma of the BYTES form
+            a = quantize_by_scale(a.to(tl.float32), tl.load(a_scale_ptr), w_ptr.dtype.element_ty, True)
+            acc += w.to(acc_type) * a.to(acc_type)[None, :]
+        else:
+            acc = _gemv_step(acc, w, a, INTEGER, BYTES, DP4A)
         if GATED:
             acc_up = _gemv_step(acc_up, w_up, a, INTEGER, BYTES, DP4A)
     y = tl.sum(acc, axis=1).to(tl.float32)[None, :]
@@ -667,7 +676,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     """``[M, N]``, or with ``gated = (h_dtype, amax)`` the gated form ``[M, N // 2]`` (``_store_gated``: SiLU(gate) *
     up of the GEMM's output rounded to ``h_dtype``; an ``out_dtype`` of ``h_dtype``: each tile's row amax to ``amax``
     ``[M, column blocks]`` fp32 (:func:`gated_column_blocks`), or none with ``amax`` None; an 8-bit one: quantized
-    with the scale ``amax``)."""
+    with the scale ``amax``). A float ``a`` with an 8-bit ``w`` (``config.UNROLL`` only): quantized as loaded with
+    the per-tensor ``a_scale`` (the GEMV's QUANT_A form)."""
     if not HAS_TRITON:
         raise RuntimeError("the small-M GEMM needs Triton, which does not import here")
     # K must be dense (unit stride); rows may be strided. A w that is not is copied: the layout the ops promise
@@ -697,15 +707,17 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
+    quant_a = a.element_size() != w.element_size()
     if c.UNROLL:
         even = cols % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_kernel[(m * cdiv(cols, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
-            BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
-            DP4A=_dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
-            num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
+            DP4A=not quant_a and _dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
+            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, **flags,
         )
         return out
+    assert not quant_a, "a float a with 8-bit weights: the unrolled GEMV's form only"
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(cols, c.BLOCK_N), c.SPLIT_K)
@@ -755,6 +767,34 @@ def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w
                          f"[{n}]; got {list(a_scale.shape)} and {list(w_scale.shape)}")
     config = config or table_row(a.shape[0], w.shape[0], w.shape[1], a.dtype)
     return _launch(a, w, a_scale.contiguous(), w_scale.contiguous(), out_dtype, bias, config)
+
+
+def small_m_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig) -> torch.Tensor:
+    """``small_m_scaled_mm(q, w, scale, w_scale, ...)`` of ``q = static_scaled_{fp8,int8}_quant(x, scale)`` in one
+    kernel: the unrolled GEMV (``config.UNROLL``, the table's M = 1 rows) quantizes each element of ``x`` as it loads
+    it, with ``ops.static_scaled_*_quant``'s arithmetic, so the values are those of the quantization op followed by
+    the GEMM's kernel on the same config (the sums in the same order).
+
+    Args:
+        x: ``bfloat16``, ``float16`` or ``float32 [M, K]``; w: ``float8_e4m3fn`` or ``int8 [N, K]``.
+        scale: the per-tensor activation scale, fp32 ``[1]``; w_scale: fp32 ``[1]`` or ``[N]``.
+        out_dtype, bias: as for :func:`small_m_scaled_mm`; config: an unrolled GEMV's.
+    """
+    if x.dtype not in _FLOAT_DTYPES + (torch.float32,) or w.dtype not in _SCALED_DTYPES:
+        raise TypeError(f"small_m_quant_scaled_mm: x must be bf16, fp16 or fp32 and w int8 or float8_e4m3fn; got "
+                        f"{x.dtype} and {w.dtype}")
+    if not config.UNROLL:
+        raise ValueError(f"small_m_quant_scaled_mm: the quantizing form is the unrolled GEMV's (UNROLL); got {config}")
+    if scale.dtype != torch.float32 or scale.numel() != 1 or w_scale.dtype != torch.float32:
+        raise ValueError(f"small_m_quant_scaled_mm: scale must be one fp32 element and w_scale fp32; got "
+                         f"{scale.dtype} {list(scale.shape)} and {w_scale.dtype}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.device != x.device:
+        raise ValueError(f"small_m_quant_scaled_mm: x must be [M, K] and w [N, K] on x's device; got {list(x.shape)} "
+                         f"and {list(w.shape)} on {x.device} and {w.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"small_m_quant_scaled_mm: out_dtype must be one of {_OUT_DTYPES}; got {out_dtype}")
+    return _launch(x, w, scale.reshape(1).contiguous(), w_scale.contiguous(), out_dtype, bias, config)
 
 
 def small_m_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

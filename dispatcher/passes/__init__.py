@@ -16,6 +16,7 @@ from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
+from .quant_gemm import QuantGemmPass
 from .rope_linear import RopeLinearPass
 from .sequence_parallel import SequenceParallelPass
 from .small_m_linear import SmallMLinearPass
@@ -32,6 +33,7 @@ __all__ = [
     "PassCounts",
     "PatternPass",
     "PostGradPassManager",
+    "QuantGemmPass",
     "RMSNormQuantPass",
     "RopeLinearPass",
     "SequenceParallelPass",

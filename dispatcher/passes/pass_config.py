@@ -37,7 +37,8 @@ __all__ = ["PassConfig"]
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
-                               "act_quant": False, "gemm_act_quant": True, "sequence_parallel": False,
+                               "act_quant": False, "gemm_act_quant": True, "quant_gemm": False,
+                               "sequence_parallel": False,
                                "gated_linear": True, "rope_linear": False, "small_m_linear": True}
 
 
@@ -67,6 +68,10 @@ class PassConfig:
     GEMM computes the activation and the quantization (static) or the rows' amax (per token) in its epilogue, at the
     token counts where that measured faster (see ``dispatcher.passes.gemm_act_quant``; matches the native forms,
     and with the custom ops on ``act_quant``'s fused op, so there it needs ``act_quant`` too)."""
+    quant_gemm: bool | None = None
+    """A static fp8 / int8 quantization of a graph input (a piece's: the attention's output) + the W8A8 GEMM reading
+    it -> ``dynamo_once::static_quant_scaled_mm``, whose GEMV quantizes as it loads at one token (see
+    ``dispatcher.passes.quant_gemm``; matches the native forms, and the quantization op with the custom ops on)."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,
     all-gather, the GEMMs fused with their collectives, in per-size compiles of at least
