@@ -79,6 +79,19 @@ def test_gemv_kernel_compiles_for_sm90(int8, gated, h, out_ptr):
 
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
+@pytest.mark.parametrize("even", [True, False], ids=["even", "masked"])
+def test_quantizing_gemv_compiles_for_sm90(int8, even):
+    """The GEMV's QUANT_A form (``ops.static_quant_scaled_mm`` at one token) on the table's o_proj row: a bf16 row
+    quantized as loaded, per-tensor scales; nothing spilled."""
+    c = gemm_mod.small_m_config(1, 4096, 4096, gemm_mod.torch.int8 if int8 else gemm_mod.torch.float8_e4m3fn)
+    types = dict(_types(int8, "*bf16"), a_ptr="*bf16")
+    consts = dict(K=4096, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, BYTES=True, DP4A=False, QUANT_A=True,
+                  **dict(_flags(int8, False, None, even), A_PER_TOKEN=False, W_PER_CHANNEL=False))
+    compiled = _compile(gemm_mod._small_m_gemv_kernel, types, consts, num_warps=c.num_warps)
+    assert re.search(r"LOCAL:0\b", read_cubin(compiled.asm["cubin"], "-res-usage"))
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
 def test_gated_quant_kernel_compiles_for_sm90(int8):
     types = dict(h_ptr="*bf16", amax_ptr="*fp32", q_ptr="*i8" if int8 else "*fp8e4nv", scale_ptr="*fp32", D="i32",
                  BLOCKS="i32")
