@@ -7,9 +7,10 @@ cuobjdump its package carries), and counts the SASS instructions of one program 
 handles: K x BLOCK_N / (32 x num_warps). Per tile of ``SMALL_M_TABLE``'s M = 1 rows, for each 8-bit dtype in two
 forms: the kernel's (``BYTES``: fp8 an fma a product, int8 dp4a where each thread holds 16 adjacent bytes of a row,
 a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a broadcast from shared memory); with
-``--gated``, also the gated form the fused gate-up + SiLU op runs (``ops.gated_quant``), and for each its registers.
+``--gated``, also the gated form the fused gate-up + SiLU op runs (``ops.gated_quant``); with ``--quant``, the form
+quantizing a bf16 activation as loaded (``ops.static_quant_scaled_mm``); and for each its registers.
 
-    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--out benchmarks/results]
+    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--quant] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def cuobjdump() -> str:
 
 
 def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
-                  gated: bool = False) -> bytes:
+                  gated: bool = False, quant_a: bool = False) -> bytes:
     """The GEMV kernel compiled for sm_90 for one tile, per-tensor scales, no bias, every load unmasked (EVEN).
     ``gated``: the gate-up form (``ops.small_m_gemm``'s GATED, bf16 activation): ``block_n`` gate rows and as many
     up rows a program, as the op launches the gated config of a ``2 x block_n``-row tile; bf16 operands without the
-    per-tile amax (``ops.gated_linear``'s launch: ``amax_ptr`` None)."""
+    per-tile amax (``ops.gated_linear``'s launch: ``amax_ptr`` None). ``quant_a`` (8-bit weights): the quantizing
+    form (``ops.static_quant_scaled_mm``'s: a bf16 ``a`` quantized as loaded, QUANT_A)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -63,10 +65,14 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
                   BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile),
-                  GATED=gated, H=tl.bfloat16 if gated else None)  # H: the gated form's activation dtype
+                  GATED=gated, H=tl.bfloat16 if gated else None, QUANT_A=quant_a)  # H: the gated form's activation
     if gated and dtype == torch.bfloat16:
         consts["amax_ptr"] = None
+    if quant_a:
+        consts["DP4A"] = False
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
+    if quant_a:
+        sig["a_ptr"] = "*bf16"
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -84,9 +90,9 @@ def read_cubin(cubin: bytes, flag: str) -> str:
 
 
 def compile_sass(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
-                 gated: bool = False) -> str:
+                 gated: bool = False, quant_a: bool = False) -> str:
     """:func:`compile_cubin`'s SASS (``cuobjdump -sass``)."""
-    return read_cubin(compile_cubin(dtype, block_n, block_k, num_warps, k, bytes_form, gated), "-sass")
+    return read_cubin(compile_cubin(dtype, block_n, block_k, num_warps, k, bytes_form, gated, quant_a), "-sass")
 
 
 def registers(cubin: bytes) -> int:
@@ -149,7 +155,7 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
     if form == "rope":
         cubin = compile_rope_cubin(block_n, block_k, warps, k)
     else:
-        cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated)
+        cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated, form == "8-bit quantizing")
     ops_count = count(read_cubin(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
     total = sum(ops_count.values())
@@ -158,10 +164,12 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
             "registers": registers(cubin), "top": ", ".join(f"{op} {c}" for op, c in ops_count.most_common(4))}
 
 
-def measure(k: int, gated: bool = False) -> list[dict[str, Any]]:
+def measure(k: int, gated: bool = False, quant: bool = False) -> list[dict[str, Any]]:
     rows = []
     for dtype, block_n, block_k, warps in m1_tiles():
         forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
+        if quant and dtype.itemsize == 1:
+            forms.insert(1, "8-bit quantizing")
         if gated and block_n >= 2:
             forms.insert(1, "8-bit gated" if dtype.itemsize == 1 else "gated")
             forms += ["rope"] if dtype == torch.bfloat16 else []
@@ -175,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=4096, help="K (a compile-time constant of the GEMV; default the 8B's 4096)")
     p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each tile, and bf16's rope form")
+    p.add_argument("--quant", action="store_true", help="also the quantizing form of each 8-bit tile (a bf16 a "
+                                                         "quantized as loaded: ops.static_quant_scaled_mm)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if a.k < 1 or a.k % 1024:
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"Triton's package has no cuobjdump at {cuobjdump()}")
     import triton
 
-    rows = measure(a.k, a.gated)
+    rows = measure(a.k, a.gated, a.quant)
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
               f"{common.env_header().rsplit(', ', 1)[-1]}")
@@ -199,8 +209,10 @@ def main(argv: list[str] | None = None) -> None:
              "rows half gate, half up (small_m_gemm.gated_config: int8 on half its warps); the epilogue's instructions "
              "count too; gated: bf16's (ops.gated_linear: no amax); rope: ops.rope_linear's fused GEMV (QKV + rotary "
              "in its epilogue, head size 128), the tile's rows the two halves of a head's columns",
+             "8-bit quantizing (--quant): the 8-bit form with a bf16 a quantized as loaded with a per-tensor scale "
+             "(QUANT_A: ops.static_quant_scaled_mm at one token), a's row read flat and broadcast",
              "registers: a thread's (cuobjdump -res-usage)"]
-    stem = "gemv_instructions_gated" if a.gated else "gemv_instructions"
+    stem = "gemv_instructions" + ("_gated" if a.gated else "") + ("_quant" if a.quant else "")
     common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
                          notes=notes, out_dir=a.out, header=header)
     common.plot_stacked_bars(stem, rows, label=["dtype", "tile", "form"], parts=["per_element"],

@@ -3,14 +3,14 @@
 
 A quantized Llama's o projection reads the attention's output, which nothing before it can quantize: the attention
 op is opaque, and in a level-3 graph it ends the piece before, so the quantization is a kernel of its own in the
-next piece (Inductor's, or ``ops.static_scaled_fp8_quant``'s), 32 launches a decode step of the 8B. At one token
-the small-M GEMV (``ops.small_m_gemm``, its QUANT_A form) quantizes each element of ``x`` as it loads it instead:
-one kernel. The ``quant_gemm`` graph pass puts this op in place of such a pair.
+next piece (Inductor's, or ``ops.static_scaled_fp8_quant``'s), 32 launches a decode step of the 8B. At one token,
+with fp8 weights, the small-M GEMV (``ops.small_m_gemm``, its QUANT_A form) quantizes each element of ``x`` as it
+loads it instead: one kernel. The ``quant_gemm`` graph pass puts this op in place of such a pair (fp8).
 
 Values: those of the two ops, bit for bit where the GEMM's kernel is the same: the quantization is
 ``ops.static_scaled_{fp8,int8}_quant``'s arithmetic, and the GEMV sums the same products in the same order as on the
-quantized tensor. Where the fused form does not apply (not CUDA, more than one token, a shape the small-M table leaves
-to cuBLAS, ``DYNAMO_ONCE_SMALL_M_GEMM=0``) the op runs the quantization op, then the GEMM op.
+quantized tensor. Where the fused form does not apply (not CUDA, int8 weights, more than one token, a shape the
+small-M table leaves to cuBLAS, ``DYNAMO_ONCE_SMALL_M_GEMM=0``) the op runs the quantization op, then the GEMM op.
 
 Arguments: ``x`` bf16 / fp16 / fp32 ``[M, K]``; ``w`` ``float8_e4m3fn`` or ``int8`` ``[N, K]`` (nn.Linear's layout);
 ``scale`` fp32, one element (``[1]`` or 0-d), the activation's and the epilogue's; ``w_scale`` fp32 ``[1]`` or ``[N]``;
@@ -77,9 +77,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, w_scale: torch
 
 
 def _fused_config(x: torch.Tensor, w: torch.Tensor):
-    """The unrolled GEMV's config where the fused form runs (one token, a table row for the shape, on CUDA with
-    Triton, ``DYNAMO_ONCE_SMALL_M_GEMM`` on), else None."""
-    if not (HAS_TRITON and x.shape[0] == 1 and x.stride(1) == 1 and w.is_contiguous() and envs.small_m_gemm()):
+    """The unrolled GEMV's config where the fused form runs (fp8 weights, one token, a table row for the shape, on
+    CUDA with Triton, ``DYNAMO_ONCE_SMALL_M_GEMM`` on), else None.
+
+    Not for int8: its GEMV takes 0.81 SASS instructions a weight element on the 8B's o_proj tile (dp4a, four products
+    an instruction), 8.16 quantizing as it loads (``results/gemv_instructions_quant.md``): more than the quantization
+    kernel it saves would cost. fp8's goes from 3.97 to 7.31 there, about what an SM can issue at HBM speed."""
+    if not (HAS_TRITON and w.dtype == torch.float8_e4m3fn and x.shape[0] == 1 and x.stride(1) == 1
+            and w.is_contiguous() and envs.small_m_gemm()):
         return None
     config = small_m_config(1, w.shape[0], w.shape[1], w.dtype, max_m=1)
     return config if config is not None and config.UNROLL else None

@@ -69,8 +69,8 @@ class PassConfig:
     token counts where that measured faster (see ``dispatcher.passes.gemm_act_quant``; matches the native forms,
     and with the custom ops on ``act_quant``'s fused op, so there it needs ``act_quant`` too)."""
     quant_gemm: bool | None = None
-    """A static fp8 / int8 quantization of a graph input (a piece's: the attention's output) + the W8A8 GEMM reading
-    it -> ``dynamo_once::static_quant_scaled_mm``, whose GEMV quantizes as it loads at one token (see
+    """A static fp8 quantization of a graph input (a piece's: the attention's output) + the W8A8 GEMM reading it ->
+    ``dynamo_once::static_quant_scaled_mm``, whose GEMV quantizes as it loads at one token (see
     ``dispatcher.passes.quant_gemm``; matches the native forms, and the quantization op with the custom ops on)."""
     sequence_parallel: bool | None = None
     """Tensor parallel: all-reduce + fused-add RMSNorm -> reduce-scatter, the norm on this rank's tokens,

@@ -9,7 +9,7 @@ quantizes first. Elsewhere a kernel of the graph produces ``x`` (a norm, an acti
 the quantized tensor from that kernel (or ``rms_norm_quant`` / ``act_quant`` / ``gemm_act_quant`` do): taking the
 quantization into the GEMM there would save no launch, and above one token the op runs the quantization apart.
 
-Matched: an ``fp8_scaled_mm`` (``int8_scaled_mm``) without bias of a static fp8 (int8) quantization, the same scale
+Matched: an ``fp8_scaled_mm`` without bias of a static fp8 quantization, the same scale
 for the quantization and the GEMM's activation scale (as a W8A8 linear layer with a static input scale calls them),
 the quantization in its native form (custom ops off: ``native_forms``) or as the library's op (custom ops on, kept
 opaque). The values are the pair's (see ``ops.quant_gemm``).
@@ -29,9 +29,9 @@ from .pattern_pass import PatternPass
 
 __all__ = ["QuantGemmPass"]
 
-# (GEMM op, its quantization op, the operand dtype)
-_PAIRS = (("fp8_scaled_mm", "static_scaled_fp8_quant", torch.float8_e4m3fn),
-          ("int8_scaled_mm", "static_scaled_int8_quant", torch.int8))
+# (GEMM op, its quantization op, the operand dtype). fp8 only: int8's GEMV quantizing as it loads takes ten times the
+# instructions of its dp4a form, so ``static_quant_scaled_mm`` runs int8 unfused (see ``ops.quant_gemm``).
+_PAIRS = (("fp8_scaled_mm", "static_scaled_fp8_quant", torch.float8_e4m3fn),)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _VIEWS = frozenset((torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
@@ -69,7 +69,7 @@ def _input_quantized_for(operand: torch.dtype) -> Callable[[Any], bool]:
 
 
 class QuantGemmPass(PatternPass):
-    """Static fp8 / int8 quantization of a graph input + the W8A8 GEMM reading it -> ``static_quant_scaled_mm``."""
+    """Static fp8 quantization of a graph input + the W8A8 GEMM reading it -> ``static_quant_scaled_mm``."""
 
     name = "quant_gemm"
     opaque_ops: ClassVar[bool] = True

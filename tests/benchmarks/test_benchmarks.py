@@ -543,6 +543,9 @@ def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
     # the gated form of the same 8 rows (4 gate, 4 up) on 2 warps: each thread twice the elements, dp4a kept
     assert gi.count(gi.compile_sass(torch.int8, 4, 512, 2, 1024, True, gated=True))["IDP.4A.S8.S8"] == 2 * elements // 4
     assert 0 < gi.registers(gi.compile_cubin(torch.int8, 4, 512, 2, 1024, True, gated=True)) <= 255
+    # the quantizing form (--quant: a bf16 row quantized as loaded): no dp4a, and more instructions than either
+    quant = gi.count(gi.compile_sass(torch.int8, 8, 512, 4, 1024, True, quant_a=True))
+    assert "IDP.4A.S8.S8" not in quant and sum(quant.values()) > sum(counts[torch.int8, False].values())
     with pytest.raises(SystemExit) as e:
         gi.main(["--k", "1000"])
     assert e.value.code == 2

@@ -1,4 +1,4 @@
-"""The ``quant_gemm`` pass on W8A8 Llama checkpoints with static activation scales, at level 3.
+"""The ``quant_gemm`` pass on W8A8 Llama checkpoints with static activation scales (fp8; int8 left alone), at level 3.
 
 A quantized layer quantizes four inputs; three come from a kernel of the same piece (the norms', the SiLU-and-mul's),
 which Inductor writes quantized itself. The fourth, o_proj's, is the attention's output: an input of its piece, so
@@ -20,8 +20,7 @@ from pass_testing import counted_after
 from quant_testing import FLIP_ATOL, prefill_logits, save_quantized
 
 D = torch.ops.dynamo_once
-SCHEMES = {"fp8-static": (D.static_scaled_fp8_quant.default, D.fp8_scaled_mm.default),
-           "int8-static": (D.static_scaled_int8_quant.default, D.int8_scaled_mm.default)}
+SCHEMES = {"fp8-static": (D.static_scaled_fp8_quant.default, D.fp8_scaled_mm.default)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +70,13 @@ def test_o_proj_quantization_moves_into_its_gemm(checkpoint, op_path, name, cust
     assert torch.equal(fused, unfused)
 
 
+def test_int8_is_left_alone(checkpoint):
+    """int8 is not matched: its GEMV quantizing as it loads would cost more than the kernel it saves."""
+    _, counts, after = run(checkpoint("int8-static"), [], "none,+quant_gemm")
+    assert counts.runs["quant_gemm"] == 3 and not counts.matches["quant_gemm"]
+    assert D.static_quant_scaled_mm.default not in after
+
+
 def test_quant_gemm_is_off_by_default_and_switched_by_name():
     assert not PassConfig().enabled("quant_gemm")
     assert PassConfig.parse("+quant_gemm").enabled("quant_gemm")
@@ -91,7 +97,7 @@ def test_a_bf16_model_traces_no_pattern(tmp_path):
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_cuda_o_proj_gemm_quantizes_its_input(checkpoint, name):
     """On the GPU, custom ops off, CUDA graphs on: the fused op's values are the quantization op's and the GEMM's
-    (tests/ops/test_quant_gemm.py: bit for bit at one token), so the logits are the unfused graph's up to what
+    (tests/ops/test_static_quant_scaled_mm.py: bit for bit at one token), so the logits are the unfused graph's up to what
     Inductor's native quantization and the op's may round apart (flips bounded as in test_quantized's CUDA test)."""
     outs = {}
     for passes in ("none", "none,+quant_gemm"):
