@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -231,6 +231,14 @@ for step in $steps; do
                   --prefill ${GATEDLIN_PREFILL:-2048} --modes "${GATEDLIN_MODES:-level 3 -gated_linear,level 3,level 3 +rope_linear}" \
                   --out "$R/gatedlin_$m" 2>&1 | tee "$R/gatedlin_$m.log" | grep -E "^\{|Error"
               done ;;
+    quantgemm) # issue 13: ops.static_quant_scaled_mm's CUDA tests (and every pass on, test_quant_fusion's), then the fp8 8B
+              # decode step with and without the quant_gemm pass, in the default and in custom ops + passes
+              timeout ${QG_TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 --tb=short -rf \
+                tests/ops/test_static_quant_scaled_mm.py tests/models/test_quant_gemm_pass.py tests/models/test_quant_fusion.py \
+                > "$R/quant_gemm_tests.log" 2>&1; grep -E "FAILED|ERROR" "$R/quant_gemm_tests.log" | head; tail -1 "$R/quant_gemm_tests.log"
+              timeout ${QG_TIMEOUT:-300} python3 -m benchmarks.decode --models llama-3-8b-fp8 --iters 30 --prefill 0 \
+                --modes "${QG_MODES:-level 3,level 3 +quant_gemm,level 3 +ops,level 3 +ops +passes,level 3 +ops +passes -quant_gemm}" \
+                --out "$R/quant_gemm" 2>&1 | tee "$R/quant_gemm.log" | grep -E "^\{|Error" ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
