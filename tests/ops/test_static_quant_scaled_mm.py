@@ -77,11 +77,14 @@ def _interpreter_quant(x, scale, wdtype):
 @pytest.mark.parametrize("k, config", [(256, SmallMConfig(1, 8, 64, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),
                                         (208, SmallMConfig(1, 4, 64, DOT=False, num_warps=4, num_stages=1, UNROLL=True))],
                          ids=["even", "masked"])
-def test_gemv_quantizes_as_it_loads(wdtype, xdtype, k, config):
-    """The GEMV's quantizing form equals the same GEMV on the tensor the quantization op writes, bit for bit."""
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_quantizes_as_it_loads(wdtype, xdtype, k, config, bias):
+    """The GEMV's quantizing form equals the same GEMV on the tensor the quantization op writes, bit for bit (the
+    epilogue's per-channel weight scale and bias included)."""
     x, w, scale, w_scale = operands(1, k, 48, wdtype, xdtype)
-    got = small_m_quant_scaled_mm(x, w, scale, w_scale, torch.float32, None, config)
-    want = small_m_scaled_mm(_interpreter_quant(x, scale, wdtype), w, scale, w_scale, torch.float32, None, config)
+    b = torch.randn(48) if bias else None
+    got = small_m_quant_scaled_mm(x, w, scale, w_scale, torch.float32, b, config)
+    want = small_m_scaled_mm(_interpreter_quant(x, scale, wdtype), w, scale, w_scale, torch.float32, b, config)
     assert torch.equal(got, want)
 
 
