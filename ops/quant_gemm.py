@@ -27,7 +27,7 @@ from .quant_fp8 import static_scaled_fp8_quant, static_scaled_fp8_quant_ref
 from .quant_int8 import static_scaled_int8_quant, static_scaled_int8_quant_ref
 from .scaled_mm import (FP8_MM_ALIGN, INT8_MM_ALIGN, cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, int8_scaled_mm,
                         int8_scaled_mm_ref)
-from .small_m_gemm import small_m_config, small_m_quant_scaled_mm
+from .small_m_gemm import small_m_config, small_m_operands, small_m_quant_scaled_mm
 from .triton_utils import HAS_TRITON
 
 __all__ = ["static_quant_scaled_mm", "static_quant_scaled_mm_ref", "QUANT_GEMM_X_DTYPES"]
@@ -83,8 +83,7 @@ def _fused_config(x: torch.Tensor, w: torch.Tensor):
     Not for int8: its GEMV takes 0.81 SASS instructions a weight element on the 8B's o_proj tile (dp4a, four products
     an instruction), 8.16 quantizing as it loads (``results/gemv_instructions_quant.md``): more than the quantization
     kernel it saves would cost. fp8's goes from 3.97 to 7.31 there, about what an SM can issue at HBM speed."""
-    if not (HAS_TRITON and w.dtype == torch.float8_e4m3fn and x.shape[0] == 1 and x.stride(1) == 1
-            and w.is_contiguous() and envs.small_m_gemm()):
+    if not (HAS_TRITON and w.dtype == torch.float8_e4m3fn and small_m_operands(x, w, max_m=1) and envs.small_m_gemm()):
         return None
     config = small_m_config(1, w.shape[0], w.shape[1], w.dtype, max_m=1)
     return config if config is not None and config.UNROLL else None

@@ -91,12 +91,12 @@ class QuantGemmPass(PatternPass):
         with compat.triton_ops_decomposed(False):  # traced as compiles see the ops: opaque
             for gemm_name, quant_name, operand in _PAIRS:
                 gemm = dynamo_once_op(gemm_name)
+                if gemm is None:
+                    continue
                 # the native form traced on bf16 (an upcast first) and fp32 inputs (an fp16 input has the same aten
                 # ops as bf16's: the conversion names its target dtype only); the opaque op once, whatever x's dtype
                 forms = [(native_form(quant_name), (torch.bfloat16, torch.float32)),
                          (dynamo_once_op(quant_name), (torch.float32,))]
-                if gemm is None:
-                    continue
                 for quant, x_dtypes in forms:
                     if quant is None:
                         continue
