@@ -33,6 +33,9 @@ __all__ = ["PassConfig"]
 #: level-3 runs' own 1341-1351 spread); a 2048-token prefill within that machine's noise (its two level-3 runs of the
 #: 1B differ by 46%). ``rope_linear``: off. With it too the batch-1 steps were no faster (1B 1092.3 against 1088.5
 #: µs, 8B 5509.4 against 5464.6) and batch 8 1.5-1.7% slower (``gatedlin_decode_*_h100_v2.md``).
+#: ``quant_gemm``: off. On the H200 the quantizing GEMV made the fp8 8B's batch-1 step slower: 2713.2 against
+#: 2683.6 µs with native code, 2716.9 against 2662.6 with the custom ops and every other pass
+#: (``benchmarks/results/quant_gemm_decode_llama-3-8b-fp8.md``); at more tokens it runs the same two kernels.
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.

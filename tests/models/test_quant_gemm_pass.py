@@ -107,7 +107,7 @@ def test_cuda_o_proj_gemm_quantizes_its_input(checkpoint, name):
             llm = LLM(checkpoint(name), max_num_tokens=32, compilation_config=cfg, device="cuda",
                       dtype=torch.bfloat16)
             outs[passes] = prefill_logits(llm, PROMPTS).cpu()
-            tokens = llm.generate(PROMPTS[:1], max_tokens=4)
+            tokens = llm.generate(PROMPTS[:1], max_new_tokens=4)
     assert counts.matches["quant_gemm"] >= 2
     assert tokens
     diff = (outs["none,+quant_gemm"] - outs["none"]).abs()
