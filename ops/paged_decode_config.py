@@ -46,8 +46,9 @@ class DecodeConfig:
             ``cvt`` (``ops.kv_quant.f16_from_e4m3``), before the shared-memory round trip the MMA's transposed
             operand takes: Triton otherwise converts after it and gathers the fp8 tile a byte at a time. In sm_90
             code compiled on the CPU that takes the minimal kernel's loop from 5.96 to 9.68 cache elements a warp
-            instruction (bf16's: 9.67; ``benchmarks.attention_instructions``); not yet timed on a GPU, so off in
-            every row. The same values either way (the instruction Triton's conversion emits).
+            instruction (bf16's: 9.67; ``benchmarks.attention_instructions``). On in :data:`DECODE_TABLE_FP8`'s rows
+            for 2-128 sequences: on the H200 the sweep's fastest config had it at every batch-8 to batch-128 shape.
+            The same values either way (the instruction Triton's conversion emits).
         pdl: launch the split kernel with programmatic dependent launch where :class:`~ops.paged_attention.DecodePlan`
             allows it (``ops.triton_utils.pdl_available``, and a grid of at most two programs an SM, all resident
             at once): its programs wait for the kernel before them, then let the next one launch. In a decode step
@@ -130,18 +131,20 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )
 #: The rules for an fp8 cache (``ops.kv_quant``: half the bytes a token, fp16 dots): ``benchmarks.attention
-#: --kv-cache-dtype fp8 --sweep``'s suggested rows at batch 8, 32 and 128 (results/attention_sweep_best_kvfp8.md;
-#: comments: µs at contexts 512 and 4096, this row / :data:`DECODE_TABLE`'s row on the fp8 cache,
-#: results/attention_kvfp8_bf16_rows.md). The kernel does not read an fp8 cache at its bytes' speed: 48-55% of the copy
-#: bandwidth at batch 128 (its bf16 reads: 85-92%), about the bf16 cache's time less 5-19%: the tiles' conversion
-#: before the dots bounds it (results/attention_operands.md: a minimal kernel reads bf16 at 93-102%, fp8 at 51-57%,
-#: whatever the dots' operand order). Batch 1: the bf16 row (not swept on fp8).
+#: --kv-cache-dtype fp8 --sweep``'s suggested rows at batch 8, 32 and 128, every one with ``convert_v``
+#: (results/attention_sweep_best_kvfp8_convert_v.md; comments: µs at contexts 512 and 4096, this row / the rows
+#: before, which converted after the shared-memory round trip: that file's table_us; every candidate's µs:
+#: results/attention_sweep_kvfp8_convert_v.csv). Converting each value tile as loaded took 8-22% off (most at batch 128 and long contexts). The
+#: kernel still does not read an fp8 cache at its bytes' speed: 59-71% of the copy bandwidth at batch 128 in that
+#: sweep (48-57% with the rows before: results/attention_kvfp8_before_convert_v.md; its bf16 reads: 85-92%). Batch 1: the bf16 row (the sweep's two batch-1
+#: shapes disagreed on ``convert_v``).
 DECODE_TABLE_FP8: tuple[DecodeRule, ...] = (
     DECODE_TABLE[0],
-    _R(8, 128, _C(num_splits=4, BLOCK_N=128, num_warps=4, num_stages=4, fused_merge=True)),  # 11.22 / 40.11, 15.19 / 66.49
-    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=4)),  # b32: 21.87 / 135.9, 22.47 / 141.5
-    _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=2, num_stages=3, fused_merge=True,
-                     fused_write=True)),  # b128: 67.58 / 466.14, 79.73 / 551.55
+    _R(8, 128, _C(num_splits=4, BLOCK_N=128, num_warps=4, num_stages=3, fused_merge=True, fused_write=True,
+                  convert_v=True)),  # 10.05 / 36.3, 11.4 / 39.44
+    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, convert_v=True)),  # b32: 20.16 / 112.96, 22.1 / 133.47
+    _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=2, num_stages=3, fused_merge=True, fused_write=True,
+                     convert_v=True)),  # b128: 55.17 / 363.46, 66.53 / 466.3
     DECODE_TABLE[-1],
 )
 del _C, _R

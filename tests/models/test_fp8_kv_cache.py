@@ -177,6 +177,25 @@ def test_cuda_attention_over_an_fp8_cache_matches_native(specs):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("row", range(5), ids=lambda i: f"row{i}")
+def test_cuda_every_fp8_table_row_attends_as_native(row, monkeypatch):
+    """Each of ``DECODE_TABLE_FP8``'s configs (those with ``convert_v``: each value tile converted as loaded) over the
+    same batch of decodes: the reference's cache bytes, attention within bf16's tolerance of it."""
+    import ops.paged_attention as pa
+    from ops.paged_attention import DecodeWorkspace
+    from ops.paged_decode_config import DECODE_TABLE_FP8
+
+    assert len(DECODE_TABLE_FP8) == 5  # the parametrization covers every row
+    config = DECODE_TABLE_FP8[row].config
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: config)
+    layer = fp8_layer(device="cuda", num_blocks=len(DECODES) * 20)
+    q, k, v, md = make_batch(layer, DECODES, device="cuda", dtype=torch.bfloat16)
+    md = dataclasses.replace(md, workspace=DecodeWorkspace(8))
+    out, ref = both_paths(layer, q, k, v, md)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
 def test_cuda_llm_with_an_fp8_cache_replays_its_graphs_with_the_eager_tokens():
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3] * 13, [42]]
     kw = dict(kv_cache_dtype="fp8", max_num_tokens=16, max_num_seqs=4, dtype=torch.bfloat16, device="cuda")
