@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure()
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
-              f"{common.env_header().rsplit(', ', 1)[-1]}")
+              f"{common.utc_now()}{common.switches()}")
     notes = ["sm_90 code compiled on the CPU (Triton's ptxas, cuobjdump -sass), benchmarks.attention_operands' "
              "kernel, Llama-3-8B heads (4 query heads a KV head on a 16-row MMA tile, D 128, 16-token pages), 3 "
              "stages; one iteration of the loop over key tiles, every warp's instructions",

@@ -22,6 +22,8 @@ from models.reporting import (  # noqa: F401  (re-exported for the benchmark scr
     plot_lines,
     plot_panels,
     plot_stacked_bars,
+    switches,
+    utc_now,
     write_results,
 )
 

@@ -53,6 +53,8 @@ from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig
 BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
 DTYPES = {"bf16": BF16, "fp8": FP8, "int8": INT8}
 IMPLS = ("cuBLAS", "ours")
+#: ``--fast-accum``'s extra impl: cuBLAS with fast fp8 accumulation (fp8 stacks only; ``ops.scaled_mm``).
+FAST = "cuBLAS fast"
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,11 @@ def impl_prefetch(impl: str) -> int | None:
 
 @contextmanager
 def cublas_switch(impl: str):
-    """``DYNAMO_ONCE_SMALL_M_GEMM=0`` for the cuBLAS rows (the ops read it at each call, so also in capture)."""
-    if impl == "cuBLAS":
-        with mock.patch.dict(os.environ, {"DYNAMO_ONCE_SMALL_M_GEMM": "0"}):
+    """``DYNAMO_ONCE_SMALL_M_GEMM=0`` for the cuBLAS rows, and ``DYNAMO_ONCE_FP8_FAST_ACCUM=1`` too for the
+    "cuBLAS fast" rows (the ops read both at each call, so also in capture)."""
+    if impl in ("cuBLAS", FAST):
+        env = {"DYNAMO_ONCE_SMALL_M_GEMM": "0", "DYNAMO_ONCE_FP8_FAST_ACCUM": "1" if impl == FAST else "0"}
+        with mock.patch.dict(os.environ, env):
             yield
     else:
         yield
@@ -195,14 +199,17 @@ def _bench_m(model: Model, impls: Sequence[str], dtype: torch.dtype, layers: lis
 
 
 def bench_stack(model: Model, ms: list[int], device: str, copy_gbps: float, iters: int,
-                impls: Sequence[str] = IMPLS) -> list[dict[str, Any]]:
+                impls: Sequence[str] = IMPLS, dtypes: Sequence[str] = tuple(DTYPES)) -> list[dict[str, Any]]:
     rows = []
     for name, dtype in DTYPES.items():
+        if name not in dtypes:
+            continue
+        mine = [i for i in impls if i != FAST or dtype == FP8]
         layers, lm_head = build_stack(model, dtype, device)
         nbytes = model.weight_bytes(dtype)
         for m in ms:
-            times, ok = _bench_m(model, impls, dtype, layers, lm_head, m, device, iters)
-            for impl in impls:
+            times, ok = _bench_m(model, mine, dtype, layers, lm_head, m, device, iters)
+            for impl in mine:
                 us = times[impl]
                 rows.append({"dtype": name, "impl": impl, "M": m, "us": round(us, 1), "weight_bytes": nbytes,
                              "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1),
@@ -389,6 +396,13 @@ def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: s
 
 
 
+def _dtype_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
+    names = [d.strip() for d in value.split(",") if d.strip()]
+    if not names or any(d not in DTYPES for d in names):
+        p.error(f"{flag}: expected comma-separated names of {', '.join(DTYPES)}; got {value!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens) of the stack runs")
@@ -403,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
                                                     "'ours pfN'), e.g. 0,2,8")
+    p.add_argument("--fast-accum", action="store_true", help="also time fp8 on cuBLAS with fast accumulation "
+                   "(rows 'cuBLAS fast': DYNAMO_ONCE_FP8_FAST_ACCUM=1)")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"dtypes of the stack runs (of {', '.join(DTYPES)})")
     p.add_argument("--model", default="llama-3-8b", choices=tuple(MODELS), help="whose linear stack (default the 8B)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 layers, on CUDA: checks the harness")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
@@ -411,10 +428,9 @@ def main(argv: list[str] | None = None) -> None:
     pfs = [v.strip() for v in a.prefetch.split(",") if v.strip()]
     if not all(v.isdigit() for v in pfs):
         p.error(f"--prefetch: expected comma-separated integers >= 0; got {a.prefetch!r}")
-    impls = list(IMPLS) + [f"ours pf{v}" for v in pfs]
-    sweep_dtypes = [d.strip() for d in a.sweep_dtypes.split(",") if d.strip()]
-    if not sweep_dtypes or any(d not in DTYPES for d in sweep_dtypes):
-        p.error(f"--sweep-dtypes: expected comma-separated names of {', '.join(DTYPES)}; got {a.sweep_dtypes!r}")
+    impls = list(IMPLS) + [f"ours pf{v}" for v in pfs] + ([FAST] if a.fast_accum else [])
+    sweep_dtypes, dtypes = (_dtype_list(p, flag, value) for flag, value in
+                            (("--sweep-dtypes", a.sweep_dtypes), ("--dtypes", a.dtypes)))
     if not torch.cuda.is_available():
         if a.quick:
             print("benchmarks.gemm --quick: skipped, no CUDA GPU (the Triton kernels run on CPU only in Triton's "
@@ -433,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
               + {"all": "", "unroll": "_unroll", "m1": "_m1"}[a.sweep_forms], a.separated, a.sweep_forms)
         return
-    rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls)
+    rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls, dtypes)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "
              + ", ".join(f"{name} {k}->{n}" for name, k, n in model.shapes)
              + f" + lm_head {model.lm_head[1]}->{model.lm_head[2]}, distinct weights per layer; one CUDA graph of the "
@@ -449,6 +465,10 @@ def main(argv: list[str] | None = None) -> None:
              "ours pfN: the table's configs with PREFETCH = N (BLOCK_K steps of each program's weights prefetched into "
              "L2 before it waits for the kernel before), on every shape (fp8's cuBLAS shapes take int8's row); "
              "every small-M GEMM launches with programmatic dependent launch on Hopper"]
+    if a.fast_accum:
+        notes.append("cuBLAS fast: fp8 as the cuBLAS rows with DYNAMO_ONCE_FP8_FAST_ACCUM=1 (torch._scaled_mm's "
+                     "use_fast_accum; the lm_head is bf16 either way); its correct column: within 2**-6 of the largest "
+                     "output of cuBLAS's")
     common.write_results(f"gemm{suffix}", rows, title=f"{label} linear stack + lm_head: cuBLAS vs the small-M GEMM",
                          notes=notes, device=device, out_dir=a.out)
     common.plot_panels(f"gemm{suffix}", rows, x="M", y="pct_of_copy_bw", series="impl", panel="dtype", logx=True,

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(a.k, a.gated, a.quant)
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
-              f"{common.env_header().rsplit(', ', 1)[-1]}")
+              f"{common.utc_now()}{common.switches()}")
     notes = [f"K = {a.k}; one program's instructions (cuobjdump -sass) over the weight elements one thread handles "
              "(K x BLOCK_N / (32 x num_warps)); per-tensor scales, no bias, unmasked loads, 16-byte aligned operands",
              "form 8-bit: the kernel's for fp8 / int8 weights (fp8 an fma a product, int8 dp4a, a read in w's layout); "

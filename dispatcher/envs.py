@@ -43,6 +43,9 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
+    "DYNAMO_ONCE_FP8_FAST_ACCUM": "0 (default): cuBLAS's fp8 GEMMs promote their sums to fp32 as they go; 1: fast "
+                                  "accumulation (the tensor cores' own accumulator: faster where compute-bound, less "
+                                  "precise)",
     "DYNAMO_ONCE_PREFILL_WRITES_KV": "1 (default): in the split form of a step with a prompt, the paged prefill kernel "
                                      "writes the new keys and values itself (no cache-write launch); 0: a separate "
                                      "cache-write launch",
@@ -146,6 +149,12 @@ def small_m_gemm() -> bool:
     """``DYNAMO_ONCE_SMALL_M_GEMM``: whether ``ops.int8_scaled_mm`` / ``ops.fp8_scaled_mm`` take the Triton small-M
     GEMM where its table has a config (read at every call: the ops are opaque, so also under torch.compile)."""
     return _bool("DYNAMO_ONCE_SMALL_M_GEMM", True)
+
+
+def fp8_fast_accum() -> bool:
+    """``DYNAMO_ONCE_FP8_FAST_ACCUM``: whether ``ops.fp8_scaled_mm``'s cuBLAS path asks ``torch._scaled_mm`` for fast
+    accumulation (read at every call, as :func:`small_m_gemm`). Off by default."""
+    return _bool("DYNAMO_ONCE_FP8_FAST_ACCUM", False)
 
 
 def passes() -> PassConfig | None:

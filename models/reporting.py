@@ -36,16 +36,27 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def env_header(device: torch.device | str | None = None) -> str:
-    """One line: device, torch, Triton (if importable), Python, UTC date."""
+    """One line: device, torch, Triton (if importable), Python, UTC date, and the ``DYNAMO_ONCE_*`` switches set in
+    the environment (``NAME=value``; not the API key), so that a figure says which paths it measured."""
     try:
         import triton
 
         tri = f", triton {triton.__version__}"
     except ImportError:
         tri = ""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"{device_name(device)}, torch {torch.__version__}{tri}, Python {platform.python_version()}, "
-            f"{date}")
+            f"{utc_now()}{switches()}")
+
+
+def utc_now() -> str:
+    """The UTC date and minute, as result headers give it."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def switches() -> str:
+    """``", NAME=value"`` for each ``DYNAMO_ONCE_*`` variable set in the environment but the API key; "" if none."""
+    return "".join(f", {k}={v}" for k, v in sorted(os.environ.items())
+                   if k.startswith("DYNAMO_ONCE_") and k != "DYNAMO_ONCE_API_KEY")
 
 
 def _fmt(v: Any) -> str:

@@ -32,7 +32,13 @@ CUDA paths (the ops are opaque to Inductor: at level 3 they sit in Inductor's gr
   per-tensor scales, 4.02 ms row-wise, 4.12 ms in bf16. Otherwise, with bf16 output: row-wise,
   ``scale_a [M, 1]``, ``scale_b [1, N]`` (a per-tensor side expanded), bias fused. Otherwise (fp16 / fp32
   output with a per-token or per-channel scale: bf16 is the one row-wise output every torch from 2.11 on
-  takes): unit scales with fp32 output, then the reference's epilogue. Accumulation: ``use_fast_accum=False``.
+  takes): unit scales with fp32 output, then the reference's epilogue. Accumulation: ``use_fast_accum=False``
+  (sums promoted to fp32 as they go), unless ``DYNAMO_ONCE_FP8_FAST_ACCUM=1`` (read at each call): then the tensor
+  cores' own accumulator, as vLLM's CUTLASS fp8 kernels (``...FP8FastAccum`` schedules) run. Faster where the GEMM
+  is compute-bound (a decode batch of 32-128 rows on the 8B's narrow layers), and less precise: its sums keep
+  about 14 bits (DeepSeek-V3's report on Hopper), rounded once an MMA (32 products), so the result is within
+  ``K / 32 * 2**-14`` of the sum of the products' magnitudes rather than fp32's rounding
+  (``tests/ops/test_scaled_mm.py``). The small-M Triton GEMM is not affected (fp32 sums).
 - int8, compute capability >= 8.0: ``torch._int_mm(a, w.t())`` (int32, exact), then the reference's epilogue
   in the same torch ops, so the result is bit-exact with the reference. ``_int_mm`` refuses M <= 16: such
   ``a`` is padded with zero rows to 24 and the result sliced. It takes ``w.t()`` as a view: cuBLASLt's int8
@@ -46,6 +52,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from dispatcher import envs
 
 from .small_m_gemm import runtime_config, small_m_scaled_mm
 
@@ -146,17 +154,20 @@ def _fp8_scaled_mm_cuda(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
                         out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     a, w = a.contiguous(), w.contiguous()  # cuBLASLt: row-major a, column-major w.t(); no copy when contiguous
     m, n = a.shape[0], w.shape[0]
+    fast = envs.fp8_fast_accum()
     if a_scale.numel() == 1 and w_scale.numel() == 1:
         # _scaled_mm takes no bias with an fp32 output: there it is added after, in fp32, as the reference does.
         fused_bias = bias if out_dtype != torch.float32 else None
-        out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, bias=fused_bias, out_dtype=out_dtype)
+        out = torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, bias=fused_bias, out_dtype=out_dtype,
+                               use_fast_accum=fast)
         return out if bias is None or fused_bias is not None else out + bias
     if out_dtype == torch.bfloat16:
         scale_a = a_scale.expand(m, 1).contiguous()
         scale_b = w_scale.reshape(1, -1).expand(1, n).contiguous()
-        return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+        return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=fast)
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    acc = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    acc = torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
     return _scale_epilogue(acc, a_scale, w_scale, bias, out_dtype)
 
 

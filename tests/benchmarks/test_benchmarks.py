@@ -28,10 +28,14 @@ def assert_png(path):
     assert os.path.getsize(path) > 0
 
 
-def test_results_state_device_torch_and_date(tmp_path):
+def test_results_state_device_torch_and_date(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMO_ONCE_FP8_FAST_ACCUM", "1")
+    monkeypatch.setenv("DYNAMO_ONCE_API_KEY", "secret")
     md = common.write_results("t", [{"a": 1, "b": 2.5}], title="T", out_dir=str(tmp_path))
     header = md.splitlines()[2]
     assert f"torch {torch.__version__}" in header and "UTC" in header
+    # the library's switches set for the run, so that a figure says which paths it measured; never the API key
+    assert ", DYNAMO_ONCE_FP8_FAST_ACCUM=1" in header and "API_KEY" not in md and "secret" not in md
     with open(tmp_path / "t.csv") as f:
         assert f.readline().startswith("# ") and f.readline().strip() == "a,b"
 
@@ -282,6 +286,10 @@ def test_gemm_refuses_without_a_gpu_and_quick_says_it_skipped(capsys):
     with pytest.raises(SystemExit) as e:
         gemm.main(["--ms", "1,x"])
     assert e.value.code == 2 and "--ms: expected comma-separated positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gemm.main(["--dtypes", "fp8,fp4", "--fast-accum"])
+    assert e.value.code == 2 and "--dtypes: expected comma-separated names of bf16, fp8, int8; got 'fp8,fp4'" in \
+        capsys.readouterr().err
 
 
 def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():

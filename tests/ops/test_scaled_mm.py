@@ -135,6 +135,24 @@ def test_cuda_against_reference(qdtype, m, k, n, a_scaling, w_scaling, out_dtype
     assert (out.double() - expected.double()).pow(2).mean().sqrt() <= expected.double().pow(2).mean().sqrt() / 64
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,k,n", [(17, 768, 4096), (128, 4096, 4096), (32, 14336, 4096)])
+@pytest.mark.parametrize("a_scaling,w_scaling", [("tensor", "tensor"), ("token", "channel")])
+def test_cuda_fp8_fast_accumulation_stays_within_its_bound(m, k, n, a_scaling, w_scaling, monkeypatch):
+    """``DYNAMO_ONCE_FP8_FAST_ACCUM=1`` (cuBLAS's rows, M > 16): the tensor cores keep ~14 bits while summing and
+    round at least once an MMA of 32 products, never promoting to fp32, so the sum is within K / 32 * 2**-14 of
+    S = |sa sw| sum_k |a_k w_k| (worst case), plus the roundings ``test_cuda_against_reference`` allows."""
+    monkeypatch.setenv("DYNAMO_ONCE_FP8_FAST_ACCUM", "1")
+    args = _operands(FP8, m, k, n, a_scaling, w_scaling, torch.bfloat16, False, "cuda")
+    out, expected = ops.fp8_scaled_mm(*args), ops.fp8_scaled_mm_ref(*args)
+    a, w, a_scale, w_scale, _, _ = args
+    tol = _bound(a, w, a_scale, w_scale, None, k, k / 32 * 2.0**-14 + 2 * (k - 1) * U32)
+    tol = tol + U_OUT[torch.bfloat16] * (2 * expected.double().abs().cpu() + tol)
+    err = (out.double().cpu() - expected.double().cpu()).abs()
+    assert (err <= tol).all(), f"max err / tol = {(err / tol).max().item():.3g}"
+    assert (out.double() - expected.double()).pow(2).mean().sqrt() <= expected.double().pow(2).mean().sqrt() / 64
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_leaves_its_inputs_unchanged(device):
     """Bit for bit (opcheck's schema test cannot compare fp8 tensors)."""
