@@ -44,8 +44,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_FP8_FAST_ACCUM": "0 (default): cuBLAS's fp8 GEMMs promote their sums to fp32 as they go; 1: fast "
-                                  "accumulation (the tensor cores' own accumulator: faster where compute-bound, less "
-                                  "precise)",
+                                  "accumulation (the tensor cores' own accumulator: less precise; on the H200 no "
+                                  "faster for Llama-3-8B's shapes)",
     "DYNAMO_ONCE_PREFILL_WRITES_KV": "1 (default): in the split form of a step with a prompt, the paged prefill kernel "
                                      "writes the new keys and values itself (no cache-write launch); 0: a separate "
                                      "cache-write launch",

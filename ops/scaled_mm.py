@@ -34,8 +34,9 @@ CUDA paths (the ops are opaque to Inductor: at level 3 they sit in Inductor's gr
   output with a per-token or per-channel scale: bf16 is the one row-wise output every torch from 2.11 on
   takes): unit scales with fp32 output, then the reference's epilogue. Accumulation: ``use_fast_accum=False``
   (sums promoted to fp32 as they go), unless ``DYNAMO_ONCE_FP8_FAST_ACCUM=1`` (read at each call): then the tensor
-  cores' own accumulator, as vLLM's CUTLASS fp8 kernels (``...FP8FastAccum`` schedules) run. Faster where the GEMM
-  is compute-bound (a decode batch of 32-128 rows on the 8B's narrow layers), and less precise: its sums keep
+  cores' own accumulator, as vLLM's CUTLASS fp8 kernels (``...FP8FastAccum`` schedules) run. It did not pay on the
+  H200 for the 8B's shapes (its fp8 linear stack: 2822.5 against 2670.5 µs at M = 128, within 1.5% at M = 1-32;
+  ``benchmarks/results/gemm_fp8_fast_accum.md``), hence off; and it is less precise: its sums keep
   about 14 bits (DeepSeek-V3's report on Hopper), rounded once an MMA (32 products), so the result is within
   ``K / 32 * 2**-14`` of the sum of the products' magnitudes rather than fp32's rounding
   (``tests/ops/test_scaled_mm.py``). The small-M Triton GEMM is not affected (fp32 sums).
