@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -239,6 +239,15 @@ for step in $steps; do
               timeout ${QG_TIMEOUT:-300} python3 -m benchmarks.decode --models llama-3-8b-fp8 --iters 30 --prefill 0 \
                 --modes "${QG_MODES:-level 3,level 3 +quant_gemm,level 3 +ops,level 3 +ops +passes,level 3 +ops +passes -quant_gemm}" \
                 --out "$R/quant_gemm" 2>&1 | tee "$R/quant_gemm.log" | grep -E "^\{|Error" ;;
+    gaqfp8)   # issue 13: does gemm_act_quant take the fp8 gate-up on the GPU? (an H200 profile of the default fp8 step at
+              # batch 8 showed cuBLAS + Inductor's SiLU-and-quant kernel): its CUDA tests (int8 and fp8-static), the
+              # quant_gemm pass's, then the default fp8 step's kernels at batch 1 and 8
+              timeout ${GAQ_TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -n 2 --tb=short -rf \
+                tests/models/test_quant_fusion.py tests/models/test_quant_gemm_pass.py > "$R/gaq_tests.log" 2>&1
+              grep -E "FAILED|ERROR" "$R/gaq_tests.log" | head; tail -1 "$R/gaq_tests.log"
+              timeout ${GAQ_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
+                --tag default --out "$R/gaq_kprof" > "$R/gaq_kprof.log" 2>&1
+              grep -E "gated_scaled|_small_m_gemm_kernel|silu|Error" "$R/gaq_kprof.log" | cut -c1-160 | head -12 ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
