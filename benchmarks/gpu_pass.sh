@@ -247,7 +247,13 @@ for step in $steps; do
               grep -E "FAILED|ERROR" "$R/gaq_tests.log" | head; tail -1 "$R/gaq_tests.log"
               timeout ${GAQ_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
                 --tag default --out "$R/gaq_kprof" > "$R/gaq_kprof.log" 2>&1
-              grep -E "gated_scaled|_small_m_gemm_kernel|silu|Error" "$R/gaq_kprof.log" | cut -c1-160 | head -12 ;;
+              grep -E "gated_scaled|_small_m_gemm_kernel|silu|Error" "$R/gaq_kprof.log" | cut -c1-160 | head -12
+              # and, custom ops + passes: the generated code, for the Inductor kernel beside the rotary op
+              # (triton_poi_fused_rotary_embedding_split_with_sizes_0 in the batch-8 profile): what does it copy?
+              TORCH_LOGS=output_code timeout ${GAQ_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 \
+                --batches 8 --mode "level 3 +ops +passes -quant_gemm" --tag opspasses --out "$R/gaq_kprof_ops" \
+                > "$R/gaq_output_code.log" 2>&1
+              grep -n -A25 "def triton_poi_fused_rotary_embedding_split_with_sizes_0" "$R/gaq_output_code.log" | head -40 ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
