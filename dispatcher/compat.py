@@ -349,6 +349,14 @@ def fresh_inductor_cache() -> contextlib.AbstractContextManager[Any]:
     return fresh()
 
 
+def inductor_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``fn()``'s result and the source of every module Inductor generated while it ran
+    (``torch._inductor.utils.run_and_get_code``): what a compile launches, for tests that check its kernels."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn)
+
+
 @contextlib.contextmanager
 def triton_ops_decomposed(enabled: bool) -> Iterator[None]:
     """Whether AOTAutograd decomposes ``torch.library.triton_op`` ops into their bodies for the block

@@ -199,3 +199,24 @@ def test_the_op_ties_positions_to_the_token_count_in_a_trace(monkeypatch):
     with torch.no_grad():
         m(buf[:5], buf[10:15])  # two views of one buffer, as the runner's input_ids and positions
     assert m.num_dynamic_sizes == 1
+
+
+@pytest.mark.cuda
+def test_level3_rotation_is_its_kernel_alone():
+    """With the custom ops on at level 3, the op is its one Triton kernel in the compiled piece and Inductor adds no
+    kernel of its own for it: a no-op reshape of positions in the op's body once made Inductor copy positions in a
+    kernel of its own, one more launch a layer (``triton_poi_fused_rotary_embedding_split_with_sizes`` in an H200
+    profile of the fp8 8B's step)."""
+    import re
+
+    from dispatcher import compat
+    from models import LLM
+
+    torch._dynamo.reset()
+    cfg = CompilationConfig(level=3, custom_ops=["all"], use_cudagraph=False)
+    with compat.fresh_inductor_cache():
+        _, code = compat.inductor_code(lambda: LLM("tiny-llama", max_num_tokens=16, compilation_config=cfg,
+                                                   device="cuda", dtype=torch.bfloat16))
+    source = "\n".join(code)
+    assert "_rotary_embedding_kernel" in source
+    assert not re.search(r"def triton_\w*rotary_embedding", source), "an Inductor kernel made of the rotary op"
