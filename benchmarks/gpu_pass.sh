@@ -243,17 +243,19 @@ for step in $steps; do
               # batch 8 showed cuBLAS + Inductor's SiLU-and-quant kernel): its CUDA tests (int8 and fp8-static), the
               # quant_gemm pass's, then the default fp8 step's kernels at batch 1 and 8
               timeout ${GAQ_TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -n 2 --tb=short -rf \
-                tests/models/test_quant_fusion.py tests/models/test_quant_gemm_pass.py > "$R/gaq_tests.log" 2>&1
+                tests/models/test_quant_fusion.py tests/models/test_quant_gemm_pass.py tests/ops/test_rotary_embedding.py \
+                > "$R/gaq_tests.log" 2>&1
               grep -E "FAILED|ERROR" "$R/gaq_tests.log" | head; tail -1 "$R/gaq_tests.log"
               timeout ${GAQ_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
                 --tag default --out "$R/gaq_kprof" > "$R/gaq_kprof.log" 2>&1
               grep -E "gated_scaled|_small_m_gemm_kernel|silu|Error" "$R/gaq_kprof.log" | cut -c1-160 | head -12
-              # and, custom ops + passes: the generated code, for the Inductor kernel beside the rotary op
-              # (triton_poi_fused_rotary_embedding_split_with_sizes_0 in the batch-8 profile): what does it copy?
+              # and, custom ops + passes: the generated code (the Inductor kernel beside the rotary op in the batch-8
+              # profile, triton_poi_fused_rotary_embedding_split_with_sizes_0, should be gone: nothing printed)
               TORCH_LOGS=output_code timeout ${GAQ_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 \
                 --batches 8 --mode "level 3 +ops +passes -quant_gemm" --tag opspasses --out "$R/gaq_kprof_ops" \
                 > "$R/gaq_output_code.log" 2>&1
-              grep -n -A25 "def triton_poi_fused_rotary_embedding_split_with_sizes_0" "$R/gaq_output_code.log" | head -40 ;;
+              grep -n -A25 "def triton_poi_fused_rotary_embedding" "$R/gaq_output_code.log" | head -40
+              grep -E "\| total \||Error" "$R/gaq_output_code.log" | tail -3 ;;
     mixed)    # issue 18: prefill chunk + decodes, level 3 piecewise, against the chunk alone + the decodes' whole-step graph
               timeout ${MIXED_TIMEOUT:-200} python3 -m benchmarks.mixed_step --models ${MIXED_MODELS:-llama-3-8b,llama-3.2-1b} \
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
