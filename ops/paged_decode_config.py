@@ -134,15 +134,16 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
 #: --kv-cache-dtype fp8 --sweep``'s suggested rows at batch 8, 32 and 128, every one with ``convert_v``
 #: (results/attention_sweep_best_kvfp8_convert_v.md; comments: µs at contexts 512 and 4096, this row / the rows
 #: before, which converted after the shared-memory round trip: that file's table_us; every candidate's µs:
-#: results/attention_sweep_kvfp8_convert_v.csv). Converting each value tile as loaded took 8-22% off (most at batch 128 and long contexts). The
-#: kernel still does not read an fp8 cache at its bytes' speed: 59-71% of the copy bandwidth at batch 128 in that
-#: sweep (48-57% with the rows before: results/attention_kvfp8_before_convert_v.md; its bf16 reads: 85-92%). Batch 1: the bf16 row (the sweep's two batch-1
-#: shapes disagreed on ``convert_v``).
+#: results/attention_sweep_kvfp8_convert_v.csv). Converting each value tile as loaded took 8-22% off (most at
+#: batch 128 and long contexts). The kernel still does not read an fp8 cache at its bytes' speed: 59-71% of the
+#: copy bandwidth at batch 128 in that sweep (48-57% with the rows before: results/attention_kvfp8_before_convert_v.md;
+#: its bf16 reads: 85-92%). Batch 1: the bf16 row (the sweep's two batch-1 shapes disagreed on ``convert_v``).
 DECODE_TABLE_FP8: tuple[DecodeRule, ...] = (
     DECODE_TABLE[0],
     _R(8, 128, _C(num_splits=4, BLOCK_N=128, num_warps=4, num_stages=3, fused_merge=True, fused_write=True,
                   convert_v=True)),  # 10.05 / 36.3, 11.4 / 39.44
-    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, convert_v=True)),  # b32: 20.16 / 112.96, 22.1 / 133.47
+    _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3,
+                   convert_v=True)),  # b32: 20.16 / 112.96, 22.1 / 133.47
     _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=2, num_stages=3, fused_merge=True, fused_write=True,
                      convert_v=True)),  # b128: 55.17 / 363.46, 66.53 / 466.3
     DECODE_TABLE[-1],
