@@ -20,7 +20,7 @@ from models import LLM
 
 from models_testing import PROMPTS, save_hf_llama
 from pass_testing import counted_after
-from quant_testing import FLIP_ATOL, assert_logits_match, prefill_logits, save_quantized
+from quant_testing import FLIP_ATOL, assert_logits_match, cuda_prefill_logits, prefill_logits, save_quantized
 
 D = torch.ops.dynamo_once
 # scheme -> (its quantization op, the fused ops the passes make of it with a norm, a fused-add norm, SiLU)
@@ -200,16 +200,10 @@ def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint, name):
     activation quant, after the GEMM op), up to what Inductor's other kernels fused otherwise may flip (bounded as
     in test_quantized's CUDA test). fp8-static: the built-in fp8 models' scheme, whose native form the pass must
     take on the GPU too (an H200 profile of the 8B's default step showed its gate-up unfused)."""
-    outs = {}
-    for passes in ("none,+act_quant", "none,+gemm_act_quant"):
-        torch._dynamo.reset()
-        cfg = CompilationConfig(level=3, pass_config=passes)
-        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
-            llm = LLM(checkpoint(name), max_num_tokens=32, compilation_config=cfg, device="cuda",
-                      dtype=torch.bfloat16)
-            outs[passes] = prefill_logits(llm, PROMPTS).cpu()
+    (ref, _, _), (out, counts, _) = (cuda_prefill_logits(checkpoint(name), p)
+                                      for p in ("none,+act_quant", "none,+gemm_act_quant"))
     assert counts.matches["gemm_act_quant"] >= 2  # both layers' gate-up, in every compile
-    diff = (outs["none,+gemm_act_quant"] - outs["none,+act_quant"]).abs()
+    diff = (out - ref).abs()
     assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"  # Inductor's other kernels may fuse otherwise
 
 
