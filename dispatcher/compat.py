@@ -402,7 +402,10 @@ def decompose_triton_ops(graph: torch.fx.Graph, names: frozenset[str]) -> int:
             def decomposed(*flat_args: Any) -> Any:
                 return torch.func.functionalize(run, remove="mutations_and_views")(*flat_args)
 
-            match.replace_by_example(decomposed, flat, run_functional_passes=False)
+            # remove_noop_ops on the body, as Inductor ran it on the rest of the graph: a no-op view of a graph input
+            # left in (the rotary op's positions.reshape(-1)) became a copy kernel for the Triton kernel's argument,
+            # one more launch a layer (an H200 profile, level 3 with the custom ops on).
+            match.replace_by_example(decomposed, flat, run_functional_passes=True)
 
         register_graph_pattern(CallFunctionVarArgs(overload), pass_dict=patterns)(replace)
     return patterns.apply(graph)

@@ -423,7 +423,7 @@ def launch_per_token_quant(x: torch.Tensor, q_dtype: torch.dtype, min_scale: flo
     (default: :func:`per_token_quant_config`).
     """
     n_cols = x.shape[-1]
-    x2 = x if x.dim() == 2 else x.reshape(-1, n_cols)  # no view of a 2-D x: see ops.rotary_embedding's positions
+    x2 = x.reshape(-1, n_cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n_rows = x2.shape[0]

@@ -105,10 +105,7 @@ def _launch_rotary_embedding(
     is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rot_dim = cos_sin_cache.shape[-1]
-    # A 1-D positions (a model's) goes to the kernel as it is: in a compiled graph Inductor gave even a no-op
-    # reshape of it its own copy kernel, one more launch a layer than the rotation (seen on the H200 at level 3
-    # with the custom ops on: triton_poi_fused_rotary_embedding_split_with_sizes, 1.2 µs a layer at batch 8).
-    pos = positions if positions.dim() == 1 else positions.reshape(-1)
+    pos = positions.reshape(-1)
     q2, k2 = _heads_2d(q), _heads_2d(k)
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -204,9 +204,9 @@ def test_the_op_ties_positions_to_the_token_count_in_a_trace(monkeypatch):
 @pytest.mark.cuda
 def test_level3_rotation_is_its_kernel_alone():
     """With the custom ops on at level 3, the op is its one Triton kernel in the compiled piece and Inductor adds no
-    kernel of its own for it: a no-op reshape of positions in the op's body once made Inductor copy positions in a
-    kernel of its own, one more launch a layer (``triton_poi_fused_rotary_embedding_split_with_sizes`` in an H200
-    profile of the fp8 8B's step)."""
+    kernel of its own for it: the no-op reshape of positions in the op's body, left in the decomposed body, once made
+    Inductor copy positions in a kernel of its own, one more launch a layer
+    (``triton_poi_fused_rotary_embedding_split_with_sizes`` in an H200 profile of the fp8 8B's step)."""
     import re
 
     from dispatcher import compat
