@@ -261,16 +261,42 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
     matched nodes, whose ``meta["val"]`` are fake tensors.
     """
     from torch._inductor import pattern_matcher
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
+
+    casts = _joint_graph_cast_rewrites()
 
     def trace(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         gm = pattern_matcher.fwd_only(fn, args, **kwargs)
+        # What Inductor's joint-graph rewrites leave of a chain of casts in a model's graph before any post-grad
+        # pass sees it: torch 2.11 drops an fp32 -> bf16 -> fp32 round trip (``pointless_convert``), so the native
+        # SiLU-and-mul's cast back to bf16 before a quantization is gone there, and must be here too (the
+        # fp32 -> fp32 cast left in its place is a no-op, which Inductor removes as well).
+        if casts.apply(gm.graph):
+            remove_noop_ops(gm.graph)
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
         view_to_reshape(gm)
         return gm
 
     pattern_matcher.register_replacement(search_fn, replace_fn, example_inputs, trace, patterns,
                                          extra_check=extra_check or (lambda match: True),
                                          scalar_workaround=scalars or {})
+
+
+def _joint_graph_cast_rewrites() -> Any:
+    """A pattern pass of Inductor's joint-graph rewrites of cast chains (``pointless_convert``) alone: the other
+    joint-graph rewrites are left out of a traced pattern (some trace replacements of their own, which a pattern's
+    trace at match time, in the graph's fake mode, cannot)."""
+    from torch._inductor.fx_passes import joint_graph
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    rewrites = PatternMatcherPass()
+    handler = getattr(joint_graph, "pointless_convert", None)
+    for key, entries in joint_graph.patterns.patterns.items():
+        for entry in entries:
+            if handler is not None and getattr(entry, "handler", None) is handler:
+                rewrites.patterns[key].append(entry)
+    return rewrites
 
 
 def pattern_expressions() -> types.SimpleNamespace:
