@@ -39,8 +39,11 @@ act_mod = importlib.import_module("ops.silu_and_mul")
 
 
 def _norm_candidates() -> list[tuple]:
-    """``((BLOCK_N, ROWS, num_warps), col_split)``: one row a program, warps and column splits swept."""
-    return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in (1, 2, 4, 8)]
+    """``((BLOCK_N, ROWS, num_warps), col_split[, split_max])``: one row a program, warps and column splits swept;
+    and the split kept at every size (``split_max``: the most elements a split row block shares)."""
+    always = 1 << 40
+    return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in (1, 2, 4, 8)] + [
+        ((HIDDEN, 1, w), s, always) for w in (4, 8) for s in (2, 4)]
 
 
 def _act_candidates() -> list[tuple]:
@@ -63,7 +66,8 @@ def _cases(t: int, device: str) -> dict[str, tuple]:
 
     def norm(residual: bool) -> Callable:
         return lambda c, *a: norm_quant._launch_rms_norm_quant(
-            a[0], a[1] if residual else None, a[-2], EPS, a[-1], FP8, False, c[0], False, col_split=c[1])
+            a[0], a[1] if residual else None, a[-2], EPS, a[-1], FP8, False, c[0], False, col_split=c[1],
+            **({"split_max": c[2]} if len(c) > 2 else {}))
 
     return {
         "rms_norm_static_quant": ((x, w, s), lambda x, w, s: ops.rms_norm_static_quant_ref(x, w, EPS, s, FP8),

@@ -170,11 +170,14 @@ def _launch_rms_norm_quant(
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
     col_split: int | None = None,
+    split_max: int = SMALL_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(q, scale_out, residual_out)``: ``scale`` None quantizes per token (``scale_out``: ``x.shape[:-1] +
     (1,)``), else with that per-tensor scale (``scale_out`` None); ``residual_out`` None without a residual.
     ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``rms_norm``'s; ``pdl``: default ``pdl_launch``;
-    ``col_split``: programs a row block (static scale only), default ``norm_quant_col_split``'s."""
+    ``col_split``: programs a row block (static scale only), default ``norm_quant_col_split``'s; ``split_max``:
+    the most elements (rows x ``BLOCK_N``) a split row block's programs share at run time (past it, the first
+    writes them all)."""
     n_cols = x.shape[-1]
     weight = weight.contiguous()
     x2 = _rows(x)
@@ -203,7 +206,7 @@ def _launch_rms_norm_quant(
         BLOCK_N=block_n,
         ROWS=rows,
         COL_SPLIT=col_split,
-        SPLIT_MAX=SMALL_ELEMENTS,
+        SPLIT_MAX=split_max,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,
