@@ -51,6 +51,11 @@ __all__ = [
 
 #: ``norm_quant_col_split``'s split of a few tokens' (or a symbolic count's) rows of >= 2048 columns.
 NORM_QUANT_COL_SPLIT = 4
+#: The most elements (rows x BLOCK_N) a split row block's programs share when the token count is only known at
+#: run time; past it the first program of each row block writes every column. 256 tokens of 4096: on the H100 the
+#: split kept to 256 tokens beat that whole-row path at 64-256 tokens (fused add + norm + static fp8 quant, 128
+#: tokens 3.60 against 5.20 µs), which wins at 2048 (24.8 against 29.0); results/fused_quant_configs_split_max.md.
+NORM_QUANT_SPLIT_MAX = 256 * 4096
 #: The ``quant_dtype`` the fused ops take.
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 
@@ -150,8 +155,8 @@ def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) ->
     A quantized row's divisions (``div_rn``, correctly rounded as the reference's) are the kernel's longest
     stretch at a few tokens, where one program a row leaves all but a few SMs idle: splitting the columns
     spreads them. At a known large size, one program a row (no second read). At a symbolic count the split is
-    launched and the kernel checks the rows at run time: past ``SMALL_ELEMENTS`` elements the first program of
-    each row block writes all its columns and the others do nothing, so a compiled graph's prefill reads each row
+    launched and the kernel checks the rows at run time: past ``NORM_QUANT_SPLIT_MAX`` elements the first program
+    of each row block writes all its columns and the others do nothing, so a compiled graph's prefill reads each row
     once (measured on the H200 before that check, a 2048-token fused-add norm + static fp8 quant of 4096 columns:
     23.6 µs split in four against 16.0 µs in one program a row; results/fused_quant_configs.md)."""
     if dynamic or block_n < 2048 or (known_rows is not None and known_rows * block_n > SMALL_ELEMENTS):
@@ -170,7 +175,7 @@ def _launch_rms_norm_quant(
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
     col_split: int | None = None,
-    split_max: int = SMALL_ELEMENTS,
+    split_max: int = NORM_QUANT_SPLIT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(q, scale_out, residual_out)``: ``scale`` None quantizes per token (``scale_out``: ``x.shape[:-1] +
     (1,)``), else with that per-tensor scale (``scale_out`` None); ``residual_out`` None without a residual.
