@@ -192,6 +192,23 @@ def test_gate_up_gemm_takes_the_activation_quant(checkpoint, op_path, name, mode
     assert torch.equal(outs[passes], outs["none"])
 
 
+def test_bf16_gate_up_gemm_takes_the_activation_quant(checkpoint):
+    """A bf16 model, custom ops off (how the built-in fp8 8B runs): ``gemm_act_quant`` takes each layer's native
+    gate-up + SiLU-and-mul + static fp8 quant as Inductor's joint-graph rewrites leave it (torch 2.11 drops the
+    SiLU-and-mul's cast back to bf16 before the quantization's cast to fp32; 2.13 keeps it), and the logits stay
+    those of the unfused graph up to that rounding."""
+    outs = {}
+    for p in ("none", "none,+gemm_act_quant"):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, use_cudagraph=False, pass_config=p)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            llm = LLM(checkpoint("fp8-static"), max_num_tokens=32, compilation_config=cfg, dtype=torch.bfloat16)
+            outs[p] = prefill_logits(llm, PROMPTS).float()
+    assert counts.matches["gemm_act_quant"] == 2
+    diff = (outs["none,+gemm_act_quant"] - outs["none"]).abs()
+    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["int8-dynamic-token", "fp8-static"])
 def test_cuda_gate_up_gemm_takes_the_activation_quant(checkpoint, name):
