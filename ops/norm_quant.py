@@ -53,8 +53,11 @@ __all__ = [
 NORM_QUANT_COL_SPLIT = 4
 #: The most elements (rows x BLOCK_N) a split row block's programs share when the token count is only known at
 #: run time; past it the first program of each row block writes every column. 256 tokens of 4096: on the H100 the
-#: split kept to 256 tokens beat that whole-row path at 64-256 tokens (fused add + norm + static fp8 quant, 128
-#: tokens 3.60 against 5.20 µs), which wins at 2048 (24.8 against 29.0); results/fused_quant_configs_split_max.md.
+#: split kept to 256 tokens beat the whole-row path of then (a loop over the shares, each loaded again) at 64-256
+#: tokens (fused add + norm + static fp8 quant, 128 tokens 3.596 against 5.196 µs), which won at 2048 (24.832 against
+#: 28.992); results/fused_quant_configs_split_max.md. The whole-row path now writes the rows from the values it
+#: summed, as one program a row does (col_split 1: 3.212 µs at 128 tokens, 20.544 at 2048): untimed, so the
+#: threshold stays where the split was measured to win.
 NORM_QUANT_SPLIT_MAX = 256 * 4096
 #: The ``quant_dtype`` the fused ops take.
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
@@ -71,7 +74,8 @@ def _rms_norm_quant_kernel(
     # kernels' arithmetic. Self-contained: Inductor re-emits a user kernel's source and fails to compile one
     # that calls another jitted function (torch 2.11 + Triton 3.6). DYNAMIC: scale_ptr is the [T, 1] output.
     # COL_SPLIT > 1 (static scale only, norm_quant_col_split): up to SPLIT_MAX elements COL_SPLIT programs sum the
-    # rows' squares and each writes its share of the columns; past it, the first writes every share.
+    # rows' squares and each writes its share of the columns (part 1); past it, the first writes the whole rows
+    # from the values it summed (part 0, one program a row block) and the others do nothing.
     if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -81,17 +85,14 @@ def _rms_norm_quant_kernel(
     rows = (pid // COL_SPLIT) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     share = pid % COL_SPLIT
-    n_shares = 1
+    whole = True
     if COL_SPLIT > 1:
         whole = n_rows > SPLIT_MAX // BLOCK_N
         row_ok = row_ok & ((share == 0) | ~whole)
-        n_shares = tl.where(whole, tl.where(share == 0, COL_SPLIT, 0), 1)
     if not DYNAMIC:  # with the row's loads, not after the residual's store: at one token, the kernel's tail
         static_scale = tl.load(scale_ptr).to(tl.float32)
     cols = tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    if COL_SPLIT == 1:
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
     # EVICT_FIRST: activations are read once: keep the weight (read by every program) in L2
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first" if EVICT_FIRST else "")
@@ -101,46 +102,48 @@ def _rms_norm_quant_kernel(
         s = (xf + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         xf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    for i in range(0, n_shares):
-        if COL_SPLIT > 1:  # this share's columns, loaded again: its values bit for bit the whole rows' there
-            pcols = (share + i) * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
-            pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
-            ws = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            xs = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
-            xs = xs.to(tl.float32)
+    for part in tl.static_range(2 if COL_SPLIT > 1 else 1):
+        if whole == (part == 0):  # run time where COL_SPLIT > 1
+            if part == 0:  # the whole rows, from the values summed
+                pcols, pmask, xs, ss = cols, mask, xf, s
+                ws = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:  # this share's columns, loaded again: its values bit for bit the whole rows' there
+                pcols = share * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
+                pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
+                ws = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                xs = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
+                xs, ss = xs.to(tl.float32), xs
+                if HAS_RESIDUAL:
+                    rs = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
+                    ss = (xs + rs.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+                    xs = ss.to(tl.float32)
+            out_offs = rows[:, None] * n_cols + pcols[None, :]
             if HAS_RESIDUAL:
-                rs = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
-                ss = (xs + rs.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-                xs = ss.to(tl.float32)
-        else:
-            pcols, pmask, ws, xs, ss = cols, mask, w, xf, s
-        out_offs = rows[:, None] * n_cols + pcols[None, :]
-        if HAS_RESIDUAL:
-            tl.store(res_out_ptr + out_offs, ss, mask=pmask)
-        ws = 1.0 + ws if GEMMA else ws
-        # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
-        y = (xs * rstd[:, None] * ws[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        if DYNAMIC:
-            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0 if INT8 else 448.0),
-                               tl.full([ROWS], MIN_S, tl.float32))
-            tl.store(scale_ptr + rows, scale, mask=row_ok)
-            scale = scale[:, None]
-        else:
-            scale = static_scale
-        # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
-        inv = tl.div_rn(1.0, scale)
-        q0 = y * inv
-        q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0),
-                     q0)
-        if not DYNAMIC:
-            if (inv > 1.0e27) | (inv < 1.0e-27):
-                q = tl.div_rn(y, scale)
-        if INT8:
-            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-            q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
-        else:
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + out_offs, q, mask=pmask)
+                tl.store(res_out_ptr + out_offs, ss, mask=pmask)
+            ws = 1.0 + ws if GEMMA else ws
+            # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
+            y = (xs * rstd[:, None] * ws[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if DYNAMIC:
+                scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0 if INT8 else 448.0),
+                                   tl.full([ROWS], MIN_S, tl.float32))
+                tl.store(scale_ptr + rows, scale, mask=row_ok)
+                scale = scale[:, None]
+            else:
+                scale = static_scale
+            # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
+            inv = tl.div_rn(1.0, scale)
+            q0 = y * inv
+            q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38),
+                         tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+            if not DYNAMIC:
+                if (inv > 1.0e27) | (inv < 1.0e-27):
+                    q = tl.div_rn(y, scale)
+            if INT8:
+                q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+                q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
+            else:
+                q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + out_offs, q, mask=pmask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
