@@ -40,10 +40,11 @@ act_mod = importlib.import_module("ops.silu_and_mul")
 
 def _norm_candidates() -> list[tuple]:
     """``((BLOCK_N, ROWS, num_warps), col_split[, split_max])``: one row a program, warps and column splits swept;
-    and the split kept at every size (``split_max``: the most elements a split row block shares)."""
-    always = 1 << 40
+    the split kept at every size, and the whole-row path at every size (``split_max``: the most elements a split row
+    block shares; 0: none)."""
+    always, never = 1 << 40, 0
     return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in (1, 2, 4, 8)] + [
-        ((HIDDEN, 1, w), s, always) for w in (4, 8) for s in (2, 4)]
+        ((HIDDEN, 1, w), s, always) for w in (4, 8) for s in (2, 4)] + [((HIDDEN, 1, w), 4, never) for w in (8, 16)]
 
 
 def _act_candidates() -> list[tuple]:
