@@ -8,6 +8,7 @@ each version-dependent path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -283,6 +284,7 @@ def register_replacement(search_fn: Callable[..., Any], replace_fn: Callable[...
                                          scalar_workaround=scalars or {})
 
 
+@functools.cache
 def _joint_graph_cast_rewrites() -> Any:
     """A pattern pass of Inductor's joint-graph rewrites of cast chains (``pointless_convert``) alone: the other
     joint-graph rewrites are left out of a traced pattern (some trace replacements of their own, which a pattern's

@@ -93,6 +93,7 @@ def _rms_norm_quant_kernel(
         static_scale = tl.load(scale_ptr).to(tl.float32)
     cols = tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    w = tl.load(w_ptr + cols, mask=(cols < n_cols) & whole, other=0.0, eviction_policy="evict_last").to(tl.float32)
     # EVICT_FIRST: activations are read once: keep the weight (read by every program) in L2
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first" if EVICT_FIRST else "")
@@ -105,8 +106,7 @@ def _rms_norm_quant_kernel(
     for part in tl.static_range(2 if COL_SPLIT > 1 else 1):
         if whole == (part == 0):  # run time where COL_SPLIT > 1
             if part == 0:  # the whole rows, from the values summed
-                pcols, pmask, xs, ss = cols, mask, xf, s
-                ws = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                pcols, pmask, ws, xs, ss = cols, mask, w, xf, s  # w: loaded with x (none where split)
             else:  # this share's columns, loaded again: its values bit for bit the whole rows' there
                 pcols = share * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
                 pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
