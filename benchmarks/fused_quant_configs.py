@@ -3,9 +3,9 @@
 At level 3 one graph serves every token count, so a Triton op's launch config is chosen without knowing it
 (``known_int`` None: the bandwidth config), and Inductor launches the kernel without programmatic dependent
 launch. At one decode token that config may put a whole row on one SM. For each kernel the graph passes put
-in (RMSNorm + static quant, with and without the residual add; SiLU-and-mul + static quant) and the plain static
-quant, at 1 / 8 / 32 / 128 / 2048 tokens (128: a decode batch past the norm kernel's run-time split check;
-hidden 4096, intermediate 14336, bf16 in, fp8 out), this times:
+in (RMSNorm + static fp8 quant, with and without the residual add; the fused-add norm + per-token int8 quant;
+SiLU-and-mul + static quant) and the plain static quant, at 1 / 8 / 32 / 128 / 2048 tokens (hidden 4096,
+intermediate 14336, bf16 in), this times:
 
 - each candidate config, launched eagerly without PDL (the graph's launch);
 - ``compiled op``: the op itself in a ``torch.compile`` graph with the token dim dynamic (first call at 2048
@@ -34,17 +34,12 @@ FP8 = ops.FP8_DTYPE
 norm_quant = importlib.import_module("ops.norm_quant")
 act_quant = importlib.import_module("ops.act_quant")
 quant_fp8 = importlib.import_module("ops.quant_fp8")
-rms = importlib.import_module("ops.rms_norm")
 act_mod = importlib.import_module("ops.silu_and_mul")
 
 
-def _norm_candidates() -> list[tuple]:
-    """``((BLOCK_N, ROWS, num_warps), col_split[, split_max])``: one row a program, warps and column splits swept;
-    the split kept at every size, and the whole-row path at every size (``split_max``: the most elements a split row
-    block shares; 0: none)."""
-    always, never = 1 << 40, 0
-    return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in (1, 2, 4, 8)] + [
-        ((HIDDEN, 1, w), s, always) for w in (4, 8) for s in (2, 4)] + [((HIDDEN, 1, w), 4, never) for w in (8, 16)]
+def _norm_candidates(dynamic: bool = False) -> list[tuple]:
+    """``((BLOCK_N, ROWS, num_warps), col_split)``: one row a program, warps and (static scale) column splits swept."""
+    return [((HIDDEN, 1, w), s) for w in (4, 8, 16) for s in ((1,) if dynamic else (1, 2, 4, 8))]
 
 
 def _act_candidates() -> list[tuple]:
@@ -63,12 +58,15 @@ def _cases(t: int, device: str) -> dict[str, tuple]:
     w = 1 + 0.1 * torch.randn(HIDDEN, generator=g, device=device, dtype=torch.bfloat16)
     gu = torch.randn(t, 2 * INTERMEDIATE, generator=g, device=device, dtype=torch.bfloat16)
     s = torch.tensor([0.05], device=device)
-    norm_default = (rms.rms_norm_config(HIDDEN, 2, None), norm_quant.norm_quant_col_split(HIDDEN, None, False))
+    norm_default = (norm_quant.norm_quant_config(HIDDEN, 2, None), norm_quant.norm_quant_col_split(HIDDEN, None, False))
+    dyn_default = (norm_quant.norm_quant_config(HIDDEN, 2, None), norm_quant.norm_quant_col_split(HIDDEN, None, True))
 
     def norm(residual: bool) -> Callable:
         return lambda c, *a: norm_quant._launch_rms_norm_quant(
-            a[0], a[1] if residual else None, a[-2], EPS, a[-1], FP8, False, c[0], False, col_split=c[1],
-            **({"split_max": c[2]} if len(c) > 2 else {}))
+            a[0], a[1] if residual else None, a[-2], EPS, a[-1], FP8, False, c[0], False, col_split=c[1])
+
+    def dyn_norm(c, x, r, w):  # int8 per token, as the int8 built-ins' norms
+        return norm_quant._launch_rms_norm_quant(x, r, w, EPS, None, torch.int8, False, c[0], False, col_split=c[1])
 
     return {
         "rms_norm_static_quant": ((x, w, s), lambda x, w, s: ops.rms_norm_static_quant_ref(x, w, EPS, s, FP8),
@@ -78,6 +76,10 @@ def _cases(t: int, device: str) -> dict[str, tuple]:
             (x, r, w, s), lambda x, r, w, s: ops.fused_add_rms_norm_static_quant_ref(x, r, w, EPS, s, FP8),
             lambda x, r, w, s: ops.fused_add_rms_norm_static_quant(x, r, w, EPS, s, FP8), norm(True),
             _norm_candidates(), norm_default, t * HIDDEN * 7),
+        "fused_add_rms_norm_dynamic_quant": (
+            (x, r, w), lambda x, r, w: ops.fused_add_rms_norm_dynamic_quant_ref(x, r, w, EPS, torch.int8),
+            lambda x, r, w: ops.fused_add_rms_norm_dynamic_quant(x, r, w, EPS, torch.int8), dyn_norm,
+            _norm_candidates(dynamic=True), dyn_default, t * HIDDEN * 7),
         "silu_and_mul_static_quant": (
             (gu, s), lambda gu, s: ops.act_and_mul_static_quant_ref(gu, s, "silu", FP8),
             lambda gu, s: ops.act_and_mul_static_quant(gu, s, "silu", FP8),
@@ -91,8 +93,12 @@ def _cases(t: int, device: str) -> dict[str, tuple]:
 
 
 def _unfused(name: str, args: tuple) -> torch.Tensor | tuple:
-    """The norm ops' unfused Triton sequence (``rms_norm``'s kernel, then the static quant's): the fused kernel's
-    values bit for bit at its default tiles (the reference sums the squares in another order)."""
+    """The norm ops' unfused Triton sequence (``rms_norm``'s kernel, then the quantization's): the fused kernel's
+    values bit for bit at ``rms_norm``'s tiles (the reference sums the squares in another order)."""
+    if name == "fused_add_rms_norm_dynamic_quant":
+        x, r, w = args
+        normed, res = ops.fused_add_rms_norm(x, r, w, EPS)
+        return (*ops.dynamic_scaled_int8_quant(normed), res)
     if name.startswith("fused_add"):
         x, r, w, s = args
         normed, res = ops.fused_add_rms_norm(x, r, w, EPS)

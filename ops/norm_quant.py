@@ -10,11 +10,11 @@ Definition (the references at the end of this file): the unfused sequence, ``qua
   (``saturate(y / scale)``) or dynamic per token (``scale[t] = max(amax(|y[t]|) / qmax, min_scale)``, fp32
   of shape ``x.shape[:-1] + (1,)``); fp32 division correctly rounded, round to nearest even, saturation.
 
-The kernel computes the normed row with ``ops.rms_norm``'s kernel's arithmetic and launch config, so for
-the same reduction order it gives the unfused Triton ops' values bit for bit (guaranteed whenever the sum of
-squares is exact, which the tests use; otherwise the reduction order of the two kernels may differ in the
-last bit, as ``rms_norm``'s differs from the reference's). The fused-add ops follow ``fused_add_rms_norm``:
-functional, inputs untouched, the new residual returned last.
+The kernel computes the normed row with ``ops.rms_norm``'s kernel's arithmetic (at a known few tokens its launch
+config too; elsewhere more warps a row, ``norm_quant_config``), so it gives the unfused Triton ops' values bit for
+bit whenever the sum of squares is exact, which the tests use; otherwise the two kernels' reduction orders may
+differ in the last bit, as ``rms_norm``'s differs from the reference's. The fused-add ops follow
+``fused_add_rms_norm``: functional, inputs untouched, the new residual returned last.
 """
 
 from __future__ import annotations
@@ -49,16 +49,14 @@ __all__ = [
     "QUANT_DTYPES",
 ]
 
-#: ``norm_quant_col_split``'s split of a few tokens' (or a symbolic count's) rows of >= 2048 columns.
+#: ``norm_quant_col_split``'s split of a few tokens' rows of >= 2048 columns (a known count).
 NORM_QUANT_COL_SPLIT = 4
-#: The most elements (rows x BLOCK_N) a split row block's programs share when the token count is only known at
-#: run time; past it the first program of each row block writes every column. 256 tokens of 4096: on the H100 the
-#: split kept to 256 tokens beat the whole-row path of then (a loop over the shares, each loaded again) at 64-256
-#: tokens (fused add + norm + static fp8 quant, 128 tokens 3.596 against 5.196 µs), which won at 2048 (24.832 against
-#: 28.992); results/fused_quant_configs_split_max.md. The whole-row path now writes the rows from the values it
-#: summed, as one program a row does (col_split 1: 3.212 µs at 128 tokens, 20.544 at 2048): untimed, so the
-#: threshold stays where the split was measured to win.
-NORM_QUANT_SPLIT_MAX = 256 * 4096
+#: Warps of one program a row (``norm_quant_config``) for rows of >= 4096 columns at a symbolic or large token count.
+#: On the H100 (fused add + norm + static fp8 quant of 4096 bf16 columns, no PDL; results/fused_quant_configs_whole_row_h100.md)
+#: 16 warps took 1.91 / 2.02 / 2.11 / 2.80 / 2.94 / 3.94 / 20.96 µs at 1 / 8 / 32 / 64 / 128 / 256 / 2048 tokens, 8 warps
+#: 2.19 / 2.26 / 2.37 / 3.18 / 3.15 / 4.18 / 20.80, Inductor's native kernel 2.02 / 2.11 / 2.24 / 3.04 / 2.98 / 3.86 /
+#: 19.64; a row's divisions (correctly rounded) are the kernel's longest stretch, and more warps share them.
+NORM_QUANT_WIDE_WARPS = 16
 #: The ``quant_dtype`` the fused ops take.
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 
@@ -67,15 +65,14 @@ QUANT_DTYPES = (FP8_DTYPE, torch.int8)
 def _rms_norm_quant_kernel(
     x_ptr, res_ptr, w_ptr, scale_ptr, q_ptr, res_out_ptr, n_rows, n_cols, x_row_stride, res_row_stride, eps,
     MIN_S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, INT8: tl.constexpr, DYNAMIC: tl.constexpr,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COL_SPLIT: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    INT64: tl.constexpr, EVICT_FIRST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, COL_SPLIT: tl.constexpr, INT64: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # ops.rms_norm's kernel statement for statement up to the normed row (the same values), then the quant
     # kernels' arithmetic. Self-contained: Inductor re-emits a user kernel's source and fails to compile one
     # that calls another jitted function (torch 2.11 + Triton 3.6). DYNAMIC: scale_ptr is the [T, 1] output.
-    # COL_SPLIT > 1 (static scale only, norm_quant_col_split): up to SPLIT_MAX elements COL_SPLIT programs sum the
-    # rows' squares and each writes its share of the columns (part 1); past it, the first writes the whole rows
-    # from the values it summed (part 0, one program a row block) and the others do nothing.
+    # COL_SPLIT > 1 (static scale only, norm_quant_col_split): COL_SPLIT programs a row block each sum the rows'
+    # squares and write their share of the columns.
     if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -84,16 +81,12 @@ def _rms_norm_quant_kernel(
         pid = pid.to(tl.int64)
     rows = (pid // COL_SPLIT) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    share = pid % COL_SPLIT
-    whole = True
-    if COL_SPLIT > 1:
-        whole = n_rows > SPLIT_MAX // BLOCK_N
-        row_ok = row_ok & ((share == 0) | ~whole)
     if not DYNAMIC:  # with the row's loads, not after the residual's store: at one token, the kernel's tail
         static_scale = tl.load(scale_ptr).to(tl.float32)
     cols = tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    w = tl.load(w_ptr + cols, mask=(cols < n_cols) & whole, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if COL_SPLIT == 1:  # the weight with the row: its latency hidden behind the reduction
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
     # EVICT_FIRST: activations are read once: keep the weight (read by every program) in L2
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first" if EVICT_FIRST else "")
@@ -102,48 +95,47 @@ def _rms_norm_quant_kernel(
         r = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
         s = (xf + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         xf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
-    for part in tl.static_range(2 if COL_SPLIT > 1 else 1):
-        if whole == (part == 0):  # run time where COL_SPLIT > 1
-            if part == 0:  # the whole rows, from the values summed
-                pcols, pmask, ws, xs, ss = cols, mask, w, xf, s  # w: loaded with x (none where split)
-            else:  # this share's columns, loaded again: its values bit for bit the whole rows' there
-                pcols = share * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
-                pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
-                ws = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                xs = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
-                xs, ss = xs.to(tl.float32), xs
-                if HAS_RESIDUAL:
-                    rs = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
-                    ss = (xs + rs.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-                    xs = ss.to(tl.float32)
-            out_offs = rows[:, None] * n_cols + pcols[None, :]
-            if HAS_RESIDUAL:
-                tl.store(res_out_ptr + out_offs, ss, mask=pmask)
-            ws = 1.0 + ws if GEMMA else ws
-            # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
-            y = (xs * rstd[:, None] * ws[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            if DYNAMIC:
-                scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0 if INT8 else 448.0),
-                                   tl.full([ROWS], MIN_S, tl.float32))
-                tl.store(scale_ptr + rows, scale, mask=row_ok)
-                scale = scale[:, None]
-            else:
-                scale = static_scale
-            # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
-            inv = tl.div_rn(1.0, scale)
-            q0 = y * inv
-            q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38),
-                         tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
-            if not DYNAMIC:
-                if (inv > 1.0e27) | (inv < 1.0e-27):
-                    q = tl.div_rn(y, scale)
-            if INT8:
-                q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-                q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
-            else:
-                q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(q_ptr.dtype.element_ty)
-            tl.store(q_ptr + out_offs, q, mask=pmask)
+    # eps as fp32: Inductor, re-emitting the kernel in a compiled graph, passes a float argument as fp64, which
+    # would make rstd and every product with it fp64 (slower, and not the eager launch's values)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + tl.cast(eps, tl.float32))
+    if COL_SPLIT == 1:  # the whole rows, from the values summed
+        pcols, pmask, ws, xs, ss = cols, mask, w, xf, s
+    else:  # this share's columns, loaded again: its values bit for bit the whole rows' there
+        pcols = (pid % COL_SPLIT) * (BLOCK_N // COL_SPLIT) + tl.arange(0, BLOCK_N // COL_SPLIT)
+        pmask = row_ok[:, None] & (pcols < n_cols)[None, :]
+        ws = tl.load(w_ptr + pcols, mask=pcols < n_cols, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        xs = tl.load(x_ptr + rows[:, None] * x_row_stride + pcols[None, :], mask=pmask, other=0.0)
+        xs, ss = xs.to(tl.float32), xs
+        if HAS_RESIDUAL:
+            rs = tl.load(res_ptr + rows[:, None] * res_row_stride + pcols[None, :], mask=pmask, other=0.0)
+            ss = (xs + rs.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            xs = ss.to(tl.float32)
+    out_offs = rows[:, None] * n_cols + pcols[None, :]
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + out_offs, ss, mask=pmask)
+    ws = 1.0 + ws if GEMMA else ws
+    # Rounded to x's dtype, as rms_norm's output is: the unfused graph quantizes that rounded tensor.
+    y = (xs * rstd[:, None] * ws[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if DYNAMIC:
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=1), 127.0 if INT8 else 448.0),
+                           tl.full([ROWS], MIN_S, tl.float32))
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        scale = scale[:, None]
+    else:
+        scale = static_scale
+    # y / scale correctly rounded in three operations (ops.quant_fp8's docstring: the quotient)
+    inv = tl.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.where((tl.abs(q0) <= 65536.0) & (tl.abs(q0) >= 1.1754944e-38), tl.fma(tl.fma(-q0, scale, y), inv, q0), q0)
+    if not DYNAMIC:
+        if (inv > 1.0e27) | (inv < 1.0e-27):
+            q = tl.div_rn(y, scale)
+    if INT8:
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+        q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # round half to even: see ops.quant_int8
+    else:
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + out_offs, q, mask=pmask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -156,15 +148,25 @@ def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) ->
     (None: symbolic, as in a compiled graph that serves decode and prefill alike); per token: 1.
 
     A quantized row's divisions (``div_rn``, correctly rounded as the reference's) are the kernel's longest
-    stretch at a few tokens, where one program a row leaves all but a few SMs idle: splitting the columns
-    spreads them. At a known large size, one program a row (no second read). At a symbolic count the split is
-    launched and the kernel checks the rows at run time: past ``NORM_QUANT_SPLIT_MAX`` elements the first program
-    of each row block writes all its columns and the others do nothing, so a compiled graph's prefill reads each row
-    once (measured on the H200 before that check, a 2048-token fused-add norm + static fp8 quant of 4096 columns:
-    23.6 µs split in four against 16.0 µs in one program a row; results/fused_quant_configs.md)."""
-    if dynamic or block_n < 2048 or (known_rows is not None and known_rows * block_n > SMALL_ELEMENTS):
+    stretch at a few tokens, where one program a row leaves all but a few SMs idle: a known few tokens' rows
+    (up to ``SMALL_ELEMENTS``) are split. A symbolic count takes one program a row on ``norm_quant_config``'s wide
+    warps: on the H100 the split (4 programs, 8 warps) was 0.15 µs faster at one token and slower from 8 tokens on
+    (fused add + norm + static fp8 quant: 2.29 against 2.11 µs at 32 tokens, 3.76 against 2.94 at 128), and past a
+    run-time check that let the first program of a row block write its rows, 1.9x slower at 2048 tokens
+    (results/fused_quant_configs_whole_row_h100.md)."""
+    if dynamic or block_n < 2048 or known_rows is None or known_rows * block_n > SMALL_ELEMENTS:
         return 1
     return NORM_QUANT_COL_SPLIT
+
+
+def norm_quant_config(n_cols: int, element_size: int, known_rows: int | None) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)``: ``rms_norm``'s, but ``NORM_QUANT_WIDE_WARPS`` for one row of >= 4096 columns a
+    program at a symbolic or large count (the quantization's divisions, not the row's bytes, set the pace)."""
+    block_n, rows, num_warps = rms_norm_config(n_cols, element_size, known_rows)
+    small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
+    if rows == 1 and block_n >= 4096 and not small:
+        num_warps = NORM_QUANT_WIDE_WARPS
+    return block_n, rows, num_warps
 
 
 def _launch_rms_norm_quant(
@@ -178,14 +180,11 @@ def _launch_rms_norm_quant(
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
     col_split: int | None = None,
-    split_max: int = NORM_QUANT_SPLIT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(q, scale_out, residual_out)``: ``scale`` None quantizes per token (``scale_out``: ``x.shape[:-1] +
     (1,)``), else with that per-tensor scale (``scale_out`` None); ``residual_out`` None without a residual.
-    ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``rms_norm``'s; ``pdl``: default ``pdl_launch``;
-    ``col_split``: programs a row block (static scale only), default ``norm_quant_col_split``'s; ``split_max``:
-    the most elements (rows x ``BLOCK_N``) a split row block's programs share at run time (past it, the first
-    writes them all)."""
+    ``config``: ``(BLOCK_N, ROWS, num_warps)``, default ``norm_quant_config``'s; ``pdl``: default ``pdl_launch``;
+    ``col_split``: programs a row block (static scale only), default ``norm_quant_col_split``'s."""
     n_cols = x.shape[-1]
     weight = weight.contiguous()
     x2 = _rows(x)
@@ -195,7 +194,7 @@ def _launch_rms_norm_quant(
     res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
-    block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
+    block_n, rows, num_warps = config or norm_quant_config(n_cols, x.element_size(), known_rows)
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
     pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     int8 = quant_dtype == torch.int8
@@ -214,7 +213,6 @@ def _launch_rms_norm_quant(
         BLOCK_N=block_n,
         ROWS=rows,
         COL_SPLIT=col_split,
-        SPLIT_MAX=split_max,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,

@@ -102,7 +102,9 @@ def _rms_norm_kernel(
         xf = s.to(tl.float32)
     else:
         xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    # eps as fp32: Inductor, re-emitting the kernel in a compiled graph, passes a float argument as fp64, which
+    # would make rstd and every product with it fp64 (slower, and not the eager launch's values)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + tl.cast(eps, tl.float32))
     if GEMMA:
         w = 1.0 + w
     y = xf * rstd[:, None] * w[None, :]

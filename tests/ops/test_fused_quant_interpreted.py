@@ -117,25 +117,21 @@ def test_norm_quant_configs_and_strided_rows(config, quant_dtype):
                                       quant_dtype, False, config))
 
 
-@pytest.mark.parametrize("n_rows,split_max", [(5, None), (40, None), (40, 16 * 4096)])
+@pytest.mark.parametrize("n_rows", [5, 40])
 @pytest.mark.parametrize("col_split", [2, 4, 8])
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES, ids=Q_IDS.get)
-def test_norm_quant_column_split_is_bit_for_bit_one_program_a_row(n_rows, split_max, col_split, quant_dtype):
+def test_norm_quant_column_split_is_bit_for_bit_one_program_a_row(n_rows, col_split, quant_dtype):
     """Static scale, the columns of a row block split over programs (a few tokens spread over SMs): the same
-    values as one program a row, for partial slices (a width not a multiple of the split) and strided rows; and
-    past ``split_max`` elements (40 rows of 4096-wide blocks past 16 x 4096; the default keeps 40 split), where the
-    block's first program writes every share."""
-    assert 40 * 4096 <= norm_quant.NORM_QUANT_SPLIT_MAX
+    values as one program a row, for partial slices (a width not a multiple of the split) and strided rows."""
     wide = randn((n_rows, 2500), torch.bfloat16, "cpu")
     x, r = wide[:, :2049], randn((n_rows, 2049), torch.bfloat16, "cpu", seed=1)
     w, scale = randn((2049,), torch.bfloat16, "cpu", seed=2), torch.tensor([STATIC_SCALE])
-    limit = {} if split_max is None else {"split_max": split_max}
     for rr in (None, r):
         for gemma in (False, True):
             one = norm_quant._launch_rms_norm_quant(x, rr, w, EPS, scale, quant_dtype, gemma, (4096, 2, 8),
                                                     col_split=1)
             split = norm_quant._launch_rms_norm_quant(x, rr, w, EPS, scale, quant_dtype, gemma, (4096, 2, 8),
-                                                      col_split=col_split, **limit)
+                                                      col_split=col_split)
             assert_same(split, one)
     with pytest.raises(ValueError, match="col_split"):
         norm_quant._launch_rms_norm_quant(x, None, w, EPS, None, quant_dtype, False, col_split=2)

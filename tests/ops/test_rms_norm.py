@@ -81,6 +81,24 @@ def test_compiled(device, num_tokens, hidden, dtype, form):
     assert_close(out, (ops.rms_norm_ref(ref_res, w, EPS, gemma=gemma) * 2))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_at_a_symbolic_token_count_is_the_eager_op(dtype, form):
+    """The token dim dynamic (one graph for every size, as at level 3): Inductor launches its own copy of the
+    kernel, and passes it ``eps`` as fp64; the normalization stays fp32, the eager op's values bit for bit."""
+    op, fused, _ = FORMS[form]
+    x, r, w = _inputs(300, 4096, dtype, "cuda")
+
+    def f(x, r, w):
+        return op(x, w, EPS), *fused(x, r, w, EPS)
+
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(r, 0)
+    for out, expected in zip(torch.compile(f, fullgraph=True)(x, r, w), f(x, r, w), strict=True):
+        assert torch.equal(out, expected)
+
+
 def test_fp32_reference_matches_an_independent_float64_formula():
     x, r, w = _inputs(83, 769, torch.float32, "cpu")
     xd, wd = x.double(), w.double()

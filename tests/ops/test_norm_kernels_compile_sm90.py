@@ -1,0 +1,58 @@
+"""The RMSNorm kernels normalize in fp32 when Inductor launches them: compiled for Hopper (sm_90) without a GPU.
+
+In a compiled graph Inductor re-emits a ``torch.library.triton_op``'s kernel and passes its float arguments as
+fp64 (the signature it gives ``eps`` is ``fp64``; an eager launch passes fp32). Taken as it came, ``eps`` made
+``rstd`` fp64 and every product with it too: about fifty fp64 instructions a thread in the kernel's machine code,
+a slower kernel than the eager launch's, and values a quantization step away from it. Here each kernel goes through
+Triton's compiler down to ptxas with ``eps`` typed as Inductor types it, and its SASS must hold no fp64 arithmetic.
+Skipped where Triton or its NVIDIA backend is not installed.
+"""
+
+import importlib
+import re
+
+import pytest
+from benchmarks.gemv_instructions import read_cubin
+
+triton = pytest.importorskip("triton")
+
+rms_norm = importlib.import_module("ops.rms_norm")
+norm_quant = importlib.import_module("ops.norm_quant")
+
+# fp64 arithmetic and conversions to fp64 (a single fp64 -> fp32 conversion of eps is what the kernel should do)
+_FP64 = re.compile(r"\b(DADD|DMUL|DFMA|MUFU\.RSQ64H|F2F\.F64\.\w+)\b")
+_TENSORS = ("x_ptr", "res_ptr", "w_ptr", "res_out_ptr")
+
+
+def _target():
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
+    except ImportError as e:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
+    return GPUTarget("cuda", 90, 32)
+
+
+def _sass(fn, types: dict, consts: dict, num_warps: int) -> str:
+    sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=_target(), options=dict(num_warps=num_warps))
+    return read_cubin(compiled.asm["cubin"], "-sass")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "fused-add"])
+def test_rms_norm_kernel_takes_an_fp64_eps_in_fp32(residual):
+    types = dict({p: "*bf16" for p in _TENSORS}, out_ptr="*bf16", eps="fp64")
+    consts = dict(HAS_RESIDUAL=residual, GEMMA=False, BLOCK_N=4096, ROWS=1, INT64=True, EVICT_FIRST=True, PDL=False)
+    sass = _sass(rms_norm._rms_norm_kernel, types, consts, num_warps=8)
+    assert "RSQ" in sass and not _FP64.findall(sass)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "fused-add"])
+def test_norm_quant_kernel_takes_an_fp64_eps_in_fp32(residual, dynamic):
+    types = dict({p: "*bf16" for p in _TENSORS}, scale_ptr="*fp32", q_ptr="*i8" if dynamic else "*fp8e4nv", eps="fp64")
+    consts = dict(MIN_S=1e-6, HAS_RESIDUAL=residual, GEMMA=False, INT8=dynamic, DYNAMIC=dynamic, BLOCK_N=4096, ROWS=1,
+                  COL_SPLIT=1, INT64=True, EVICT_FIRST=True, PDL=False)
+    sass = _sass(norm_quant._rms_norm_quant_kernel, types, consts, num_warps=16)
+    assert "RSQ" in sass and not _FP64.findall(sass)
