@@ -15,7 +15,8 @@ intermediate 14336, bf16 in), this times:
 All of one cell timed together (``common.bench_gpu_interleaved``: CUDA graphs of many calls, replayed in turn),
 inputs rotated over copies larger than the L2. ``vs_inductor``: inductor's µs / this row's (> 1: faster).
 
-Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,128,2048] [--out DIR]`` (CUDA).
+Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,128,2048] [--ops NAME,...] [--out DIR]``
+(CUDA).
 """
 
 from __future__ import annotations
@@ -127,9 +128,14 @@ def _same(a, b) -> bool:
                for o, e in zip(outs, exps, strict=True))
 
 
-def measure(tokens: list[int], device: str) -> list[dict]:
+def measure(tokens: list[int], device: str, names: list[str] | None = None) -> list[dict]:
+    """Rows of every op in ``names`` (default: all) at each token count."""
     rows = []
-    for name in _cases(1, device):
+    known = list(_cases(1, device))
+    unknown = sorted(set(names or ()) - set(known))
+    if unknown:
+        raise ValueError(f"--ops: expected names among {known}; got {unknown}")
+    for name in names or known:
         case_at = lambda t, name=name: _cases(t, device)[name]  # noqa: E731
         _, ref, op, _, _, _, _ = case_at(1)
         inductor = _dynamic_compile(ref, lambda t: case_at(t)[0])
@@ -174,17 +180,22 @@ def _plot(rows: list[dict], out_dir: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,8,32,128,2048")
+    p.add_argument("--ops", default="", help="comma-separated op names to time (default: every op)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fused_quant_configs: needs a CUDA GPU (the configs are GPU launch configs)")
+    names = [n for n in args.ops.split(",") if n] or None
     # One compile serves every token count, 1 included (Dynamo would specialize size 1), as at level 3.
     import torch.fx.experimental._config as fx_config
 
     if hasattr(fx_config, "backed_size_oblivious"):
         fx_config.backed_size_oblivious = True
     print(common.env_header("cuda"), flush=True)
-    rows = measure([int(t) for t in args.tokens.split(",")], "cuda")
+    try:
+        rows = measure([int(t) for t in args.tokens.split(",")], "cuda", names)
+    except ValueError as e:
+        raise SystemExit(f"fused_quant_configs: {e}") from None
     if args.out:
         _plot(rows, args.out)
         common.write_results("fused_quant_configs", rows, out_dir=args.out,
@@ -194,7 +205,7 @@ def main() -> None:
                                     "compiled op: the op in a dynamic-shape torch.compile graph; inductor: "
                                     "torch.compile of the reference (native code), dynamic",
                                     "vs_inductor: inductor us / this row's us; correct: bit for bit the reference (norm ops: the unfused Triton "
-                                    "ops, rms_norm's 8-warp row then the static quant; tiles on other warp counts sum "
+                                    "ops, rms_norm's 8-warp row then the quantization; tiles on other warp counts sum "
                                     "the squares in another order)"])
 
 
