@@ -52,10 +52,13 @@ __all__ = [
 #: ``norm_quant_col_split``'s split of a few tokens' rows of >= 2048 columns (a known count).
 NORM_QUANT_COL_SPLIT = 4
 #: Warps of one program a row (``norm_quant_config``) for rows of >= 4096 columns at a symbolic or large token count.
-#: On the H100 (fused add + norm + static fp8 quant of 4096 bf16 columns, no PDL; results/fused_quant_configs_whole_row_h100.md)
-#: 16 warps took 1.91 / 2.02 / 2.11 / 2.80 / 2.94 / 3.94 / 20.96 µs at 1 / 8 / 32 / 64 / 128 / 256 / 2048 tokens, 8 warps
-#: 2.19 / 2.26 / 2.37 / 3.18 / 3.15 / 4.18 / 20.80, Inductor's native kernel 2.02 / 2.11 / 2.24 / 3.04 / 2.98 / 3.86 /
-#: 19.64; a row's divisions (correctly rounded) are the kernel's longest stretch, and more warps share them.
+#: On the H100 (fused add + norm + static fp8 quant of 4096 bf16 columns, no PDL;
+#: results/fused_quant_configs_whole_row_h100.md), µs at 1 / 8 / 32 / 64 / 128 / 256 / 2048 tokens: 16 warps 1.91 /
+#: 2.02 / 2.11 / 2.80 / 2.94 / 3.94 / 20.96, 8 warps 2.19 / 2.26 / 2.37 / 3.18 / 3.15 / 4.18 / 20.80, Inductor's native
+#: kernel 2.02 / 2.11 / 2.24 / 3.04 / 2.98 / 3.86 / 19.64. Per token (fused add, int8;
+#: results/fused_quant_configs_wide_norm_h100.md) at 1 / 8 / 32 / 128 / 2048 tokens: 16 warps 2.316 / 2.43 / 2.505 /
+#: 3.624 / 22.396, 8 warps 2.531 / 2.594 / 2.68 / 3.976 / 21.284, Inductor 2.699 / 2.687 / 2.757 / 3.944 / 22.34. A
+#: row's divisions (correctly rounded) are the kernel's longest stretch, and more warps share them.
 NORM_QUANT_WIDE_WARPS = 16
 #: The ``quant_dtype`` the fused ops take.
 QUANT_DTYPES = (FP8_DTYPE, torch.int8)

@@ -341,9 +341,9 @@ def test_strided_and_3d_inputs(device):
 def test_compiled(device, num_tokens, hidden, dtype):
     """All six ops in one torch.compile(fullgraph=True) graph (Inductor), the dtype and str arguments included:
     the eager ops' results, bit for bit (every dtype: see the symbolic-count test below). On CUDA the graph runs
-    the kernels. On CPU Inductor compiles the references' torch code, and by default it keeps a fused fp32 value in fp32 across ``.to(bf16).float()``
-    (the rounding of the normed row would be lost: seen with torch 2.13), unless asked to emulate eager's
-    casts; and exact sums of squares leave its reduction order nothing to change."""
+    the kernels. On CPU Inductor compiles the references' torch code, and by default it keeps a fused fp32 value
+    in fp32 across ``.to(bf16).float()`` (the rounding of the normed row would be lost: seen with torch 2.13),
+    unless asked to emulate eager's casts; and exact sums of squares leave its reduction order nothing to change."""
     x, r, w, scale = norm_inputs(num_tokens, hidden, dtype, device, exact=True)
     xa = randn((num_tokens, 2 * hidden), dtype, device, scale=3.0)
 
