@@ -357,8 +357,19 @@ def test_compiled(device, num_tokens, hidden, dtype):
 
     with torch._inductor.config.patch(emulate_precision_casts=device == "cpu"):
         outs = compiled(f)(x, r, w, scale, xa)
-    for out, expected in zip(outs, f(x, r, w, scale, xa), strict=True):
-        assert_same(*((out, expected) if isinstance(out, tuple) else ((out,), (expected,))))
+    # torch < 2.13 on CPU: Inductor's code loses the normed row's rounding to fp16 / bf16 before a static
+    # quantization even when emulating eager's casts (seen with torch 2.11, with its pattern matcher off too; the
+    # static quantization compiled alone is exact), so a value may land a quantization step away
+    drops_rounding = device == "cpu" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+    # each output's quant dtype and form: q, (q, scale), (q, residual), (q, scale, residual)
+    forms = [(FP8, "q"), (torch.int8, "qs"), (torch.int8, "qr"), (FP8, "qsr"), (torch.int8, "q"), (FP8, "qs")]
+    for out, expected, (qd, form) in zip(outs, f(x, r, w, scale, xa), forms, strict=True):
+        out, expected = (out, expected) if isinstance(out, tuple) else ((out,), (expected,))
+        if drops_rounding:
+            named = [dict(zip(form, t)) for t in (out, expected)]
+            assert_a_step_apart(*[(d["q"], d.get("s"), d.get("r")) for d in named], qd)
+        else:
+            assert_same(out, expected)
 
 
 @pytest.mark.cuda
