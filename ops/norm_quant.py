@@ -51,7 +51,7 @@ __all__ = [
 
 #: ``norm_quant_col_split``'s split of a few tokens' rows of >= 2048 columns (a known count).
 NORM_QUANT_COL_SPLIT = 4
-#: Warps of one program a row (``norm_quant_config``) for rows of >= 4096 columns at a symbolic or large token count.
+#: The most warps of one program a row (``norm_quant_config``) at a symbolic or large token count.
 #: On the H100 (fused add + norm + static fp8 quant of 4096 bf16 columns, no PDL;
 #: results/fused_quant_configs_whole_row_h100.md), µs at 1 / 8 / 32 / 64 / 128 / 256 / 2048 tokens: 16 warps 1.91 /
 #: 2.02 / 2.11 / 2.80 / 2.94 / 3.94 / 20.96, 8 warps 2.19 / 2.26 / 2.37 / 3.18 / 3.15 / 4.18 / 20.80, Inductor's native
@@ -163,12 +163,13 @@ def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) ->
 
 
 def norm_quant_config(n_cols: int, element_size: int, known_rows: int | None) -> tuple[int, int, int]:
-    """``(BLOCK_N, ROWS, num_warps)``: ``rms_norm``'s, but ``NORM_QUANT_WIDE_WARPS`` for one row of >= 4096 columns a
-    program at a symbolic or large count (the quantization's divisions, not the row's bytes, set the pace)."""
+    """``(BLOCK_N, ROWS, num_warps)``: ``rms_norm``'s, but for one row a program at a symbolic or large count one
+    16-byte vector a thread (up to ``NORM_QUANT_WIDE_WARPS``): the quantization's divisions, not the row's bytes,
+    set the pace. Measured at 4096 bf16 columns (16 warps); other widths take the same rule unmeasured."""
     block_n, rows, num_warps = rms_norm_config(n_cols, element_size, known_rows)
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
-    if rows == 1 and block_n >= 4096 and not small:
-        num_warps = NORM_QUANT_WIDE_WARPS
+    if rows == 1 and not small:
+        num_warps = min(NORM_QUANT_WIDE_WARPS, max(num_warps, block_n * element_size // (16 * 32)))
     return block_n, rows, num_warps
 
 

@@ -43,7 +43,7 @@ def test_bandwidth_configs_are_the_swept_ones():
     assert act.act_and_mul_config(8192, BF16, 17) == (4096, 1, 16)
     assert quant.static_fp8_quant_config(17 * 8192, BF16) == (4096, 8)
     # Symbolic: 1024-wide tiles on 4 warps (14 programs for one 14336-wide token); the norm + static quant's rows
-    # split over 4 programs at a known few tokens only, else one program a row of 4096 on 16 warps.
+    # split over 4 programs at a known few tokens only, else one program a row, a 16-byte vector a thread.
     assert act.act_and_mul_config(14336, BF16, None) == (1024, 1, 4)
     assert act.act_and_mul_config(256, BF16, None) == (256, 4, 4)
     assert quant.static_fp8_quant_config(None, BF16) == (1024, 4)
@@ -51,7 +51,9 @@ def test_bandwidth_configs_are_the_swept_ones():
     assert norm_quant.norm_quant_config(4096, BF16, None) == (4096, 1, 16)
     assert norm_quant.norm_quant_config(4096, BF16, 4096) == (4096, 1, 16)
     assert norm_quant.norm_quant_config(4096, BF16, 1) == rms.rms_norm_config(4096, BF16, 1)
-    assert norm_quant.norm_quant_config(2048, BF16, None) == rms.rms_norm_config(2048, BF16, None)
+    assert norm_quant.norm_quant_config(2048, BF16, None) == (2048, 1, 8)  # a 16-byte vector a thread
+    assert norm_quant.norm_quant_config(8192, BF16, None) == (8192, 1, 16)
+    assert norm_quant.norm_quant_config(1024, BF16, None) == rms.rms_norm_config(1024, BF16, None)  # 2 rows
     assert norm_quant.norm_quant_col_split(4096, 1, dynamic=False) == 4
     assert norm_quant.norm_quant_col_split(4096, 4096, dynamic=False) == 1
     assert norm_quant.norm_quant_col_split(4096, None, dynamic=True) == 1
