@@ -4,8 +4,9 @@ In a compiled graph Inductor re-emits a ``torch.library.triton_op``'s kernel and
 fp64 (the signature it gives ``eps`` is ``fp64``; an eager launch passes fp32). Taken as it came, ``eps`` made
 ``rstd`` fp64 and every product with it too: about fifty fp64 instructions a thread in the kernel's machine code,
 a slower kernel than the eager launch's, and values a quantization step away from it. Here each kernel goes through
-Triton's compiler down to ptxas with ``eps`` typed as Inductor types it, and its SASS must hold no fp64 arithmetic.
-Skipped where Triton or its NVIDIA backend is not installed.
+Triton's compiler down to ptxas with ``eps`` typed as Inductor types it, and its SASS must hold no fp64 arithmetic;
+and the configs a compiled graph launches keep a row in registers. Skipped where Triton or its NVIDIA backend is
+not installed.
 """
 
 import importlib
@@ -33,11 +34,15 @@ def _target():
     return GPUTarget("cuda", 90, 32)
 
 
-def _sass(fn, types: dict, consts: dict, num_warps: int) -> str:
+def _cubin(fn, types: dict, consts: dict, num_warps: int) -> bytes:
+    """``fn`` compiled for sm_90: ``types`` the non-constexpr arguments' (default i32), ``consts`` the constexprs."""
     sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    compiled = triton.compile(src, target=_target(), options=dict(num_warps=num_warps))
-    return read_cubin(compiled.asm["cubin"], "-sass")
+    return triton.compile(src, target=_target(), options=dict(num_warps=num_warps)).asm["cubin"]
+
+
+def _sass(fn, types: dict, consts: dict, num_warps: int) -> str:
+    return read_cubin(_cubin(fn, types, consts, num_warps), "-sass")
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "fused-add"])
@@ -56,3 +61,17 @@ def test_norm_quant_kernel_takes_an_fp64_eps_in_fp32(residual, dynamic):
                   COL_SPLIT=1, INT64=True, EVICT_FIRST=True, PDL=False)
     sass = _sass(norm_quant._rms_norm_quant_kernel, types, consts, num_warps=16)
     assert "RSQ" in sass and not _FP64.findall(sass)
+
+
+@pytest.mark.parametrize("n_cols", [2048, 4096, 5120])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_norm_quant_symbolic_configs_compile_without_spills(n_cols, dtype):
+    """The config a compiled graph launches (a symbolic token count) for a few hidden sizes: it compiles for sm_90
+    and keeps the row in registers (no local memory)."""
+    block_n, rows, num_warps = norm_quant.norm_quant_config(n_cols, 2 if dtype == "bf16" else 4, None)
+    types = dict({p: f"*{dtype}" for p in _TENSORS}, scale_ptr="*fp32", q_ptr="*fp8e4nv", eps="fp64")
+    consts = dict(MIN_S=1e-6, HAS_RESIDUAL=True, GEMMA=False, INT8=False, DYNAMIC=False, BLOCK_N=block_n, ROWS=rows,
+                  COL_SPLIT=norm_quant.norm_quant_col_split(block_n, None, False), INT64=True, EVICT_FIRST=True,
+                  PDL=False)
+    cubin = _cubin(norm_quant._rms_norm_quant_kernel, types, consts, num_warps)
+    assert re.search(r"LOCAL:0\b", read_cubin(cubin, "-res-usage"))
