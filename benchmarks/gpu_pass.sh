@@ -261,7 +261,7 @@ for step in $steps; do
                 ${MIXED_ARGS:-} --out "$R/mixed_step" 2>&1 | tee "$R/mixed_step.log" | grep -E "^\{|Error" ;;
     fqconfigs) # issue 13: the quant kernels' launch configs at a symbolic token count (as a compiled graph launches them)
               timeout ${FQ_TIMEOUT:-240} python3 -m benchmarks.fused_quant_configs ${FQ_ARGS:-} --out "$R/fused_quant_configs" 2>&1 \
-                > "$R/fused_quant_configs.log" 2>&1; grep -E "Error|'default': True|'inductor'" "$R/fused_quant_configs.log" ;;
+                > "$R/fused_quant_configs.log" 2>&1; grep -E "Error|'default': True|'inductor'|'compiled op'" "$R/fused_quant_configs.log" ;;
     kprofmodes) # issue 16: the decode graphs' kernels per level-3 mode (KPM_MODES, comma-separated), one process a mode
               IFS=, read -ra kpm <<< "${KPM_MODES:-level 3}"; i=0
               for md in "${kpm[@]}"; do i=$((i+1))
