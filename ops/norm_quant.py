@@ -146,6 +146,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous()
 
 
+def _few_tokens(known_rows: int | None, block_n: int) -> bool:
+    """A known token count whose row blocks fit ``SMALL_ELEMENTS``: a launch-latency bound call."""
+    return known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
+
+
 def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) -> int:
     """Programs a row block of the static-scale kernel (``COL_SPLIT``) for ``BLOCK_N``-wide rows and a token count
     (None: symbolic, as in a compiled graph that serves decode and prefill alike); per token: 1.
@@ -157,7 +162,7 @@ def norm_quant_col_split(block_n: int, known_rows: int | None, dynamic: bool) ->
     (fused add + norm + static fp8 quant: 2.29 against 2.11 µs at 32 tokens, 3.76 against 2.94 at 128), and past a
     run-time check that let the first program of a row block write its rows, 1.9x slower at 2048 tokens
     (results/fused_quant_configs_whole_row_h100.md)."""
-    if dynamic or block_n < 2048 or known_rows is None or known_rows * block_n > SMALL_ELEMENTS:
+    if dynamic or block_n < 2048 or not _few_tokens(known_rows, block_n):
         return 1
     return NORM_QUANT_COL_SPLIT
 
@@ -167,8 +172,7 @@ def norm_quant_config(n_cols: int, element_size: int, known_rows: int | None) ->
     16-byte vector a thread (up to ``NORM_QUANT_WIDE_WARPS``): the quantization's divisions, not the row's bytes,
     set the pace. Measured at 4096 bf16 columns (16 warps); other widths take the same rule unmeasured."""
     block_n, rows, num_warps = rms_norm_config(n_cols, element_size, known_rows)
-    small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
-    if rows == 1 and not small:
+    if rows == 1 and not _few_tokens(known_rows, block_n):
         num_warps = min(NORM_QUANT_WIDE_WARPS, max(num_warps, block_n * element_size // (16 * 32)))
     return block_n, rows, num_warps
 
@@ -199,7 +203,7 @@ def _launch_rms_norm_quant(
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
     block_n, rows, num_warps = config or norm_quant_config(n_cols, x.element_size(), known_rows)
-    small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
+    small = _few_tokens(known_rows, block_n)
     pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     int8 = quant_dtype == torch.int8
     if col_split is None:
