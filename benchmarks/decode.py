@@ -348,6 +348,103 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     return rows, prefill_rows, startup
 
 
+class _ModeRun:
+    """One mode of an interleaved run: its harness, built and compiled, with a whole-step graph (or each piece's
+    graphs) captured for every batch size."""
+
+    def __init__(self, name: str, mode: str, batches: list[int], context: int, prefill: int, device: torch.device,
+                 dtype: torch.dtype, trace_tokens: int, kv_cache_dtype: str):
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        cuda = device.type == "cuda"
+        cfg = mode_config(mode, cuda, batches)
+        self.mode = mode
+        self.h = Harness(name, cfg, max(batches), context, prefill, device, dtype, kv_cache_dtype)
+        self.compile_s = self.h.first_call(trace_tokens) if cfg.level > 0 else 0.0
+        full = cuda and (mode == "level 3" or bool(_level3_words(mode)))
+        self.graph_mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
+        pieces = cuda and cfg.cudagraph_mode == "piecewise"
+        self.graphs = CUDAGraphs() if full or pieces else None
+        if pieces:
+            self.h.as_the_runner(self.graphs, max(batches))
+        for b in batches:
+            if self.graphs is not None:
+                self.h.set_decode(b)
+                self.graphs.capture([b], self.graph_mode, lambda n: self.h.step())
+
+    def time_decode(self, batch: int, iters: int) -> float:
+        h = self.h
+        h.set_decode(batch)
+        if self.graphs is None:
+            return _time(h.step, h.device, iters)
+        return _time(lambda: self.graphs.run(self.graph_mode, batch, lambda n: h.step()), h.device, iters)
+
+    def time_prefill(self, tokens: int, iters: int) -> float:
+        self.h.set_prefill(tokens)
+        return _time(self.h.step, self.h.device, max(10, iters // 3))
+
+
+#: Modes an interleaved run can time: each keeps one compiled model, so not the stock baselines that recompile
+#: per size (reduce-overhead) or replay another mode's graph (the full-graph floor).
+INTERLEAVABLE = ("eager", "level 1", "level 3", "level 3 piecewise")
+
+
+def _check_interleavable(modes: list[str], rounds: int) -> None:
+    if rounds < 1:
+        raise ValueError(f"bench_interleaved: rounds must be >= 1; got {rounds}")
+    bad = [m for m in modes if m not in INTERLEAVABLE and not _level3_words(m)]
+    if bad:
+        raise ValueError(f"--rounds: modes must be among {', '.join(INTERLEAVABLE)} or 'level 3 +...'; got "
+                         f"{', '.join(bad)}")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def bench_interleaved(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
+                      dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None, rounds: int,
+                      trace_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list, list]:
+    """Every mode built and captured first, all kept; then for each batch size (then the prefill) ``rounds``
+    rounds that time each mode in turn (A B C A B C ...), so that a drift of the GPU's or host's speed over the
+    run (clocks, heat, other tenants) falls on every mode alike rather than on the modes timed last, as
+    :func:`bench_model`'s one mode after another lets it. A row's ``us_per_step`` is the median of its rounds'
+    medians; ``rounds_us`` lists them in order. Needs every mode's model in memory at once."""
+    _check_interleavable(modes, rounds)
+    trace_tokens = trace_tokens or max(max(batches), prefill, 2)
+    runs = [_ModeRun(name, m, batches, context, prefill, device, dtype, trace_tokens, kv_cache_dtype) for m in modes]
+    floor = None
+    if copy_bw:
+        h = runs[0].h
+        floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
+    rows, prefill_rows = [], []
+    for b in batches:
+        per_mode = {r.mode: [] for r in runs}
+        for _ in range(rounds):
+            for r in runs:
+                per_mode[r.mode].append(r.time_decode(b, iters))
+        for r in runs:
+            us = per_mode[r.mode]
+            rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(_median(us), 1),
+                             compile_s=round(r.compile_s, 1), rounds_us="/".join(f"{u:.1f}" for u in us)))
+            print(rows[-1], flush=True)
+    if prefill:
+        per_mode = {r.mode: [] for r in runs}
+        for _ in range(rounds):
+            for r in runs:
+                per_mode[r.mode].append(r.time_prefill(prefill, iters))
+        for r in runs:
+            us = per_mode[r.mode]
+            prefill_rows.append(dict(model=name, mode=r.mode, tokens=prefill, ms=round(_median(us) / 1e3, 2),
+                                     tokens_per_s=round(prefill / (_median(us) * 1e-6)),
+                                     rounds_ms="/".join(f"{u / 1e3:.2f}" for u in us)))
+            print(prefill_rows[-1], flush=True)
+    return _with_floor(rows, floor, name, batches, context), prefill_rows
+
+
 def _with_floor(rows: list[dict[str, Any]], floor: Floor | None, name: str, batches: list[int],
                 context: int) -> list:
     """``rows`` plus the weights+KV floor per batch, each row with its % of the floor at its batch size."""
@@ -530,6 +627,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the paged cache's dtype, as models.LLM's kv_cache_dtype (default auto: the model's, or the "
                         "checkpoint's fp8 kv_cache_scheme); results files then end in _kvfp8"),
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleave the modes: build and capture every mode first, then time them in turn for this "
+                        "many rounds a batch size (a row: the median round; rounds_us: each round), so that a "
+                        "drift over the run falls on every mode alike (default: one mode after another)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
                    help="only print torch.profiler tables of one decode step (or with `prefill`, of one --prefill "
@@ -544,6 +645,11 @@ def main(argv: list[str] | None = None) -> None:
                         "64 new tokens)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if a.rounds is not None:
+        try:
+            _check_interleavable(a.modes.split(","), a.rounds)
+        except ValueError as e:
+            p.error(str(e))
     if a.startup_child:
         startup_child(a.startup_child)
         return
@@ -598,7 +704,10 @@ def main(argv: list[str] | None = None) -> None:
                                         + (f"; LLM.generate rows: at their own mean context ({GENERATE_CONTEXT} "
                                            "tokens)" if a.generate else ""),
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
-                                        f"dynamic-shape kernels): {trace_tokens} tokens"])
+                                        f"dynamic-shape kernels): {trace_tokens} tokens"]
+                                 + ([f"modes interleaved: every mode built and captured first, then timed in turn, "
+                                     f"{a.rounds} rounds a batch size (rounds_us, in order; us_per_step: their median)"]
+                                    if a.rounds else []))
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
                                  device=device, out_dir=a.out,
                                  notes=[f"each compiled mode's first call: {trace_tokens} tokens (reduce-overhead: "
@@ -611,9 +720,15 @@ def main(argv: list[str] | None = None) -> None:
                               title=f"{name}: decode step latency ({common.device_name(device)})",
                               xlabel="batch (sequences)", ylabel="µs per step")
 
-        rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
-                                                  copy_bw, save, trace_tokens=trace_tokens,
-                                                  kv_cache_dtype=a.kv_cache_dtype)
+        if a.rounds is not None:
+            rows, prefill_rows = bench_interleaved(name, batches, context, prefill, device, dtype, modes, iters,
+                                                   copy_bw, a.rounds, trace_tokens, a.kv_cache_dtype)
+            startup = {}
+            save(rows, prefill_rows, startup, tag=tag + "_interleaved")
+        else:
+            rows, prefill_rows, startup = bench_model(name, batches, context, prefill, device, dtype, modes, iters,
+                                                      copy_bw, save, trace_tokens=trace_tokens,
+                                                      kv_cache_dtype=a.kv_cache_dtype)
         if a.generate:
             rows += bench_generate(name, batches, device, dtype, copy_bw=copy_bw)
             save(rows, prefill_rows, startup)

@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -137,6 +137,14 @@ for step in $steps; do
                 [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" ${PASS_ARGS:-} \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
+              done ;;
+    passesi)  # issue 13: as passes, the modes interleaved (decode --rounds: each built and captured first, then timed in
+              # turn PASS_ROUNDS rounds a size), so that a drift over the run does not fall on the modes timed last
+              for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8}; do
+                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}
+                [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
+                timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
+                  --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"
               done ;;
     kprof0|kprof1) # issue 16: kernel time by kind in level-3 decode graphs and the GEMM stack; Inductor's PDL off / on
               pdl=${step#kprof}

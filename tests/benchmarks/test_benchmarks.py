@@ -65,6 +65,32 @@ def test_decode_quick_writes_every_mode_and_the_end_to_end_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_rounds_times_every_mode_in_every_round(tmp_path):
+    """--rounds: each mode's row at each batch size has one time a round, its us_per_step their median."""
+    decode.main(["--quick", "--modes", "eager,level 3", "--rounds", "3", "--out", str(tmp_path)])
+    rows = read_csv(tmp_path / "decode_quick_tiny-llama_interleaved.csv")
+    assert {(r["mode"], int(r["batch"])) for r in rows} == {(m, b) for m in ("eager", "level 3") for b in (2, 4)}
+    for r in rows:
+        rounds = sorted(float(u) for u in r["rounds_us"].split("/"))
+        assert len(rounds) == 3 and float(r["us_per_step"]) == pytest.approx(rounds[1], abs=0.051)
+    prefill = read_csv(tmp_path / "prefill_quick_tiny-llama_interleaved.csv")
+    assert {r["mode"] for r in prefill} == {"eager", "level 3"}
+    assert all(len(r["rounds_ms"].split("/")) == 3 for r in prefill)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--modes", "level 3,reduce-overhead", "--rounds", "2"], ["--rounds", "reduce-overhead"]),
+    (["--modes", "level 3", "--rounds", "0"], ["rounds", ">= 1", "0"]),
+])
+def test_decode_rounds_rejects_what_it_cannot_interleave_in_one_line(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--quick", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.slow
 def test_tp_decode_quick_measures_both_sizes_and_writes_its_files(tmp_path):
     """TP 1 and 2 (gloo on the CPU): a decode step per batch size and the prefill, each size its own LLM."""
     rows = tp_decode.main(["--quick", "--out", str(tmp_path)])
