@@ -167,13 +167,18 @@ def _generate_text(args: argparse.Namespace) -> int:
 def _generate_random(args: argparse.Namespace) -> int:
     import random
 
+    from models import SamplingParams
+
+    # Checked before the model loads, and applied as in _generate_text: every sampling flag, --top-p included
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
     llm = _llm(args)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(max(1, args.prompt_len - 3 * i))]
                for i in range(args.num_prompts)]
-    out = llm.generate(prompts, args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    out = llm.generate(prompts, params)
     for i, (prompt, new) in enumerate(zip(prompts, out)):
-        print(f"[{i}] prompt ({len(prompt)} tokens) -> {new}")
+        print(f"[{i}] prompt ({len(prompt)} tokens) -> {list(new.token_ids)}")
     st = llm.stats
     print(f"\nmodel {args.model} ({type(llm.model).__name__}, {llm.dtype}, {llm.device}), level {int(llm.level)} "
           f"({llm.level.name})")

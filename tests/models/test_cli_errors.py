@@ -42,6 +42,20 @@ def test_bad_kv_cache_dtype_is_one_line(command, capsys):
     one_line(capsys, f"dynamo-once {command}: LLM: kv_cache_dtype must be one of auto, fp8, fp8_e4m3; got 'int4'")
 
 
+@pytest.mark.parametrize("flag, value, words", [
+    ("--top-p", "2", "top_p must be a number in (0, 1]; got 2.0"),
+    ("--top-k", "-5", "top_k must be an int >= 1, or None or -1 for all tokens; got -5"),
+    ("--temperature", "-1", "temperature must be a finite number >= 0 (0: greedy); got -1.0"),
+    ("--max-tokens", "0", "max_tokens must be an int >= 1; got 0"),
+])
+@pytest.mark.parametrize("prompt", [["--prompt", "hi"], ["--random-prompts"]])
+def test_bad_sampling_flag_is_one_line_whichever_prompts(prompt, flag, value, words, capsys):
+    """Both prompt forms check every sampling flag (random prompts once ignored --top-p and took --top-k -5)."""
+    assert main(["generate", "--model", "tiny-llama", "--device", "cpu", *prompt, flag, value]) == 2
+    err = one_line(capsys, "dynamo-once generate: SamplingParams: ")
+    assert words in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "diagnose", "env", "serve"])
 def test_bad_env_value_is_one_line(command, monkeypatch, capsys):
     monkeypatch.setenv("DYNAMO_ONCE_COMPILE_LEVEL", "banana")
