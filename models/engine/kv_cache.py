@@ -6,6 +6,10 @@ same sequence). Blocks are handed out whole; a sequence of ``n`` tokens holds
 ``ceil(n / block_size)`` of them. With ``pad_block``, one more block after them
 belongs to no sequence: the padding tokens of CUDA-graph steps write there, so
 the sequences keep the whole budget.
+
+With ``prefix_caching`` (:mod:`.prefix_cache`) a block whose tokens are all computed stays findable by its
+tokens and their prefix after its sequence ends, and a new sequence whose prompt starts with cached blocks
+holds them too (a count of holders a block) and computes only the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from torch import nn
 from ops.triton_utils import cdiv
 
 from ..attention import Attention
+from .prefix_cache import PrefixCache
+from .sequence import Seq
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +51,17 @@ class KVCache:
             large enough for the decode kernel's 64-key tiles to span few blocks).
         dtype, device: of the cache tensors.
         pad_block: one block more, outside the budget (:attr:`pad_block`).
+        prefix_caching: keep whole blocks of computed tokens for later prompts with the same prefix.
 
     Attributes:
         num_blocks: the sequences' blocks (the budget's).
         pad_block: the block after them that padding tokens write to (never read by a sequence), or None.
+        prefix: the :class:`.prefix_cache.PrefixCache` with ``prefix_caching``, else None.
     """
 
     def __init__(self, layers: dict[str, Attention], num_cache_tokens: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 pad_block: bool = False) -> None:
+                 pad_block: bool = False, prefix_caching: bool = False) -> None:
         if num_cache_tokens < 1 or block_size < 1:
             raise ValueError(f"KVCache: num_cache_tokens and block_size must be >= 1; got {num_cache_tokens}, "
                              f"{block_size}")
@@ -69,26 +77,75 @@ class KVCache:
                             dtype=dtype, device=device)
             layer.kv_cache = t
             self.tensors[name] = t
-        # Block 0 first out; a stack keeps recently freed (cache-warm) blocks in use.
+        # Block 0 first out; a stack keeps recently freed (cache-warm) blocks in use. With prefix caching these are
+        # the uncached free blocks; the cached ones no sequence holds wait in prefix.evictable.
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.prefix = PrefixCache(block_size) if prefix_caching else None
+        self._holders = [0] * self.num_blocks  # sequences holding each block (prefix caching)
         nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         logger.info("KV cache: %d blocks x %d tokens, %d layers, %.1f MiB", self.num_blocks, block_size,
                     len(layers), nbytes / 2**20)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no sequence holds (with prefix caching: the cached ones too, which a new sequence evicts)."""
+        return len(self._free) + (len(self.prefix.evictable) if self.prefix is not None else 0)
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate(self, num_tokens: int) -> list[int]:
-        """Blocks for a sequence of ``num_tokens``; raises if the budget has too few free."""
-        n = self.blocks_for(num_tokens)
-        if n > len(self._free):
+    def allocate(self, num_tokens: int, cached: list[int] | None = None) -> list[int]:
+        """Blocks for a sequence of ``num_tokens``: ``cached`` (a prefix's blocks, from :meth:`cached_prefix`; held
+        now by one more sequence) then new ones, taken free first, then evicted from the prefix cache; raises if
+        the budget has too few."""
+        cached = cached or []
+        n = self.blocks_for(num_tokens) - len(cached)
+        free = self.num_free_blocks - sum(1 for b in cached if self._holders[b] == 0)
+        if n > free:
             raise RuntimeError(f"KVCache: a sequence of {num_tokens} tokens needs {n} blocks, "
-                               f"{len(self._free)} of {self.num_blocks} are free; raise num_cache_tokens")
-        return [self._free.pop() for _ in range(n)]
+                               f"{free} of {self.num_blocks} are free; raise num_cache_tokens")
+        if self.prefix is None:
+            return [self._free.pop() for _ in range(n)]
+        for b in cached:
+            if self._holders[b] == 0:
+                del self.prefix.evictable[b]
+            self._holders[b] += 1
+        new = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
+        for b in new:
+            self._holders[b] = 1
+        return cached + new
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """A sequence's blocks, released (with prefix caching: a cached block another sequence holds stays held, and
+        one none holds stays cached until evicted, its sequence's last block first)."""
+        if self.prefix is None:
+            self._free.extend(reversed(blocks))
+            return
+        for b in reversed(blocks):
+            self._holders[b] -= 1
+            if self._holders[b] == 0:
+                if b in self.prefix:
+                    self.prefix.evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def cached_prefix(self, seq: Seq) -> list[int]:
+        """The cached blocks ``seq``'s prompt starts with (none without prefix caching or for a prompt with images,
+        whose placeholder tokens do not name the images). At most ``prompt_len - 1`` tokens: the last prompt token is
+        always computed, for its logits. Sets ``seq.prefix_id`` for :meth:`cache_computed`."""
+        if self.prefix is None or seq.images is not None:
+            return []
+        blocks, seq.prefix_id = self.prefix.match(seq.tokens, (seq.prompt_len - 1) // self.block_size)
+        seq.num_keyed = len(blocks)
+        return blocks
+
+    def cache_computed(self, seq: Seq) -> None:
+        """Cache ``seq``'s whole blocks whose tokens all have their keys and values now (after a step)."""
+        if self.prefix is None or seq.images is not None or not seq.blocks:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed, len(seq.tokens)) // bs
+        while seq.num_keyed < full:
+            i = seq.num_keyed
+            seq.prefix_id = self.prefix.add(seq.blocks[i], seq.prefix_id, seq.tokens[i * bs:(i + 1) * bs])
+            seq.num_keyed += 1

@@ -107,6 +107,15 @@ class LLM:
         kv_cache_dtype: "auto" (default): the model's dtype, or fp8 where the checkpoint's quantization config
             has a ``kv_cache_scheme``; "fp8" / "fp8_e4m3": an fp8 e4m3 cache (``ops.kv_quant``), half the bytes
             of a bf16 one a token, with the checkpoint's per-layer ``k_scale`` / ``v_scale`` (1 without them).
+        enable_prefix_caching: keep every whole cache block of computed tokens after its sequence ends, found
+            again by its tokens and all before them (:mod:`.prefix_cache`), so that a prompt starting with an
+            earlier one's tokens (a system prompt, a chat's earlier turns) computes only the rest: at most its
+            last ``prompt_len - 1`` tokens come from the cache, whole blocks (``block_size``), never for a prompt
+            with images. Cached blocks no sequence holds are evicted as the cache needs room, least recently
+            released first. Off by default: a prompt whose prefix was cached attends to it as a chunk after
+            cached context, whose values may differ from a whole prefill's in the last bits (the kernels'
+            summation order), as in vLLM. ``RequestOutput.num_cached_tokens`` and ``stats.num_cached_tokens``
+            say how many prompt tokens came from it.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -115,7 +124,8 @@ class LLM:
                  device: torch.device | str | None = None,
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
                  async_scheduling: bool | None = None, tokenizer: str | Any | None = None,
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> None:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 enable_prefix_caching: bool = False) -> None:
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -159,7 +169,8 @@ class LLM:
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, self.dtype, getattr(self.model, "fp8_kv_cache", False))
         self.kv_cache = KVCache(self.layers, num_cache_tokens or max(8192, max_num_tokens), block_size,
                                 dtype=self.kv_cache_dtype, device=self.device,
-                                pad_block=StepGraphs.captures(self.device, self.level, graph_config))
+                                pad_block=StepGraphs.captures(self.device, self.level, graph_config),
+                                prefix_caching=bool(enable_prefix_caching))
         self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         # The persistent buffers under the runner's names (never rebound: each step's inputs are views of them).
@@ -518,7 +529,8 @@ class LLM:
             text = ""
             for piece in pieces:
                 text += piece
-                yield RequestOutput(prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None)
+                yield RequestOutput(prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None,
+                                    num_cached_tokens=seq.num_cached)
             yield self._output(seq, prompt)
         finally:
             pieces.close()  # closed early: the stream's own close aborts the sequence

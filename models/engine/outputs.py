@@ -22,6 +22,8 @@ class RequestOutput:
             end-of-sequence token and for ``"length"`` (as vLLM).
         logprobs: with ``SamplingParams.logprobs``: per generated token, ``{token id: log-probability}`` of
             that token and of the most likely ones.
+        num_cached_tokens: prompt tokens whose keys and values came from the prefix cache
+            (``LLM(enable_prefix_caching=True)``), not computed; 0 otherwise.
     """
 
     prompt: str | None
@@ -31,6 +33,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def outputs(self) -> list[RequestOutput]:

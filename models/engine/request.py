@@ -24,7 +24,7 @@ def final_output(seq: Seq, prompt: Prompt) -> RequestOutput:
         prompt=prompt.text, prompt_token_ids=seq.tokens[:seq.prompt_len],
         text=seq.detokenizer.text if seq.detokenizer is not None else None,
         token_ids=seq.tokens[seq.prompt_len:], finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-        logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None)
+        logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None, num_cached_tokens=seq.num_cached)
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,7 +53,8 @@ class Request:
     def partial_output(self, text: str) -> RequestOutput:
         """The request so far, showing ``text`` (``finish_reason`` None): an item of a stream."""
         seq = self.seq
-        return RequestOutput(self.prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None)
+        return RequestOutput(self.prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None,
+                             num_cached_tokens=seq.num_cached)
 
     def output(self) -> RequestOutput:
         """The ended request's output, as :meth:`LLM.generate` returns it."""

@@ -5,7 +5,8 @@ prompt tokens while the step's token budget (``max_num_tokens``) and the cache a
 sequences share steps. With ``chunked_prefill`` a prompt that does not fit the budget left in a step is
 prefilled in chunks over several steps, each chunk attending to the cached earlier ones, so prompts may be
 longer than ``max_num_tokens``; prompts with images are always prefilled whole. A sequence gets the cache
-blocks for ``prompt + max_new_tokens`` when it is admitted (no preemption). With async scheduling, once
+blocks for ``prompt + max_new_tokens`` when it is admitted (no preemption); with prefix caching the first of
+them may be cached blocks of an earlier prompt's same prefix, whose tokens it then does not compute. With async scheduling, once
 every prompt is admitted, each decode step is launched before the last one's tokens are read.
 """
 
@@ -129,6 +130,9 @@ class Scheduler:
             stats.mixed_step_times_s.append(dt)
         for seq, n in batch:
             seq.num_computed += n
+        if self.kv_cache.prefix is not None:
+            for seq, _ in batch:
+                self.kv_cache.cache_computed(seq)
         stats.num_generated += len(ready_seqs)
         finished = False
         for seq, tok in zip(ready_seqs, tokens):
@@ -196,13 +200,10 @@ class Scheduler:
         admitted = []
         while waiting and len(batch) < self.max_num_seqs and budget > 0:
             seq = waiting[0]
-            need_blocks = self.kv_cache.blocks_for(seq.prompt_len + seq.max_new_tokens)
-            whole = not self.chunked_prefill or seq.images is not None
-            if (whole and seq.prompt_len > budget) or need_blocks > self.kv_cache.num_free_blocks:
+            if not self._admit(seq, budget):
                 break
-            seq.blocks = self.kv_cache.allocate(seq.prompt_len + seq.max_new_tokens)
             waiting.popleft()
-            n = min(seq.prompt_len, budget)
+            n = min(seq.prompt_len - seq.num_computed, budget)
             batch.append((seq, n))
             admitted.append(seq)
             budget -= n
@@ -211,6 +212,23 @@ class Scheduler:
                                f"{self.kv_cache.blocks_for(waiting[0].prompt_len + waiting[0].max_new_tokens)} cache "
                                f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
         return batch, num_decodes, admitted
+
+    def _admit(self, seq: Seq, budget: int) -> bool:
+        """Give ``seq`` its cache blocks if it fits this step (``budget`` tokens left) and the cache: its prompt's
+        cached prefix (prefix caching; those tokens then count as computed), then new blocks for the rest of
+        ``prompt + max_new_tokens``."""
+        cache = self.kv_cache
+        cached = cache.cached_prefix(seq)
+        total = seq.prompt_len + seq.max_new_tokens
+        held = sum(1 for b in cached if cache.prefix is not None and b not in cache.prefix.evictable)
+        whole = not self.chunked_prefill or seq.images is not None
+        todo = seq.prompt_len - len(cached) * cache.block_size
+        if (whole and todo > budget) or cache.blocks_for(total) - held > cache.num_free_blocks:
+            return False
+        seq.blocks = cache.allocate(total, cached)
+        seq.num_computed = seq.num_cached = len(cached) * cache.block_size
+        self.stats.num_cached_tokens += seq.num_cached
+        return True
 
     def _launch_decodes(self, execute: Execute, seqs: list[Seq], pending: PendingStep) -> PendingStep:
         """A decode step of ``seqs`` (those of ``pending`` that go on, in its order) whose input ids are
@@ -240,9 +258,12 @@ class Scheduler:
         stats.step_times_s.append(dt)
         stats.decode_step_times_s.append(dt)
         stats.max_decode_batch = max(stats.max_decode_batch, len(pending.seqs))
+        cache = self.kv_cache if self.kv_cache.prefix is not None else None
         for seq, tok in zip(pending.seqs, tokens):
             if not seq.blocks:  # ended (stop token, stop string, abort) the step before: one past its end
                 continue
             stats.num_generated += 1
+            if cache is not None:
+                cache.cache_computed(seq)
             if seq.append(tok):
                 self._release(seq)

@@ -38,6 +38,11 @@ class Seq:
     stop_reason: int | str | None = None
     logprob_rows: list[tuple[torch.Tensor, torch.Tensor, int]] = dataclasses.field(default_factory=list)
     error: BaseException | None = None  # the exception of a step that failed it
+    # Prefix caching (KVCache.cached_prefix / cache_computed): prompt tokens found cached at admission, whole
+    # blocks cached so far, and the prefix-cache id of the last of them (.prefix_cache.ROOT: none)
+    num_cached: int = 0
+    num_keyed: int = 0
+    prefix_id: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto",  # checked by LLM (no torch import before the port's bound)
                    help="the KV cache's dtype: auto (default: the model's, or the checkpoint's fp8 kv_cache_scheme), "
                         "fp8 / fp8_e4m3")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV cache of prompt prefixes seen before (a system prompt, earlier turns)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--verbose", action="store_true", help="a traceback with errors")
     return p
@@ -67,7 +69,8 @@ def _load(args: argparse.Namespace) -> object:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
               num_cache_tokens=args.num_cache_tokens, dtype=args.dtype, device=device,
-              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+              enable_prefix_caching=args.enable_prefix_caching)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer (tokenizer.json / tokenizer_config.json): the API is text")
     return llm

@@ -144,9 +144,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_PREFIX}{next(_ID_COUNT):016x}"
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 def _token(tokenizer: Any, token: int) -> str:
@@ -191,7 +193,7 @@ def completion_response(rid: str, model: str, out: RequestOutput, tokenizer: Any
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
-                     usage: dict[str, int] | None = None) -> dict[str, Any]:
+                     usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choices = [] if usage is not None else [{"index": 0, "text": text, "logprobs": None,
                                              "finish_reason": finish_reason}]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -207,7 +209,7 @@ def chat_response(rid: str, model: str, out: RequestOutput, tokenizer: Any, top:
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
+               usage: dict[str, Any] | None = None) -> dict[str, Any]:
     choices = [] if usage is not None else [{"index": 0, "delta": delta, "logprobs": None,
                                              "finish_reason": finish_reason}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,

@@ -1,0 +1,153 @@
+"""``LLM(enable_prefix_caching=True)``: a prompt that starts with an earlier prompt's tokens takes their cached
+keys and values (whole blocks) and computes only the rest; the tokens are those of an LLM without the cache, on the
+CPU (fp32) at levels 0 and 3, with async scheduling, under a cache small enough to evict, and for a prompt cached
+whole. The counts: ``stats.num_cached_tokens``, ``RequestOutput.num_cached_tokens``, the server's
+``usage.prompt_tokens_details.cached_tokens``."""
+
+import random
+
+import pytest
+
+from models import LLM, SamplingParams
+
+BLOCK = 16
+PREFIX = [(7 * i) % 120 + 2 for i in range(40)]  # 2 whole blocks and 8 tokens of a third
+
+
+def make(level=0, **kw):
+    return LLM("tiny-llama", level=level, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return make()
+
+
+def prompts_sharing(prefix, tails):
+    return [prefix + tail for tail in tails]
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_later_prompts_take_the_shared_prefix_from_the_cache(plain, level):
+    """One sequence a step: each prompt after the first finds the prefix's 2 whole blocks cached."""
+    prompts = prompts_sharing(PREFIX, [[50, 51, 52], [60, 61], [70]])
+    llm = make(level, enable_prefix_caching=True, max_num_seqs=1)
+    assert llm.generate(prompts, 8) == plain.generate(prompts, 8)
+    assert llm.stats.num_cached_tokens == 2 * 2 * BLOCK
+    # A second call: every prompt's blocks are cached now (the third block too: prompt + generated tokens)
+    assert llm.generate(prompts, 8) == plain.generate(prompts, 8)
+    assert llm.stats.num_cached_tokens == 3 * 2 * BLOCK
+
+
+def test_async_scheduling_caches_the_blocks_its_steps_filled(plain):
+    prompts = prompts_sharing(PREFIX, [[50], [51, 52, 53]])
+    llm = make(enable_prefix_caching=True, async_scheduling=True, max_num_seqs=1)
+    expected = plain.generate(prompts, 24)
+    assert llm.generate(prompts, 24) == expected
+    # The first prompt's 41 + 24 tokens filled 4 blocks, the last of them in its decode steps
+    assert llm.generate([prompts[0] + expected[0][:23]], 4) == plain.generate([prompts[0] + expected[0][:23]], 4)
+    assert llm.stats.num_cached_tokens == 3 * BLOCK
+
+
+def test_a_block_after_another_prefix_is_not_a_hit(plain):
+    """The same 16 tokens in the second block, after another first block: other keys and values, no hit."""
+    same = list(range(30, 30 + BLOCK))
+    prompts = [list(range(1, 1 + BLOCK)) + same + [5], list(range(100, 100 + BLOCK)) + same + [5]]
+    llm = make(enable_prefix_caching=True, max_num_seqs=1)
+    assert llm.generate(prompts, 4) == plain.generate(prompts, 4)
+    assert llm.stats.num_cached_tokens == 0
+
+
+def test_a_prompt_cached_whole_computes_its_last_block_for_its_logits(plain):
+    prompt = PREFIX[:2 * BLOCK]
+    llm = make(enable_prefix_caching=True)
+    first = llm.generate([prompt], 6)
+    assert llm.generate([prompt], 6) == first == plain.generate([prompt], 6)
+    assert llm.stats.num_cached_tokens == BLOCK  # at most prompt_len - 1 tokens: the first block only
+
+
+def test_a_small_cache_evicts_and_stays_right(plain):
+    """8 blocks of cache, sequences of 2-4 blocks with shared and fresh prefixes: cached blocks are evicted for new
+    tokens (least recently released first), never while a sequence holds them."""
+    rng = random.Random(0)
+    heads = [[rng.randrange(2, 120) for _ in range(2 * BLOCK)] for _ in range(3)]
+    prompts = [rng.choice(heads) + [rng.randrange(2, 120) for _ in range(rng.randrange(1, 20))] for _ in range(12)]
+    llm = make(enable_prefix_caching=True, num_cache_tokens=8 * BLOCK, max_num_tokens=64, max_num_seqs=2)
+    assert llm.generate(prompts, 6) == plain.generate(prompts, 6)
+    assert 0 < llm.stats.num_cached_tokens < sum(len(p) for p in prompts)
+    assert llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks  # every block back: free, or cached and evictable
+
+
+def test_a_block_a_running_sequence_holds_is_never_evicted(plain):
+    """A (33 tokens, 30 new) runs; B takes A's 2 cached blocks, ends, releases them; C (5 blocks) then needs more
+    than the cache's truly free blocks and must wait for A: evicting A's blocks would overwrite what A attends to."""
+    a = PREFIX[:2 * BLOCK + 1]
+    b, c = a + [90], [(5 * i) % 110 + 3 for i in range(70)]
+    llm = make(enable_prefix_caching=True, num_cache_tokens=8 * BLOCK, max_num_tokens=len(a), max_num_seqs=2)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (30, 2, 2)]
+    outs = llm.generate([a, b, c], params)
+    assert [o.num_cached_tokens for o in outs[:2]] == [0, 2 * BLOCK]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate([a, b, c], params)]
+
+
+def test_request_outputs_count_their_cached_tokens():
+    llm = make(enable_prefix_caching=True, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    outs = llm.generate(prompts_sharing(PREFIX, [[9], [10, 11]]), params)
+    assert [o.num_cached_tokens for o in outs] == [0, 2 * BLOCK]
+    assert llm.stats.num_cached_tokens == 2 * BLOCK
+
+
+def test_off_by_default_nothing_is_cached(plain):
+    prompts = prompts_sharing(PREFIX, [[9], [10]])
+    plain.generate(prompts, 4)
+    plain.generate(prompts, 4)
+    assert plain.stats.num_cached_tokens == 0 and plain.kv_cache.prefix is None
+
+
+def test_prompts_with_images_are_never_cached():
+    """An image's placeholder tokens are the same for every image: such a prompt neither finds nor leaves blocks."""
+    import torch
+
+    llm = LLM("tiny-llava", level=0, device="cpu", enable_prefix_caching=True)
+    size = llm.model.config.vision_config.image_size
+    image = torch.randn(3, size, size, generator=torch.Generator().manual_seed(0))  # pixel values
+    prompt = {"prompt_token_ids": [1, 5, 6] + [llm.model.config.image_token_index] + list(range(20, 60)),
+              "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0, max_tokens=3)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert second.token_ids == first.token_ids and second.num_cached_tokens == 0
+    assert len(llm.kv_cache.prefix) == 0
+
+
+def test_cli_generate_takes_the_flag(capsys):
+    from models.cli import main
+
+    assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--level", "0", "--random-prompts",
+                 "--num-prompts", "2", "--max-tokens", "2", "--enable-prefix-caching"]) == 0
+    assert "[1] prompt" in capsys.readouterr().out
+
+
+def test_served_usage_counts_the_cached_prompt_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from text_testing import save_text_llama
+    from models.serve.app import build_app
+    from test_serve import start_server
+
+    save_text_llama(tmp_path)
+    llm = LLM(str(tmp_path), level=0, device="cpu", enable_prefix_caching=True)
+    url, server = start_server(build_app(llm, "m", api_key=None, max_body_bytes=1 << 16))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = "the quick brown fox jumps over the lazy dog " * 6
+        first = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=4)
+        second = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=4)
+    finally:
+        server.should_exit = True
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK > 0
+    assert second.choices[0].text == first.choices[0].text
