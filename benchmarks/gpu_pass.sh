@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -146,6 +146,9 @@ for step in $steps; do
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"
               done ;;
+    prefix)   # LLM.generate over prompts sharing a 1024-token prefix, without and with prefix caching
+              timeout ${PREFIX_TIMEOUT:-400} python3 -m benchmarks.prefix_caching --models ${PREFIX_MODELS:-llama-3.2-1b,llama-3-8b} \
+                ${PREFIX_ARGS:-} --out "$R/prefix_caching" 2>&1 | tee "$R/prefix_caching.log" | grep -E "^\{|Error" ;;
     kprof0|kprof1) # issue 16: kernel time by kind in level-3 decode graphs and the GEMM stack; Inductor's PDL off / on
               pdl=${step#kprof}
               python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl knob:', hasattr(c.triton, 'enable_pdl'))"

@@ -361,6 +361,18 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     assert_png(tmp_path / "chunked_prefill_quick.png")
 
 
+def test_prefix_caching_quick_computes_the_shared_prefix_once_and_writes_its_files(tmp_path):
+    from benchmarks import prefix_caching
+
+    off, on = prefix_caching.main(["--quick", "--out", str(tmp_path)])
+    # 6 prompts of 48 shared + 8 own tokens (3 whole blocks shared), 32 tokens a step, 4 in flight
+    assert (off["prefix_caching"], off["cached_tokens"], off["computed_prompt_tokens"]) == ("off", 0, 6 * 56)
+    assert on["cached_tokens"] >= 4 * 48 and on["computed_prompt_tokens"] == 6 * 56 - on["cached_tokens"]
+    assert on["same_tokens"] == "6/6" and on["tokens_per_s"] > 0
+    assert len(read_csv(tmp_path / "prefix_caching_quick.csv")) == 2
+    assert_png(tmp_path / "prefix_caching_quick.png")
+
+
 def test_attention_host_cprofile_writes_where_the_calls_time_goes(tmp_path):
     from benchmarks import attention_host
 

@@ -1,7 +1,7 @@
 """``LLM(enable_prefix_caching=True)``: a prompt that starts with an earlier prompt's tokens takes their cached
 keys and values (whole blocks) and computes only the rest; the tokens are those of an LLM without the cache, on the
-CPU (fp32) at levels 0 and 3, with async scheduling, under a cache small enough to evict, and for a prompt cached
-whole. The counts: ``stats.num_cached_tokens``, ``RequestOutput.num_cached_tokens``, the server's
+CPU (fp32) at levels 0 and 3, with async scheduling, with tensor parallelism, under a cache small enough to evict,
+and for a prompt cached whole. The counts: ``stats.num_cached_tokens``, ``RequestOutput.num_cached_tokens``, the server's
 ``usage.prompt_tokens_details.cached_tokens``."""
 
 import random
@@ -88,6 +88,18 @@ def test_a_block_a_running_sequence_holds_is_never_evicted(plain):
     outs = llm.generate([a, b, c], params)
     assert [o.num_cached_tokens for o in outs[:2]] == [0, 2 * BLOCK]
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate([a, b, c], params)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_attend_to_the_blocks_rank_0_found(plain):
+    """Rank 0's scheduler finds the cached blocks; each rank's step reads them from its own shard of the cache."""
+    prompts = prompts_sharing(PREFIX, [[50], [60, 61]])
+    llm = make(enable_prefix_caching=True, max_num_seqs=1, tensor_parallel_size=2)
+    try:
+        assert llm.generate(prompts, 6) == plain.generate(prompts, 6)
+        assert llm.stats.num_cached_tokens == 2 * BLOCK
+    finally:
+        llm.close()
 
 
 def test_request_outputs_count_their_cached_tokens():
