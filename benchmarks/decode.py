@@ -405,6 +405,15 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
+def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], float]) -> list[tuple[_ModeRun, list]]:
+    """``measure`` of every run in turn, ``rounds`` times: each run with its times, in round order."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for r, ts in zip(runs, times):
+            ts.append(measure(r))
+    return list(zip(runs, times))
+
+
 def bench_interleaved(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                       dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None, rounds: int,
                       trace_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list, list]:
@@ -422,22 +431,12 @@ def bench_interleaved(name: str, batches: list[int], context: int, prefill: int,
         floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
     rows, prefill_rows = [], []
     for b in batches:
-        per_mode = {r.mode: [] for r in runs}
-        for _ in range(rounds):
-            for r in runs:
-                per_mode[r.mode].append(r.time_decode(b, iters))
-        for r in runs:
-            us = per_mode[r.mode]
+        for r, us in _in_turn(runs, rounds, lambda r: r.time_decode(b, iters)):  # noqa: B023 - called here
             rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(_median(us), 1),
                              compile_s=round(r.compile_s, 1), rounds_us="/".join(f"{u:.1f}" for u in us)))
             print(rows[-1], flush=True)
     if prefill:
-        per_mode = {r.mode: [] for r in runs}
-        for _ in range(rounds):
-            for r in runs:
-                per_mode[r.mode].append(r.time_prefill(prefill, iters))
-        for r in runs:
-            us = per_mode[r.mode]
+        for r, us in _in_turn(runs, rounds, lambda r: r.time_prefill(prefill, iters)):
             prefill_rows.append(dict(model=name, mode=r.mode, tokens=prefill, ms=round(_median(us) / 1e3, 2),
                                      tokens_per_s=round(prefill / (_median(us) * 1e-6)),
                                      rounds_ms="/".join(f"{u / 1e3:.2f}" for u in us)))

@@ -187,7 +187,8 @@ def _generate_random(args: argparse.Namespace) -> int:
     print(f"load {llm.load_time_s:.2f}s, warm-up (trace + compile) {llm.compile_time_s:.2f}s")
     print(f"start-up: {llm.startup.format()}")
     print(f"{st.num_steps} steps ({st.num_mixed_steps} mixed prefill+decode), {st.num_generated} tokens in "
-          f"{st.total_s:.3f}s; median decode step {st.median_decode_step_s * 1e3:.2f} ms")
+          f"{st.total_s:.3f}s; median decode step {st.median_decode_step_s * 1e3:.2f} ms"
+          + (f"; {st.num_cached_tokens} prompt tokens from the prefix cache" if args.enable_prefix_caching else ""))
     llm.close()
     return 0
 

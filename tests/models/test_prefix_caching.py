@@ -138,7 +138,8 @@ def test_cli_generate_takes_the_flag(capsys):
 
     assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--level", "0", "--random-prompts",
                  "--num-prompts", "2", "--max-tokens", "2", "--enable-prefix-caching"]) == 0
-    assert "[1] prompt" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[1] prompt" in out and "prompt tokens from the prefix cache" in out
 
 
 def test_served_usage_counts_the_cached_prompt_tokens(tmp_path):
