@@ -6,8 +6,8 @@ sequences share steps. With ``chunked_prefill`` a prompt that does not fit the b
 prefilled in chunks over several steps, each chunk attending to the cached earlier ones, so prompts may be
 longer than ``max_num_tokens``; prompts with images are always prefilled whole. A sequence gets the cache
 blocks for ``prompt + max_new_tokens`` when it is admitted (no preemption); with prefix caching the first of
-them may be cached blocks of an earlier prompt's same prefix, whose tokens it then does not compute. With async scheduling, once
-every prompt is admitted, each decode step is launched before the last one's tokens are read.
+them may be cached blocks of an earlier prompt's same prefix, whose tokens it then does not compute. With async
+scheduling, once every prompt is admitted, each decode step is launched before the last one's tokens are read.
 """
 
 from __future__ import annotations
