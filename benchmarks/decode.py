@@ -405,13 +405,15 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], float]) -> list[tuple[_ModeRun, list]]:
-    """``measure`` of every run in turn, ``rounds`` times: each run with its times, in round order."""
+def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], float]
+             ) -> list[tuple[_ModeRun, list[float], float]]:
+    """``measure`` of every run in turn, ``rounds`` times: each run with its times in round order, and the median
+    over the rounds of its time over the first run's in the same round (paired: a drift cancels)."""
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
         for r, ts in zip(runs, times):
             ts.append(measure(r))
-    return list(zip(runs, times))
+    return [(r, ts, _median([t / t0 for t, t0 in zip(ts, times[0])])) for r, ts in zip(runs, times)]
 
 
 def bench_interleaved(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
@@ -421,7 +423,9 @@ def bench_interleaved(name: str, batches: list[int], context: int, prefill: int,
     rounds that time each mode in turn (A B C A B C ...), so that a drift of the GPU's or host's speed over the
     run (clocks, heat, other tenants) falls on every mode alike rather than on the modes timed last, as
     :func:`bench_model`'s one mode after another lets it. A row's ``us_per_step`` is the median of its rounds'
-    medians; ``rounds_us`` lists them in order. Needs every mode's model in memory at once."""
+    medians; ``rounds_us`` lists them in order; ``vs_first_mode``: the median of its per-round ratios to the first
+    mode's time (a paired comparison, e.g. ``level 3 piecewise`` against ``level 3``). Needs every mode's model in
+    memory at once."""
     _check_interleavable(modes, rounds)
     trace_tokens = trace_tokens or max(max(batches), prefill, 2)
     runs = [_ModeRun(name, m, batches, context, prefill, device, dtype, trace_tokens, kv_cache_dtype) for m in modes]
@@ -431,14 +435,15 @@ def bench_interleaved(name: str, batches: list[int], context: int, prefill: int,
         floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
     rows, prefill_rows = [], []
     for b in batches:
-        for r, us in _in_turn(runs, rounds, lambda r: r.time_decode(b, iters)):  # noqa: B023 - called here
+        for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_decode(b, iters)):  # noqa: B023 - called here
             rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(_median(us), 1),
-                             compile_s=round(r.compile_s, 1), rounds_us="/".join(f"{u:.1f}" for u in us)))
+                             compile_s=round(r.compile_s, 1), vs_first_mode=round(ratio, 3),
+                             rounds_us="/".join(f"{u:.1f}" for u in us)))
             print(rows[-1], flush=True)
     if prefill:
-        for r, us in _in_turn(runs, rounds, lambda r: r.time_prefill(prefill, iters)):
+        for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_prefill(prefill, iters)):
             prefill_rows.append(dict(model=name, mode=r.mode, tokens=prefill, ms=round(_median(us) / 1e3, 2),
-                                     tokens_per_s=round(prefill / (_median(us) * 1e-6)),
+                                     tokens_per_s=round(prefill / (_median(us) * 1e-6)), vs_first_mode=round(ratio, 3),
                                      rounds_ms="/".join(f"{u / 1e3:.2f}" for u in us)))
             print(prefill_rows[-1], flush=True)
     return _with_floor(rows, floor, name, batches, context), prefill_rows
@@ -705,8 +710,9 @@ def main(argv: list[str] | None = None) -> None:
                                         f"each compiled mode's first call (trace, compile, Inductor's autotuning of "
                                         f"dynamic-shape kernels): {trace_tokens} tokens"]
                                  + ([f"modes interleaved: every mode built and captured first, then timed in turn, "
-                                     f"{a.rounds} rounds a batch size (rounds_us, in order; us_per_step: their median)"]
-                                    if a.rounds else []))
+                                     f"{a.rounds} rounds a batch size (rounds_us, in order; us_per_step: their median); "
+                                     f"vs_first_mode: the median over the rounds of the row's time over "
+                                     f"{modes[0]!r}'s in the same round"] if a.rounds else []))
             common.write_results(f"prefill{tag}", prefill_rows, title=f"Prefill of one {prefill}-token prompt",
                                  device=device, out_dir=a.out,
                                  notes=[f"each compiled mode's first call: {trace_tokens} tokens (reduce-overhead: "

@@ -7,7 +7,7 @@
 # tests/models/test_quant_fusion.py and test_quantized.py, skip on the GPU: "could not import 'compressed_tensors'"):
 #   pip download compressed-tensors loguru pydantic pydantic-core annotated-types typing-inspection --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -145,6 +145,11 @@ for step in $steps; do
                 [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"
+              done ;;
+    pwi)      # issue 18: the piecewise step against the whole-step graph, interleaved (vs_first_mode: the paired ratio)
+              for m in ${PWI_MODELS:-llama-3.2-1b llama-3-8b}; do
+                timeout ${PWI_TIMEOUT:-250} python3 -m benchmarks.decode --models $m --modes "level 3,level 3 piecewise" \
+                  --rounds ${PWI_ROUNDS:-5} --prefill 0 --iters 30 --out "$R/pwi_$m" 2>&1 | tee "$R/pwi_$m.log" | grep -E "^\{|Error"
               done ;;
     prefix)   # LLM.generate over prompts sharing a 1024-token prefix, without and with prefix caching
               timeout ${PREFIX_TIMEOUT:-400} python3 -m benchmarks.prefix_caching --models ${PREFIX_MODELS:-llama-3.2-1b,llama-3-8b} \

@@ -73,6 +73,10 @@ def test_decode_rounds_times_every_mode_in_every_round(tmp_path):
     for r in rows:
         rounds = sorted(float(u) for u in r["rounds_us"].split("/"))
         assert len(rounds) == 3 and float(r["us_per_step"]) == pytest.approx(rounds[1], abs=0.051)
+        first = next(f for f in rows if f["mode"] == "eager" and f["batch"] == r["batch"])
+        paired = sorted(float(u) / float(f) for u, f in zip(r["rounds_us"].split("/"), first["rounds_us"].split("/")))
+        assert float(r["vs_first_mode"]) == pytest.approx(paired[1], abs=0.002)
+        assert r["mode"] != "eager" or float(r["vs_first_mode"]) == 1.0
     prefill = read_csv(tmp_path / "prefill_quick_tiny-llama_interleaved.csv")
     assert {r["mode"] for r in prefill} == {"eager", "level 3"}
     assert all(len(r["rounds_ms"].split("/")) == 3 for r in prefill)
