@@ -198,10 +198,12 @@ class Scheduler:
                 batch.append((s, n))
                 budget -= n
         admitted = []
+        prefilling = [s for s, n in batch[num_decodes:]]  # computing prompt tokens this step
         while waiting and len(batch) < self.max_num_seqs and budget > 0:
             seq = waiting[0]
-            if not self._admit(seq, budget):
+            if not self._admit(seq, budget, prefilling):
                 break
+            prefilling.append(seq)
             waiting.popleft()
             n = min(seq.prompt_len - seq.num_computed, budget)
             batch.append((seq, n))
@@ -213,12 +215,17 @@ class Scheduler:
                                f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
         return batch, num_decodes, admitted
 
-    def _admit(self, seq: Seq, budget: int) -> bool:
+    def _admit(self, seq: Seq, budget: int, prefilling: list[Seq]) -> bool:
         """Give ``seq`` its cache blocks if it fits this step (``budget`` tokens left) and the cache: its prompt's
         cached prefix (prefix caching; those tokens then count as computed), then new blocks for the rest of
-        ``prompt + max_new_tokens``."""
+        ``prompt + max_new_tokens``. With prefix caching, not while a sequence of ``prefilling`` (computing prompt
+        tokens this step) computes the next block of ``seq``'s prefix: ``seq`` then waits a step and takes it from
+        the cache (a block is cached once computed; two sequences of one step never read each other's)."""
         cache = self.kv_cache
         cached = cache.cached_prefix(seq)
+        if cache.prefix is not None and _computes_next_block(seq, len(cached) * cache.block_size, prefilling,
+                                                              cache.block_size):
+            return False
         total = seq.prompt_len + seq.max_new_tokens
         held = sum(1 for b in cached if cache.prefix is not None and b not in cache.prefix.evictable)
         whole = not self.chunked_prefill or seq.images is not None
@@ -267,3 +274,15 @@ class Scheduler:
                 cache.cache_computed(seq)
             if seq.append(tok):
                 self._release(seq)
+
+
+def _computes_next_block(seq: Seq, cached: int, prefilling: list[Seq], block_size: int) -> bool:
+    """Whether a sequence of ``prefilling`` has yet to compute the block after ``seq``'s ``cached`` tokens, holding
+    the same tokens from the first on (so ``seq`` could take it from the cache once computed). Only a block ``seq``
+    would take: within its first ``prompt_len - 1`` tokens."""
+    end = cached + block_size
+    if end > seq.prompt_len - 1 or seq.images is not None:
+        return False
+    head = seq.tokens[:end]
+    return any(other.num_computed < end <= len(other.tokens) and other.images is None and other.tokens[:end] == head
+               for other in prefilling)

@@ -39,6 +39,19 @@ def test_later_prompts_take_the_shared_prefix_from_the_cache(plain, level):
     assert llm.stats.num_cached_tokens == 3 * 2 * BLOCK
 
 
+def test_a_prompt_waits_a_step_for_the_prefix_another_computes(plain):
+    """All four would fit the first step; the three after the first wait for its 3 blocks of the shared prefix and
+    take them from the cache the step after (computing them four times over instead is what it saves)."""
+    prompts = prompts_sharing([(5 * i) % 110 + 3 for i in range(3 * BLOCK)], [[50 + i, 3, 4] for i in range(4)])
+    llm = make(enable_prefix_caching=True, max_num_tokens=256)
+    assert llm.generate(prompts, 6) == plain.generate(prompts, 6)
+    assert llm.stats.num_cached_tokens == 3 * 3 * BLOCK
+    others = prompts_sharing(list(range(3, 3 + 3 * BLOCK)), [[9], [10]])  # prompts of another prefix: no wait
+    fresh = make(enable_prefix_caching=True, max_num_tokens=256)
+    fresh.generate([prompts[0], others[0]], 2)
+    assert fresh.stats.num_steps == 2 and fresh.stats.num_cached_tokens == 0
+
+
 def test_async_scheduling_caches_the_blocks_its_steps_filled(plain):
     prompts = prompts_sharing(PREFIX, [[50], [51, 52, 53]])
     llm = make(enable_prefix_caching=True, async_scheduling=True, max_num_seqs=1)
