@@ -15,6 +15,10 @@ intermediate 14336, bf16 in), this times:
 All of one cell timed together (``common.bench_gpu_interleaved``: CUDA graphs of many calls, replayed in turn),
 inputs rotated over copies larger than the L2. ``vs_inductor``: inductor's µs / this row's (> 1: faster).
 
+With ``--out``, also ``compiled_op_launch_<op>.txt``: how Inductor launches the compiled op's kernel (its
+``triton_meta``: argument types, divisibility hints, constants; the ``.run`` call's arguments), to set against the
+eager launch (a compiled op slower than its own kernel launched eagerly had its float argument typed fp64 there).
+
 Usage: ``python -m benchmarks.fused_quant_configs [--tokens 1,8,32,128,2048] [--ops NAME,...] [--out DIR]``
 (CUDA).
 """
@@ -23,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable
 
 import torch
 
 import ops
 from benchmarks import bench_ops, common
+from dispatcher import compat
 
 HIDDEN, INTERMEDIATE, EPS = 4096, 14336, 1e-6
 FP8 = ops.FP8_DTYPE
@@ -108,16 +114,30 @@ def _unfused(name: str, args: tuple) -> torch.Tensor | tuple:
     return ops.static_scaled_fp8_quant(ops.rms_norm(x, w, EPS), s)
 
 
-def _dynamic_compile(fn: Callable, args_at: Callable[[int], tuple]) -> Callable:
-    """``torch.compile(fn)`` with the token dim dynamic, first called at 2048 tokens (as the model's first call)."""
+def _dynamic_compile(fn: Callable, args_at: Callable[[int], tuple], code: list[str] | None = None) -> Callable:
+    """``torch.compile(fn)`` with the token dim dynamic, first called at 2048 tokens (as the model's first call).
+    ``code``: gets the source of every module Inductor generated for it."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True)
     big = args_at(2048)
     torch._dynamo.mark_dynamic(big[0], 0)
     if len(big) > 2 and big[1].dim() == 2:
         torch._dynamo.mark_dynamic(big[1], 0)
-    compiled(*big)
+    _, sources = compat.inductor_code(lambda: compiled(*big))
+    if code is not None:
+        code += sources
     return compiled
+
+
+def _write_launches(name: str, sources: list[str], out_dir: str) -> None:
+    """``compiled_op_launch_<name>.txt``: the lines of the compiled op's code that say how Inductor launches its
+    kernels (each kernel's ``triton_meta``: argument types, divisibility, constants; ``inductor_meta``; the
+    ``.run(...)`` calls with their arguments), to set against the eager launch's specializations."""
+    keep = [line.strip() for src in sources for line in src.splitlines()
+            if "triton_meta=" in line or "inductor_meta=" in line or ".run(" in line]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"compiled_op_launch_{name}.txt"), "w") as f:
+        f.write(common.env_header("cuda") + "\n" + "\n".join(keep) + "\n")
 
 
 def _same(a, b) -> bool:
@@ -128,8 +148,9 @@ def _same(a, b) -> bool:
                for o, e in zip(outs, exps, strict=True))
 
 
-def measure(tokens: list[int], device: str, names: list[str] | None = None) -> list[dict]:
-    """Rows of every op in ``names`` (default: all) at each token count."""
+def measure(tokens: list[int], device: str, names: list[str] | None = None, out_dir: str | None = None) -> list[dict]:
+    """Rows of every op in ``names`` (default: all) at each token count; with ``out_dir``, each compiled op's
+    launches too (:func:`_write_launches`)."""
     rows = []
     known = list(_cases(1, device))
     unknown = sorted(set(names or ()) - set(known))
@@ -139,7 +160,10 @@ def measure(tokens: list[int], device: str, names: list[str] | None = None) -> l
         case_at = lambda t, name=name: _cases(t, device)[name]  # noqa: E731
         _, ref, op, _, _, _, _ = case_at(1)
         inductor = _dynamic_compile(ref, lambda t: case_at(t)[0])
-        compiled_op = _dynamic_compile(op, lambda t: case_at(t)[0])
+        sources: list[str] = []
+        compiled_op = _dynamic_compile(op, lambda t: case_at(t)[0], sources)
+        if out_dir:
+            _write_launches(name, sources, out_dir)
         for t in tokens:
             args, ref, _, launch, candidates, default, nbytes = case_at(t)
             expected = _unfused(name, args) if "norm" in name else ref(*args)
@@ -193,7 +217,7 @@ def main() -> None:
         fx_config.backed_size_oblivious = True
     print(common.env_header("cuda"), flush=True)
     try:
-        rows = measure([int(t) for t in args.tokens.split(",")], "cuda", names)
+        rows = measure([int(t) for t in args.tokens.split(",")], "cuda", names, args.out)
     except ValueError as e:
         raise SystemExit(f"fused_quant_configs: {e}") from None
     if args.out:
