@@ -122,6 +122,13 @@ class EngineLoop:
                         self._on_idle()
                     self._wake(done())
 
+    def between_steps(self, fn: Callable[[], object]) -> object:
+        """``fn()`` with no step running (it waits for the one running to end), its result."""
+        with self._lock:
+            if self._busy:
+                self._wait(lambda: not self._busy)
+            return fn()
+
     def abort(self, seqs: list[Seq]) -> None:
         """End ``seqs`` (those not ended yet: ``finish_reason`` "abort") between two steps."""
         with self._lock:

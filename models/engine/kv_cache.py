@@ -129,6 +129,15 @@ class KVCache:
                 else:
                     self._free.append(b)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (later prompts find none of them); those no sequence holds are free again.
+        How many blocks that frees (0 without prefix caching)."""
+        if self.prefix is None:
+            return 0
+        freed = self.prefix.clear()
+        self._free.extend(reversed(freed))
+        return len(freed)
+
     def cached_prefix(self, seq: Seq) -> list[int]:
         """The cached blocks ``seq``'s prompt starts with (none without prefix caching or for a prompt with images,
         whose placeholder tokens do not name the images). At most ``prompt_len - 1`` tokens: the last prompt token is

@@ -265,6 +265,13 @@ class LLM:
         since the engine was last idle)."""
         return self.scheduler.stats
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's blocks (``enable_prefix_caching``): later prompts compute their prefixes
+        again (a cold-cache measurement; keys and values made stale by a change of the weights). Safe while other
+        threads generate: it runs between two steps, and blocks their sequences hold stay theirs. The number of
+        blocks it freed."""
+        return self._engine.between_steps(self.kv_cache.reset_prefix_cache)
+
     @property
     def async_scheduling(self) -> bool:
         return self.scheduler.async_scheduling

@@ -75,6 +75,15 @@ class PrefixCache:
         self._next_id += 1
         return self._id[block]
 
+    def clear(self) -> list[int]:
+        """Forget every cached block (none is found again); the ones no sequence holds, returned, are free."""
+        freed = list(self.evictable)
+        self._table.clear()
+        self._key.clear()
+        self._id.clear()
+        self.evictable.clear()
+        return freed
+
     def evict(self) -> int:
         """The least recently released cached block that no sequence holds, uncached."""
         block, _ = self.evictable.popitem(last=False)

@@ -123,6 +123,18 @@ def test_request_outputs_count_their_cached_tokens():
     assert llm.stats.num_cached_tokens == 2 * BLOCK
 
 
+def test_reset_forgets_every_block(plain):
+    prompts = prompts_sharing(PREFIX, [[9], [10]])
+    llm = make(enable_prefix_caching=True, max_num_seqs=1)
+    llm.generate(prompts, 4)
+    cached = len(llm.kv_cache.prefix)
+    assert cached >= 2 and llm.reset_prefix_cache() == cached
+    assert len(llm.kv_cache.prefix) == 0 and llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+    assert llm.generate(prompts[:1], 4) == plain.generate(prompts[:1], 4)
+    assert llm.stats.num_cached_tokens == 0  # computed again
+    assert plain.reset_prefix_cache() == 0
+
+
 def test_off_by_default_nothing_is_cached(plain):
     prompts = prompts_sharing(PREFIX, [[9], [10]])
     plain.generate(prompts, 4)
