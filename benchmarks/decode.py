@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -269,7 +270,6 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     prefill_rows: list[dict[str, Any]] = []
     startup: dict[str, Any] = {}
     cuda = device.type == "cuda"
-    max_b = max(batches)
     floor: Floor | None = None
     # The floor replays level 1's compiled step in one CUDA graph: measured on level 1's harness when
     # both are asked for (one model build and compile less).
@@ -277,23 +277,12 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
     for mode in modes:
         if mode == "full-graph floor" and floor_with_level1:
             continue
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
-        cfg = mode_config(mode, cuda, batches)
-        level, graph_mode = cfg.level, cfg.cudagraph_mode
-        h = Harness(name, cfg, max_b, context, prefill, device, dtype, kv_cache_dtype)
+        run = _ModeRun(name, mode, batches, context, prefill, device, dtype, trace_tokens, kv_cache_dtype,
+                       capture=False)
+        h, graphs, compile_s = run.h, run.graphs, run.compile_s
         if floor is None and copy_bw:
             floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
-        compile_s = h.first_call(trace_tokens) if level > 0 else 0.0
         capture_s = 0.0
-        full = cuda and (mode in ("level 3", "full-graph floor") or bool(_level3_words(mode)))
-        pieces = cuda and graph_mode == "piecewise"
-        # Explicit graphs (dispatcher.CUDAGraphs): a whole-step graph per batch, or each piece's graph per size.
-        graphs = CUDAGraphs() if full or pieces else None
-        if pieces:  # inputs and attention's outputs read in place, as models.engine.graphs.StepGraphs has them
-            h.as_the_runner(graphs, max_b)
         floor_graphs = CUDAGraphs() if floor_with_level1 and mode == "level 1" else None
         for b in batches:
             h.set_decode(b)
@@ -311,9 +300,8 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
                 print(rows[-1], flush=True)
                 continue
             if graphs is not None:
-                graph_mode_b = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
-                capture_s += graphs.capture([b], graph_mode_b, lambda n: h.step())
-                us = _time(lambda: graphs.run(graph_mode_b, b, lambda n: h.step()),  # noqa: B023 - called here
+                capture_s += graphs.capture([b], run.graph_mode, lambda n: h.step())
+                us = _time(lambda: graphs.run(run.graph_mode, b, lambda n: h.step()),  # noqa: B023 - called here
                            device, iters)
             else:
                 us = _time(h.step, device, iters)
@@ -342,18 +330,19 @@ def bench_model(name: str, batches: list[int], context: int, prefill: int, devic
             prefill_rows.append(dict(model=name, mode=mode, tokens=prefill, ms=round(us / 1e3, 2),
                                      tokens_per_s=round(prefill / (us * 1e-6))))
             print(prefill_rows[-1], flush=True)
-        del h
+        del h, graphs, run
         save(_with_floor(rows, floor, name, batches, context), prefill_rows, startup)
     rows = _with_floor(rows, floor, name, batches, context)
     return rows, prefill_rows, startup
 
 
 class _ModeRun:
-    """One mode of an interleaved run: its harness, built and compiled, with a whole-step graph (or each piece's
-    graphs) captured for every batch size."""
+    """One mode's harness, built and compiled (its first call), with its explicit graphs
+    (``dispatcher.CUDAGraphs``: a whole-step graph per batch, or each piece's graph per size; None without graphs)
+    captured for every batch size unless ``capture`` is False (:func:`bench_model` captures each before timing it)."""
 
     def __init__(self, name: str, mode: str, batches: list[int], context: int, prefill: int, device: torch.device,
-                 dtype: torch.dtype, trace_tokens: int, kv_cache_dtype: str):
+                 dtype: torch.dtype, trace_tokens: int, kv_cache_dtype: str, capture: bool = True):
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -363,16 +352,15 @@ class _ModeRun:
         self.mode = mode
         self.h = Harness(name, cfg, max(batches), context, prefill, device, dtype, kv_cache_dtype)
         self.compile_s = self.h.first_call(trace_tokens) if cfg.level > 0 else 0.0
-        full = cuda and (mode == "level 3" or bool(_level3_words(mode)))
+        full = cuda and (mode in ("level 3", "full-graph floor") or bool(_level3_words(mode)))
         self.graph_mode = CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE
         pieces = cuda and cfg.cudagraph_mode == "piecewise"
         self.graphs = CUDAGraphs() if full or pieces else None
-        if pieces:
+        if pieces:  # inputs and attention's outputs read in place, as models.engine.graphs.StepGraphs has them
             self.h.as_the_runner(self.graphs, max(batches))
-        for b in batches:
-            if self.graphs is not None:
-                self.h.set_decode(b)
-                self.graphs.capture([b], self.graph_mode, lambda n: self.h.step())
+        for b in batches if capture and self.graphs is not None else ():
+            self.h.set_decode(b)
+            self.graphs.capture([b], self.graph_mode, lambda n: self.h.step())
 
     def time_decode(self, batch: int, iters: int) -> float:
         h = self.h
@@ -400,11 +388,6 @@ def _check_interleavable(modes: list[str], rounds: int) -> None:
                          f"{', '.join(bad)}")
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], float]
              ) -> list[tuple[_ModeRun, list[float], float]]:
     """``measure`` of every run in turn, ``rounds`` times: each run with its times in round order, and the median
@@ -413,7 +396,7 @@ def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], fl
     for _ in range(rounds):
         for r, ts in zip(runs, times):
             ts.append(measure(r))
-    return [(r, ts, _median([t / t0 for t, t0 in zip(ts, times[0])])) for r, ts in zip(runs, times)]
+    return [(r, ts, statistics.median([t / t0 for t, t0 in zip(ts, times[0])])) for r, ts in zip(runs, times)]
 
 
 def bench_interleaved(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
@@ -436,14 +419,14 @@ def bench_interleaved(name: str, batches: list[int], context: int, prefill: int,
     rows, prefill_rows = [], []
     for b in batches:
         for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_decode(b, iters)):  # noqa: B023 - called here
-            rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(_median(us), 1),
+            rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(statistics.median(us), 1),
                              compile_s=round(r.compile_s, 1), vs_first_mode=round(ratio, 3),
                              rounds_us="/".join(f"{u:.1f}" for u in us)))
             print(rows[-1], flush=True)
     if prefill:
         for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_prefill(prefill, iters)):
-            prefill_rows.append(dict(model=name, mode=r.mode, tokens=prefill, ms=round(_median(us) / 1e3, 2),
-                                     tokens_per_s=round(prefill / (_median(us) * 1e-6)), vs_first_mode=round(ratio, 3),
+            prefill_rows.append(dict(model=name, mode=r.mode, tokens=prefill, ms=round(statistics.median(us) / 1e3, 2),
+                                     tokens_per_s=round(prefill / (statistics.median(us) * 1e-6)), vs_first_mode=round(ratio, 3),
                                      rounds_ms="/".join(f"{u / 1e3:.2f}" for u in us)))
             print(prefill_rows[-1], flush=True)
     return _with_floor(rows, floor, name, batches, context), prefill_rows

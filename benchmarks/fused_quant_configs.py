@@ -123,9 +123,10 @@ def _dynamic_compile(fn: Callable, args_at: Callable[[int], tuple], code: list[s
     torch._dynamo.mark_dynamic(big[0], 0)
     if len(big) > 2 and big[1].dim() == 2:
         torch._dynamo.mark_dynamic(big[1], 0)
-    _, sources = compat.inductor_code(lambda: compiled(*big))
-    if code is not None:
-        code += sources
+    if code is None:
+        compiled(*big)
+    else:
+        code += compat.inductor_code(lambda: compiled(*big))[1]
     return compiled
 
 

@@ -94,13 +94,23 @@ class KVCache:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def _new_and_free(self, num_tokens: int, cached: list[int]) -> tuple[int, int]:
+        """The new blocks a sequence of ``num_tokens`` starting with ``cached`` needs, and the free blocks left for
+        them (the cached ones no sequence holds are free blocks this sequence takes)."""
+        return (self.blocks_for(num_tokens) - len(cached),
+                self.num_free_blocks - sum(1 for b in cached if self._holders[b] == 0))
+
+    def fits(self, num_tokens: int, cached: list[int] | None = None) -> bool:
+        """Whether :meth:`allocate` of the same arguments finds enough free blocks."""
+        n, free = self._new_and_free(num_tokens, cached or [])
+        return n <= free
+
     def allocate(self, num_tokens: int, cached: list[int] | None = None) -> list[int]:
         """Blocks for a sequence of ``num_tokens``: ``cached`` (a prefix's blocks, from :meth:`cached_prefix`; held
         now by one more sequence) then new ones, taken free first, then evicted from the prefix cache; raises if
         the budget has too few."""
         cached = cached or []
-        n = self.blocks_for(num_tokens) - len(cached)
-        free = self.num_free_blocks - sum(1 for b in cached if self._holders[b] == 0)
+        n, free = self._new_and_free(num_tokens, cached)
         if n > free:
             raise RuntimeError(f"KVCache: a sequence of {num_tokens} tokens needs {n} blocks, "
                                f"{free} of {self.num_blocks} are free; raise num_cache_tokens")

@@ -227,10 +227,8 @@ class Scheduler:
                                                               cache.block_size):
             return False
         total = seq.prompt_len + seq.max_new_tokens
-        held = sum(1 for b in cached if cache.prefix is not None and b not in cache.prefix.evictable)
         whole = not self.chunked_prefill or seq.images is not None
-        todo = seq.prompt_len - len(cached) * cache.block_size
-        if (whole and todo > budget) or cache.blocks_for(total) - held > cache.num_free_blocks:
+        if (whole and seq.prompt_len - len(cached) * cache.block_size > budget) or not cache.fits(total, cached):
             return False
         seq.blocks = cache.allocate(total, cached)
         seq.num_computed = seq.num_cached = len(cached) * cache.block_size
