@@ -1,10 +1,12 @@
 """``SamplingParams``: how one request is sampled and when it stops, checked when it is made.
 
 The fields and defaults of vLLM's ``SamplingParams`` that :class:`models.LLM` implements. Sampling applies,
-in order: ``temperature`` (0: greedy), ``top_k``, ``top_p`` (on the probabilities left by top-k), ``min_p``
-(against the most likely token left). A request stops at the first of: an end-of-sequence token of the
-checkpoint (``generation_config.json``, else ``config.json``; not with ``ignore_eos``), one of
-``stop_token_ids``, one of the ``stop`` strings in the generated text, ``max_tokens`` tokens.
+in order: the penalties (``repetition_penalty``, then ``frequency_penalty`` and ``presence_penalty``) and
+``min_tokens``' ban on stopping tokens to the logits, then ``temperature`` (0: greedy, of the penalized logits),
+``top_k``, ``top_p`` (on the probabilities left by top-k), ``min_p`` (against the most likely token left). A
+request stops at the first of: an end-of-sequence token of the checkpoint (``generation_config.json``, else
+``config.json``; not with ``ignore_eos``), one of ``stop_token_ids``, one of the ``stop`` strings in the generated
+text (none of these before ``min_tokens`` tokens), ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +41,15 @@ class SamplingParams:
         seed: this request's own generator: the same seed and prompt give the same tokens in any batch.
             None: torch's global generator (``torch.manual_seed`` makes a run repeatable).
         logprobs: for each generated token, the log-probabilities of it and of the ``logprobs`` most likely
-            tokens (from the model's raw logits, before temperature and masks); None: none.
+            tokens (from the model's raw logits, before penalties, temperature and masks); None: none.
+        n: completions of the prompt, each sampled on its own (``RequestOutput.outputs``); >= 1. With a
+            ``seed``, completion ``i`` draws from ``seed + i``.
+        presence_penalty: subtracted from the logit of every token generated so far, in [-2, 2] (OpenAI's).
+        frequency_penalty: subtracted from each token's logit once per time it was generated, in [-2, 2].
+        repetition_penalty: every token of the prompt or generated so far has its logit divided by it where
+            positive, multiplied where negative (> 1 discourages repeats; 1: off), > 0 (CTRL's, as vLLM).
+        min_tokens: no end-of-sequence token, stop token or stop string ends the request before this many
+            tokens (the tokens' logits are masked until then); in [0, max_tokens].
     """
 
     temperature: float = 1.0
@@ -52,6 +62,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature)
@@ -69,6 +84,11 @@ class SamplingParams:
             self.top_k = None if self.top_k == -1 else int(self.top_k)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _refuse("max_tokens", "an int >= 1", self.max_tokens)
+        self._check_penalties()
+        if not _is_int(self.n) or self.n < 1:
+            _refuse("n", "an int >= 1", self.n)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            _refuse("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         if self.seed is not None and not _is_int(self.seed):
             _refuse("seed", "an int or None", self.seed)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -81,6 +101,28 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in ids):
             _refuse("stop_token_ids", "a list of token ids (ints >= 0)", self.stop_token_ids)
         self.stop_token_ids = [int(t) for t in ids]
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                _refuse(name, "a number in [-2, 2]", value)
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty < math.inf:
+            _refuse("repetition_penalty", "a finite number > 0 (1: off)", self.repetition_penalty)
+
+    def completions(self) -> list[SamplingParams]:
+        """The ``n`` completions' own params (``n`` 1; completion ``i`` seeded with ``seed + i``)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @staticmethod
     def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:

@@ -49,8 +49,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token: int) -> str | None:
-        """Take a generated token; the stop string it completes, if any (the text is then cut before it)."""
+    def add(self, token: int, find_stop: bool = True) -> str | None:
+        """Take a generated token; the stop string it completes, if any (the text is then cut before it).
+        ``find_stop`` False (before ``min_tokens``): the text grows, no stop string is looked for."""
         self._ids.append(token)
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
@@ -58,7 +59,7 @@ class IncrementalDetokenizer:
             self.snapshot = (self.text, False)
             return None  # nothing yet, or an incomplete character that the next token may complete
         self._prefix, self._read = self._read, len(self._ids)
-        return self._extend(new_text[len(prefix_text):])
+        return self._extend(new_text[len(prefix_text):], find_stop)
 
     def finish(self) -> None:
         """The sequence ended without a stop string: the window's rest becomes text, an incomplete
@@ -69,10 +70,10 @@ class IncrementalDetokenizer:
         self._extend(new_text[len(prefix_text):])
         self.snapshot = (self.text, True)
 
-    def _extend(self, delta: str) -> str | None:
+    def _extend(self, delta: str, find_stop: bool = True) -> str | None:
         start = max(0, len(self.text) - self._holdback)  # a stop string may begin in the text before
         self.text += delta
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0] if find_stop else []
         if found:
             i, stop = min(found)
             self.text = self.text[:i]

@@ -21,6 +21,7 @@ decode batch), and ``compile_time_s`` measures it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import weakref
@@ -460,9 +461,19 @@ class LLM:
     def _generate_prompts(self, prompts: list[Prompt],
                           sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(prompts))
-        seqs = [self._request_seq(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        self._submit_and_wait(seqs)
-        return [self._output(seq, p) for seq, p in zip(seqs, prompts)]
+        # SamplingParams.n: a sequence a completion, each prompt's next to each other
+        per_prompt = [[self._request_seq(i, p, one) for one in sp.completions()]
+                      for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._submit_and_wait([seq for seqs in per_prompt for seq in seqs])
+        return [self._outputs(seqs, p) for seqs, p in zip(per_prompt, prompts)]
+
+    @staticmethod
+    def _outputs(seqs: list[Seq], prompt: Prompt) -> RequestOutput:
+        """One prompt's output; with ``n`` > 1 sequences, the first's, holding all ``n`` as ``completions``."""
+        outs = [dataclasses.replace(final_output(seq, prompt), index=i) for i, seq in enumerate(seqs)]
+        if len(outs) > 1:
+            outs[0].completions = outs
+        return outs[0]
 
     @staticmethod
     def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -502,7 +513,7 @@ class LLM:
         """
         self._need_tokenizer("generate_stream")
         (parsed,) = parse_prompts(prompt, None, self._encode)
-        seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
+        seq = self._one_request_seq(parsed, sampling_params or SamplingParams(), "generate_stream")  # errors now
         return self._stream(seq)
 
     def stream_outputs(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -513,7 +524,7 @@ class LLM:
         request and frees its cache blocks."""
         self._need_tokenizer("stream_outputs")
         (parsed,) = parse_prompts(prompt, None, self._encode)
-        seq = self._request_seq(0, parsed, sampling_params or SamplingParams())  # errors now, not at next()
+        seq = self._one_request_seq(parsed, sampling_params or SamplingParams(), "stream_outputs")  # errors now
         return self._stream_outputs(seq, parsed)
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Request:
@@ -522,7 +533,7 @@ class LLM:
         ``request.seq`` to :attr:`engine` (the HTTP server's engine thread)."""
         self._need_tokenizer("add_request")
         (parsed,) = parse_prompts(prompt, None, self._encode)
-        return Request(self._request_seq(0, parsed, sampling_params or SamplingParams()), parsed)
+        return Request(self._one_request_seq(parsed, sampling_params or SamplingParams(), "add_request"), parsed)
 
     @property
     def engine(self) -> EngineLoop:
@@ -538,7 +549,7 @@ class LLM:
                 text += piece
                 yield RequestOutput(prompt.text, seq.tokens[:seq.prompt_len], text, seq.tokens[seq.prompt_len:], None,
                                     num_cached_tokens=seq.num_cached)
-            yield self._output(seq, prompt)
+            yield final_output(seq, prompt)
         finally:
             pieces.close()  # closed early: the stream's own close aborts the sequence
 
@@ -583,6 +594,13 @@ class LLM:
         config = self.model.config
         return expand_image_tokens(tokens, config.image_token_index, config.num_image_tokens)
 
+    def _one_request_seq(self, prompt: Prompt, params: SamplingParams, where: str) -> Seq:
+        """The sequence of a call that takes one completion (streams, :meth:`add_request`)."""
+        if params.n != 1:
+            raise ValueError(f"{where}: SamplingParams.n must be 1 here (one completion a stream or request); "
+                             f"got {params.n}: call once a completion, or use generate")
+        return self._request_seq(0, prompt, params)
+
     def _request_seq(self, index: int, prompt: Prompt, params: SamplingParams) -> Seq:
         tokens = self._expand_image_tokens(prompt.token_ids)
         seq = self._new_seq(index, tokens, params.max_tokens, prompt.images)
@@ -591,15 +609,13 @@ class LLM:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.stop_token_ids = frozenset(params.stop_token_ids)
+        seq.min_tokens = params.min_tokens
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, tokens, params.stop)
         elif params.stop:
             self._need_tokenizer("generate (stop strings are matched on the text)")
         return seq
 
-    @staticmethod
-    def _output(seq: Seq, prompt: Prompt) -> RequestOutput:
-        return final_output(seq, prompt)
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> Seq:
         tokens = [int(t) for t in prompt]

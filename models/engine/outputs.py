@@ -24,6 +24,9 @@ class RequestOutput:
             that token and of the most likely ones.
         num_cached_tokens: prompt tokens whose keys and values came from the prefix cache
             (``LLM(enable_prefix_caching=True)``), not computed; 0 otherwise.
+        index: which of the request's completions this is (``SamplingParams.n``), from 0.
+        completions: with ``n`` > 1, every completion of the request in order (this object, the first, too);
+            read them as :attr:`outputs`.
     """
 
     prompt: str | None
@@ -34,8 +37,11 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    index: int = 0
+    completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """``[self]``: vLLM's ``output.outputs[0].text`` reads as it does there (one completion a request)."""
-        return [self]
+        """The request's completions, as vLLM's ``output.outputs[i].text``: ``[self]`` for one; with
+        ``SamplingParams.n`` > 1 all ``n`` (``outputs[0]`` is this object)."""
+        return self.completions or [self]

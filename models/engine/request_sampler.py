@@ -1,7 +1,7 @@
 """``RequestSampler``: each sequence sampled by its own ``SamplingParams``, a whole step's rows at once.
 
-All on the device, in one pass over ``[B, vocab]``: logits / temperature (greedy rows take the argmax of
-the raw logits instead), top-k and top-p on the logits sorted once (a stable sort: among equal logits the
+All on the device, in one pass over ``[B, vocab]``: the penalties and ``min_tokens``' ban where rows ask for them
+(:mod:`.logits_adjust`), logits / temperature (greedy rows take the argmax of those logits instead), top-k and top-p on the logits sorted once (a stable sort: among equal logits the
 lowest id ranks first, so ``top_k=1`` is exactly greedy), min-p, then a draw by the exponential race,
 ``argmax(probs / q)`` with ``q ~ Exp(1)`` (as vLLM: one kernel for the batch, no ``multinomial``).
 
@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from .logits_adjust import LogitsAdjust
 from .sequence import Seq
 
 __all__ = ["RequestSampler", "logprobs_of"]
@@ -39,6 +40,8 @@ class _Rows:
     seeded: list[tuple[int, torch.Generator]]
     unseeded: bool  # some sampled row draws from the global generator
     num_logprobs: int | None  # the most top logprobs a row asks for
+    adjusts: bool  # some row has a penalty or min_tokens
+    adjust: LogitsAdjust | None = None  # made at the batch's first call (it needs the vocabulary's size)
 
 
 class RequestSampler:
@@ -56,12 +59,22 @@ class RequestSampler:
         if rows is None or rows.seqs != seqs:  # Seq compares by identity
             rows = self._rows = self._batch(seqs)
         with torch.inference_mode():  # the logits are inference tensors; masks write in place
+            x = logits
+            if rows.adjusts:
+                if rows.adjust is None:
+                    rows.adjust = LogitsAdjust(seqs, logits.shape[-1], logits.device)
+                x = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for the logprobs
+                rows.adjust.apply(x)
             if rows.all_greedy:  # in the model's dtype: converting is exact, so the argmax is the same
-                tokens = logits.argmax(dim=-1)
+                tokens = x.argmax(dim=-1)
             else:
-                tokens = self._draw(logits, rows)
+                tokens = self._draw(x, rows)
+            if rows.adjust is not None:
+                rows.adjust.count(tokens)
             if rows.num_logprobs is not None:
                 self._record_logprobs(seqs, logits, tokens, rows.num_logprobs)
+        for seq in seqs:
+            seq.num_sampled += 1
         return tokens
 
     def _batch(self, seqs: list[Seq]) -> _Rows:
@@ -84,7 +97,8 @@ class RequestSampler:
             min_p=tensor([p.min_p for p in params]) if any_min_p else None,
             seeded=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]],
             unseeded=any(s.generator is None and not g for s, g in zip(seqs, greedy)),
-            num_logprobs=max(asked) if asked else None)
+            num_logprobs=max(asked) if asked else None,
+            adjusts=any(p.penalized or p.min_tokens for p in params))
 
     @staticmethod
     def _draw(logits: torch.Tensor, rows: _Rows) -> torch.Tensor:

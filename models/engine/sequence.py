@@ -43,6 +43,12 @@ class Seq:
     num_cached: int = 0
     num_keyed: int = 0
     prefix_id: int = 0
+    # SamplingParams.min_tokens: no stop before this many generated tokens. The request sampler's state
+    # (.logits_adjust): its draws so far, and on the device the generated tokens' counts and the prompt's tokens
+    min_tokens: int = 0
+    num_sampled: int = 0
+    token_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
 
     @property
     def num_generated(self) -> int:
@@ -58,7 +64,12 @@ class Seq:
         A stop token stays out of the text (as vLLM's); a stop string is cut from it by the detokenizer.
         """
         self.tokens.append(token)
-        if token in self.eos_token_ids:
+        if len(self.tokens) - self.prompt_len <= self.min_tokens:  # too early to stop but at max_tokens
+            if self.detokenizer is not None:
+                self.detokenizer.add(token, find_stop=False)
+            if len(self.tokens) - self.prompt_len >= self.max_new_tokens:
+                self._end("length", None)
+        elif token in self.eos_token_ids:
             self._end("stop", None)
         elif token in self.stop_token_ids:
             self._end("stop", token)

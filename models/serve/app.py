@@ -12,17 +12,18 @@ or wrong API key 401, a body over ``max_body_bytes`` 413.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
+import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from .bridge import AsyncLLM
@@ -36,8 +37,8 @@ from .protocol import (
     completion_response,
     error_body,
     new_id,
-    usage,
 )
+from .streaming import stream_response
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +78,21 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
-        _check(req, model_name)
+        _check(req, model_name, llm.max_num_seqs)
         prompt = req.one_prompt()
         room = _room(llm, _num_tokens(llm, prompt))
         max_tokens = _max_tokens(req.max_tokens, room)
         params = req.sampling_params(max_tokens, req.logprobs)
         rid = new_id("cmpl")
         if req.stream:
-            chunk = lambda text, finish, use=None: completion_chunk(rid, model_name, text, finish, use)  # noqa: E731
-            return await _stream(engine, prompt, params, chunk, req, first=None)
-        out = await _generate(engine, prompt, params)
-        return JSONResponse(completion_response(rid, model_name, out, llm.tokenizer))
+            chunk = functools.partial(completion_chunk, rid, model_name)
+            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first=None)
+        outs = await _generate(engine, prompt, params)
+        return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
-        _check(req, model_name)
+        _check(req, model_name, llm.max_num_seqs)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         try:
             prompt = engine.chat_prompt(messages)
@@ -103,20 +104,23 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         params = req.sampling_params(max_tokens, top)
         rid = new_id("chatcmpl")
         if req.stream:
-            chunk = lambda text, finish, use=None: chat_chunk(rid, model_name, {"content": text}, finish, use)  # noqa: E731
-            first = chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None)
-            return await _stream(engine, prompt, params, chunk, req, first)
-        out = await _generate(engine, prompt, params)
-        return JSONResponse(chat_response(rid, model_name, out, llm.tokenizer, top or 0))
+            def chunk(text: str, finish: str | None, use: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+                return chat_chunk(rid, model_name, {"content": text}, finish, use, index)
+
+            def first(index: int) -> dict[str, Any]:
+                return chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None, index=index)
+            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first)
+        outs = await _generate(engine, prompt, params)
+        return JSONResponse(chat_response(rid, model_name, outs, llm.tokenizer, top or 0))
 
     return app
 
 
-def _check(req: Any, model_name: str) -> None:
+def _check(req: Any, model_name: str, max_n: int) -> None:
     if req.model is not None and req.model != model_name:
         raise RequestError(f"model {req.model!r} does not exist; this server serves {model_name!r}", status=404,
                            param="model", code="model_not_found")
-    req.check_common()
+    req.check_common(max_n)
     if req.stream and req.logprobs not in (None, False):
         raise RequestError("logprobs with stream: true is not supported (ask without streaming)", param="logprobs")
 
@@ -143,49 +147,16 @@ def _max_tokens(asked: int | None, room: int) -> int:
     return asked
 
 
-async def _generate(engine: AsyncLLM, prompt: Any, params: Any) -> Any:
+def _include_usage(req: Any) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+async def _generate(engine: AsyncLLM, prompt: Any, params: Any) -> list[Any]:
+    """The final outputs of the request's ``n`` completions, run at once."""
     try:
-        return await engine.generate(prompt, params)
+        return list(await asyncio.gather(*(engine.generate(prompt, one) for one in params.completions())))
     except (ValueError, TypeError) as e:  # the prompt: too long, empty, ids out of the vocabulary
         raise RequestError(str(e).removeprefix("generate: "), param="prompt") from None
-
-
-async def _stream(engine: AsyncLLM, prompt: Any, params: Any, chunk: Callable[..., dict[str, Any]], req: Any,
-                  first: dict[str, Any] | None) -> StreamingResponse:
-    outputs = engine.stream(prompt, params)
-    try:
-        out = await anext(outputs)  # the prompt's errors before the 200 and its headers
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e).removeprefix("generate: "), param="prompt") from None
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-    async def events() -> AsyncIterator[str]:
-        nonlocal out
-        sent = 0
-        try:
-            if first is not None:
-                yield _event(first)
-            while True:
-                if len(out.text) > sent or out.finish_reason is not None:
-                    yield _event(chunk(out.text[sent:], out.finish_reason))
-                    sent = len(out.text)
-                if out.finish_reason is not None:
-                    break
-                out = await anext(outputs)
-            if include_usage:
-                yield _event(chunk("", None, usage(out)))
-        except Exception as e:  # after the 200: the error goes in the stream
-            logger.exception("stream failed")
-            yield _event(error_body(str(e), type="internal_error"))
-        finally:
-            await outputs.aclose()  # a client that left: its sequence is aborted and freed
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _Guard:

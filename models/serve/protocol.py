@@ -41,8 +41,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The fields both endpoints share; ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``: vLLM's
-    extensions."""
+    """The fields both endpoints share; ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
+    ``repetition_penalty``, ``min_tokens``: vLLM's extensions."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -57,17 +57,16 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted at their no-op values only (the engine has no penalties); anything else is a 400.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     user: str | None = None
 
-    def check_common(self) -> None:
-        if self.n != 1:
-            raise RequestError(f"n must be 1 (one completion a request); got {self.n}", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise RequestError(f"{name} is not supported (only 0)", param=name)
+    def check_common(self, max_n: int) -> None:
+        """What ``SamplingParams`` cannot check: ``n`` against the engine's ``max_num_seqs``."""
+        if isinstance(self.n, int) and self.n > max_n:
+            raise RequestError(f"n must be at most {max_n} (the server's max_num_seqs); got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options applies with stream: true", param="stream_options")
 
@@ -77,7 +76,9 @@ class _Sampling(BaseModel):
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   min_p=self.min_p, max_tokens=max_tokens, stop=self.stop,
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                                  seed=self.seed, logprobs=logprobs)
+                                  seed=self.seed, logprobs=logprobs, n=self.n,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens)
         except ValueError as e:  # "SamplingParams: NAME must be ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise RequestError(message, param=message.split(" ", 1)[0]) from None
@@ -144,11 +145,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_PREFIX}{next(_ID_COUNT):016x}"
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held."""
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage counts of a request's completions (its prompt counted once, the completions' tokens summed);
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held (the most of any completion's)."""
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": max(o.num_cached_tokens for o in outs)}}
 
 
 def _token(tokenizer: Any, token: int) -> str:
@@ -185,32 +187,33 @@ def chat_logprobs(out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any
     return {"content": content}
 
 
-def completion_response(rid: str, model: str, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+def completion_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
-                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}],
-            "usage": usage(out)}
+            "choices": [{"index": i, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
+                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                        for i, out in enumerate(outs)],
+            "usage": usage(outs)}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
-                     usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if usage is not None else [{"index": 0, "text": text, "logprobs": None,
+                     usage: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    choices = [] if usage is not None else [{"index": index, "text": text, "logprobs": None,
                                              "finish_reason": finish_reason}]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any]:
+def chat_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any, top: int) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                          "logprobs": chat_logprobs(out, tokenizer, top), "finish_reason": out.finish_reason,
-                         "stop_reason": out.stop_reason}],
-            "usage": usage(out)}
+                         "stop_reason": out.stop_reason} for i, out in enumerate(outs)],
+            "usage": usage(outs)}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,
-               usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if usage is not None else [{"index": 0, "delta": delta, "logprobs": None,
+               usage: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    choices = [] if usage is not None else [{"index": index, "delta": delta, "logprobs": None,
                                              "finish_reason": finish_reason}]
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage}

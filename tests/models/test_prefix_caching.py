@@ -7,6 +7,7 @@ and for a prompt cached whole. The counts: ``stats.num_cached_tokens``, ``Reques
 import random
 
 import pytest
+import torch
 
 from models import LLM, SamplingParams
 
@@ -189,3 +190,31 @@ def test_served_usage_counts_the_cached_prompt_tokens(tmp_path):
     n = first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK > 0
     assert second.choices[0].text == first.choices[0].text
+
+
+def gpu_prefix_runs(device, dtype):
+    """Six prompts of a 5-block prefix, admitted together and prefilled in 64-token chunks, without and with the
+    cache (the five after the first wait a step, then read the first's blocks): both runs' outputs."""
+    prompts = prompts_sharing([(5 * i) % 110 + 3 for i in range(5 * BLOCK)], [[50 + i, 3 + i] for i in range(6)])
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
+    kw = dict(level=3, device=device, dtype=dtype, max_num_tokens=64)
+    plain_outs = LLM("tiny-llama", **kw).generate(prompts, params)
+    cached = LLM("tiny-llama", enable_prefix_caching=True, **kw)
+    outs = cached.generate(prompts, params)
+    assert cached.stats.num_cached_tokens == 5 * 5 * BLOCK
+    return plain_outs, outs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_a_cached_prefix_gives_the_uncached_distribution(dtype):
+    """The Triton prefill reads the cached blocks as context: the first token's log-probabilities are those of the
+    run without the cache, within the dtype's rounding (the keys and values were computed at another batch size):
+    fp32 1e-4; bf16 2**-5, a few units of bf16's 2**-8 relative step at the logits' scale. fp32: the same tokens."""
+    plain_outs, outs = gpu_prefix_runs("cuda", dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -5
+    for o, p in zip(outs, plain_outs):
+        first = p.token_ids[0]
+        assert first in o.logprobs[0] and abs(o.logprobs[0][first] - p.logprobs[0][first]) <= tol
+    if dtype == torch.float32:
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain_outs]

@@ -302,11 +302,15 @@ def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
 @pytest.mark.parametrize("route, body, status, param", [
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 9}, 400, "n"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "top_k": "many"}, 400, "top_k"),
-    ("completions", {"prompt": "hi", "frequency_penalty": 1}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("chat/completions", {"messages": CHAT, "presence_penalty": -2.5}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi " * 600, "max_tokens": 1}, 400, "prompt"),
     ("completions", {"prompt": [10**6]}, 400, "prompt"),
@@ -314,7 +318,7 @@ def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
     ("chat/completions", {"messages": CHAT, "max_tokens": 10**6}, 400, "max_tokens"),
     ("completions", {}, 400, "prompt"),
     ("chat/completions", {"messages": []}, 400, "messages"),
-    ("chat/completions", {"messages": CHAT, "n": 3}, 400, "n"),
+    ("chat/completions", {"messages": CHAT, "n": 30}, 400, "n"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "stream": True}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "logprobs": 1, "stream": True}, 400, "logprobs"),
@@ -330,8 +334,8 @@ def test_bad_request_gets_the_error_shape(server, route, body, status, param):
 
 
 def test_openai_client_sees_the_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be at most 8"):
+        client.completions.create(model=MODEL, prompt="hi", n=9)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
 

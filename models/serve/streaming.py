@@ -1,0 +1,90 @@
+"""A streamed request's server-sent events: the chunks of its ``n`` completions as each one's text grows.
+
+Each completion is a stream of its own (:meth:`.bridge.AsyncLLM.stream`), all started at once; a chunk goes out
+for whichever shows more text first, with its ``index``. ``data: [DONE]`` ends the events. A client that leaves
+cancels every completion's stream, which aborts its sequence and frees its cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from .bridge import AsyncLLM
+from .protocol import RequestError, error_body, usage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["event", "stream_response"]
+
+Chunk = Callable[..., dict[str, Any]]  # chunk(text, finish_reason, usage=None, index=0)
+
+
+def event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream_response(engine: AsyncLLM, prompt: Any, params: Any, chunk: Chunk, include_usage: bool,
+                          first: Callable[[int], dict[str, Any]] | None) -> StreamingResponse:
+    """The events of ``params.n`` completions of ``prompt``; ``first(index)``: a chunk each opens with (chat's
+    role). The prompt's errors are a 400 before the 200 and its headers."""
+    streams = [engine.stream(prompt, one) for one in params.completions()]
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = next((e for e in firsts if isinstance(e, BaseException)), None)
+    if failed is not None:
+        await _close(streams)
+        if isinstance(failed, (ValueError, TypeError)):  # the prompt: too long, empty, ids out of the vocabulary
+            raise RequestError(str(failed).removeprefix("generate: "), param="prompt") from None
+        raise failed
+    return StreamingResponse(_events(streams, firsts, chunk, include_usage, first), media_type="text/event-stream")
+
+
+async def _events(streams: list[AsyncIterator[Any]], firsts: list[Any], chunk: Chunk, include_usage: bool,
+                  first: Callable[[int], dict[str, Any]] | None) -> AsyncIterator[str]:
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def follow(i: int, stream: AsyncIterator[Any], out: Any) -> None:
+        try:
+            while True:
+                queue.put_nowait((i, out, None))
+                if out.finish_reason is not None:
+                    return
+                out = await anext(stream)
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(follow(i, s, out)) for i, (s, out) in enumerate(zip(streams, firsts))]
+    sent, finals = [0] * len(streams), [None] * len(streams)
+    try:
+        for i in range(len(streams) if first is not None else 0):
+            yield event(first(i))
+        while any(out is None for out in finals):
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if len(out.text) > sent[i] or out.finish_reason is not None:
+                yield event(chunk(out.text[sent[i]:], out.finish_reason, None, i))
+                sent[i] = len(out.text)
+            if out.finish_reason is not None:
+                finals[i] = out
+        if include_usage:
+            yield event(chunk("", None, usage(finals)))
+    except Exception as e:  # after the 200: the error goes in the stream
+        logger.exception("stream failed")
+        yield event(error_body(str(e), type="internal_error"))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close(streams)  # a client that left: its sequences are aborted and freed
+    yield "data: [DONE]\n\n"
+
+
+async def _close(streams: list[AsyncIterator[Any]]) -> None:
+    for stream in streams:
+        await stream.aclose()
