@@ -123,6 +123,10 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None, help="default: all tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's; default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's; default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; > 1 discourages repeats (default 1)")
+    p.add_argument("--min-tokens", type=int, default=0, help="tokens before any stop may end a prompt (default 0)")
     _verbose_arg(p)
     args = p.parse_args(argv)
     args.model = _quantized_model(args.model, args.quantization)
@@ -141,13 +145,20 @@ def _llm(args: argparse.Namespace) -> Any:
                kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching)
 
 
+def _sampling_params(args: argparse.Namespace) -> Any:
+    """Every sampling flag of ``generate`` (checked before the model loads)."""
+    from models import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          min_tokens=args.min_tokens)
+
+
 def _generate_text(args: argparse.Namespace) -> int:
     import time
 
-    from models import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    params = _sampling_params(args)
     llm = _llm(args)
     t0 = time.perf_counter()
     if args.chat:
@@ -169,11 +180,7 @@ def _generate_text(args: argparse.Namespace) -> int:
 def _generate_random(args: argparse.Namespace) -> int:
     import random
 
-    from models import SamplingParams
-
-    # Checked before the model loads, and applied as in _generate_text: every sampling flag, --top-p included
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    params = _sampling_params(args)
     llm = _llm(args)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(max(1, args.prompt_len - 3 * i))]

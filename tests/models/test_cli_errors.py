@@ -47,6 +47,9 @@ def test_bad_kv_cache_dtype_is_one_line(command, capsys):
     ("--top-k", "-5", "top_k must be an int >= 1, or None or -1 for all tokens; got -5"),
     ("--temperature", "-1", "temperature must be a finite number >= 0 (0: greedy); got -1.0"),
     ("--max-tokens", "0", "max_tokens must be an int >= 1; got 0"),
+    ("--presence-penalty", "5", "presence_penalty must be a number in [-2, 2]; got 5.0"),
+    ("--repetition-penalty", "0", "repetition_penalty must be a finite number > 0 (1: off); got 0.0"),
+    ("--min-tokens", "20", "min_tokens must be an int in [0, max_tokens=16]; got 20"),
 ])
 @pytest.mark.parametrize("prompt", [["--prompt", "hi"], ["--random-prompts"]])
 def test_bad_sampling_flag_is_one_line_whichever_prompts(prompt, flag, value, words, capsys):
