@@ -6,9 +6,11 @@ inputs, the block table, sampling) is time the GPU sits idle. This measures that
 model is replaced by a stub that returns zeros of the right shapes, on the CPU, at several batch
 sizes (prompts of 16 tokens, 64 new tokens; median decode step).
 
-Usage: ``python -m benchmarks.runner_host [--batches 1,8,32,128,256] [--out DIR] [--compare-with DIR]``;
-``--compare-with`` also measures the ``models`` package of another checkout (e.g. an older commit's
-``git worktree``), in a subprocess, as a second series.
+Usage: ``python -m benchmarks.runner_host [--batches 1,8,32,128,256] [--out DIR] [--compare-with DIR]
+[--prefix-caching]``; ``--compare-with`` also measures the ``models`` package of another checkout (e.g. an older
+commit's ``git worktree``), in a subprocess, as a second series; ``--prefix-caching`` this checkout's runner with
+``enable_prefix_caching=True`` too (16-token prompts: no prompt finds a cached block, every full block is keyed:
+what the cache costs a workload that shares nothing).
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ class _StubModel(nn.Module):
 
 
 def measure(batches: list[int], new_tokens: int = 64, prompt_len: int = 16, repeats: int = 3,
-            label: str = "this checkout") -> list[dict[str, Any]]:
+            label: str = "this checkout", prefix_caching: bool = False) -> list[dict[str, Any]]:
     """One row per batch size: the median decode step's host µs, best of ``repeats`` runs."""
     from models import LLM
 
     max_b = max(batches)
+    extra = dict(enable_prefix_caching=True) if prefix_caching else {}
     llm = LLM("tiny-llama", level=0, max_num_tokens=max(512, max_b * prompt_len), max_num_seqs=max_b,
-              num_cache_tokens=max_b * (prompt_len + new_tokens + 16), device="cpu")
+              num_cache_tokens=max_b * (prompt_len + new_tokens + 16), device="cpu", **extra)
     llm.model = _StubModel(llm.vocab_size)
     rows = []
     for b in batches:
@@ -59,8 +62,11 @@ def measure(batches: list[int], new_tokens: int = 64, prompt_len: int = 16, repe
 
 
 def run(batches: list[int], new_tokens: int = 64, prompt_len: int = 16, repeats: int = 3,
-        out_dir: str | None = None, compare_with: str | None = None) -> list[dict[str, Any]]:
+        out_dir: str | None = None, compare_with: str | None = None,
+        prefix_caching: bool = False) -> list[dict[str, Any]]:
     rows = measure(batches, new_tokens, prompt_len, repeats)
+    if prefix_caching:
+        rows += measure(batches, new_tokens, prompt_len, repeats, "prefix caching on", prefix_caching=True)
     if compare_with:
         rows += _measure_elsewhere(compare_with, batches, new_tokens, prompt_len, repeats)
     common.write_results("runner_host", rows, title="Host time of one LLM.generate decode step (model stubbed)",
@@ -128,8 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--compare-with", default=None, help="another checkout whose runner to measure too")
+    p.add_argument("--prefix-caching", action="store_true", help="this runner with prefix caching on too")
     a = p.parse_args(argv)
-    run([int(b) for b in a.batches.split(",")], new_tokens=a.new_tokens, out_dir=a.out, compare_with=a.compare_with)
+    run([int(b) for b in a.batches.split(",")], new_tokens=a.new_tokens, out_dir=a.out, compare_with=a.compare_with,
+        prefix_caching=a.prefix_caching)
 
 
 if __name__ == "__main__":

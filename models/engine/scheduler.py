@@ -130,9 +130,12 @@ class Scheduler:
             stats.mixed_step_times_s.append(dt)
         for seq, n in batch:
             seq.num_computed += n
-        if self.kv_cache.prefix is not None:
+        cache = self.kv_cache
+        if cache.prefix is not None:
+            bs = cache.block_size
             for seq, _ in batch:
-                self.kv_cache.cache_computed(seq)
+                if seq.num_computed >= (seq.num_keyed + 1) * bs:  # a block may be whole now (the call checks)
+                    cache.cache_computed(seq)
         stats.num_generated += len(ready_seqs)
         finished = False
         for seq, tok in zip(ready_seqs, tokens):
@@ -264,11 +267,12 @@ class Scheduler:
         stats.decode_step_times_s.append(dt)
         stats.max_decode_batch = max(stats.max_decode_batch, len(pending.seqs))
         cache = self.kv_cache if self.kv_cache.prefix is not None else None
+        bs = self.kv_cache.block_size
         for seq, tok in zip(pending.seqs, tokens):
             if not seq.blocks:  # ended (stop token, stop string, abort) the step before: one past its end
                 continue
             stats.num_generated += 1
-            if cache is not None:
+            if cache is not None and seq.num_computed >= (seq.num_keyed + 1) * bs:  # a block may be whole now
                 cache.cache_computed(seq)
             if seq.append(tok):
                 self._release(seq)

@@ -20,9 +20,9 @@ def greedy(max_tokens=16, **kw):
 
 @pytest.fixture(scope="module")
 def text_llama(tmp_path_factory):
+    """(path, transformers model, tokenizer) of a tiny random Llama with a real tokenizer."""
     path = tmp_path_factory.mktemp("penalty_llama")
-    hf, tok = save_text_llama(path)
-    return str(path), hf, tok
+    return (str(path), *save_text_llama(path))
 
 
 @pytest.fixture(scope="module")
