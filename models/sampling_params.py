@@ -50,6 +50,9 @@ class SamplingParams:
             positive, multiplied where negative (> 1 discourages repeats; 1: off), > 0 (CTRL's, as vLLM).
         min_tokens: no end-of-sequence token, stop token or stop string ends the request before this many
             tokens (the tokens' logits are masked until then); in [0, max_tokens].
+        logit_bias: ``{token id: bias}`` added to those tokens' logits at every step, each bias in [-100, 100]
+            (OpenAI's; -100 in effect bans a token, 100 all but forces it); ids are checked against the
+            vocabulary when the request is made.
     """
 
     temperature: float = 1.0
@@ -67,6 +70,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature)
@@ -85,6 +89,7 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _refuse("max_tokens", "an int >= 1", self.max_tokens)
         self._check_penalties()
+        self.logit_bias = self._bias(self.logit_bias)
         if not _is_int(self.n) or self.n < 1:
             _refuse("n", "an int >= 1", self.n)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -111,6 +116,23 @@ class SamplingParams:
         self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty < math.inf:
             _refuse("repetition_penalty", "a finite number > 0 (1: off)", self.repetition_penalty)
+
+    @staticmethod
+    def _bias(bias: object) -> dict[int, float] | None:
+        """``logit_bias`` with int ids (JSON gives its keys as strings) and float biases; None when empty."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            _refuse("logit_bias", "a dict of token id -> bias", bias)
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() else key
+            if not _is_int(token) or token < 0:
+                _refuse("logit_bias", "token ids (ints >= 0) as keys", key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                _refuse("logit_bias", f"biases in [-100, 100] (token {token})", value)
+            out[int(token)] = float(value)
+        return out or None
 
     def completions(self) -> list[SamplingParams]:
         """The ``n`` completions' own params (``n`` 1; completion ``i`` seeded with ``seed + i``)."""

@@ -610,6 +610,9 @@ class LLM:
         seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         seq.min_tokens = params.min_tokens
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"generate: logit_bias token ids must be in [0, {self.vocab_size}); got "
+                             f"{max(params.logit_bias)}")
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, tokens, params.stop)
         elif params.stop:

@@ -1,5 +1,5 @@
 """What a request's ``SamplingParams`` change in its logits before the draw: the penalties on the tokens of its
-prompt and of what it generated so far, and ``min_tokens``' ban on the tokens that would end it.
+prompt and of what it generated so far, its ``logit_bias``, and ``min_tokens``' ban on the tokens that would end it.
 
 The counts stay on the device. A batch's penalized rows share one ``[P, vocab]`` int32 table; each sequence's
 ``token_counts`` is a view of its row, so the next batch (other sequences, another order) gathers them back in one
@@ -28,6 +28,10 @@ class LogitsAdjust:
         self.repetition = self.frequency = self.presence = None
         if penalized:
             self._gather([seqs[i] for i in penalized])
+        biased = [(i, t, b) for i, s in enumerate(seqs) if s.params.logit_bias for t, b in s.params.logit_bias.items()]
+        self.bias = None if not biased else (
+            torch.tensor([i for i, _, _ in biased], device=device), torch.tensor([t for _, t, _ in biased], device=device),
+            torch.tensor([b for _, _, b in biased], dtype=torch.float32, device=device))
         self.min_tokens = [(i, s) for i, s in enumerate(seqs) if s.params.min_tokens]
         self._banned_key: tuple[int, ...] = ()
         self._banned: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -86,6 +90,9 @@ class LogitsAdjust:
                 x.copy_(sub)
             else:
                 x.index_copy_(0, self.rows, sub)
+        if self.bias is not None:
+            rows, ids, bias = self.bias
+            x.index_put_((rows, ids), bias, accumulate=True)
         banned = self._banned_now()
         if banned is not None:
             x.index_put_(banned, torch.tensor(float("-inf"), device=x.device))

@@ -1,8 +1,9 @@
 """``RequestSampler``: each sequence sampled by its own ``SamplingParams``, a whole step's rows at once.
 
-All on the device, in one pass over ``[B, vocab]``: the penalties and ``min_tokens``' ban where rows ask for them
-(:mod:`.logits_adjust`), logits / temperature (greedy rows take the argmax of those logits instead), top-k and top-p on the logits sorted once (a stable sort: among equal logits the
-lowest id ranks first, so ``top_k=1`` is exactly greedy), min-p, then a draw by the exponential race,
+All on the device, in one pass over ``[B, vocab]``: the penalties, logit biases and ``min_tokens``' ban where rows
+ask for them (:mod:`.logits_adjust`), logits / temperature (greedy rows take the argmax of those logits instead),
+top-k and top-p on the logits sorted once (a stable sort: among equal logits the lowest id ranks first, so
+``top_k=1`` is exactly greedy), min-p, then a draw by the exponential race,
 ``argmax(probs / q)`` with ``q ~ Exp(1)`` (as vLLM: one kernel for the batch, no ``multinomial``).
 
 Seeds: a request with a seed draws its row of ``q`` from its own ``torch.Generator`` (on the model's
@@ -40,7 +41,7 @@ class _Rows:
     seeded: list[tuple[int, torch.Generator]]
     unseeded: bool  # some sampled row draws from the global generator
     num_logprobs: int | None  # the most top logprobs a row asks for
-    adjusts: bool  # some row has a penalty or min_tokens
+    adjusts: bool  # some row has a penalty, a logit bias or min_tokens
     adjust: LogitsAdjust | None = None  # made at the batch's first call (it needs the vocabulary's size)
 
 
@@ -98,7 +99,7 @@ class RequestSampler:
             seeded=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]],
             unseeded=any(s.generator is None and not g for s, g in zip(seqs, greedy)),
             num_logprobs=max(asked) if asked else None,
-            adjusts=any(p.penalized or p.min_tokens for p in params))
+            adjusts=any(p.penalized or p.min_tokens or p.logit_bias for p in params))
 
     @staticmethod
     def _draw(logits: torch.Tensor, rows: _Rows) -> torch.Tensor:

@@ -78,7 +78,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
-        _check(req, model_name, llm.max_num_seqs)
+        _check(req, model_name, llm)
         prompt = req.one_prompt()
         room = _room(llm, _num_tokens(llm, prompt))
         max_tokens = _max_tokens(req.max_tokens, room)
@@ -92,7 +92,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
-        _check(req, model_name, llm.max_num_seqs)
+        _check(req, model_name, llm)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         try:
             prompt = engine.chat_prompt(messages)
@@ -116,11 +116,11 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     return app
 
 
-def _check(req: Any, model_name: str, max_n: int) -> None:
+def _check(req: Any, model_name: str, llm: Any) -> None:
     if req.model is not None and req.model != model_name:
         raise RequestError(f"model {req.model!r} does not exist; this server serves {model_name!r}", status=404,
                            param="model", code="model_not_found")
-    req.check_common(max_n)
+    req.check_common(llm.max_num_seqs, llm.vocab_size)
     if req.stream and req.logprobs not in (None, False):
         raise RequestError("logprobs with stream: true is not supported (ask without streaming)", param="logprobs")
 

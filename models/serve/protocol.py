@@ -61,12 +61,18 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
-    def check_common(self, max_n: int) -> None:
-        """What ``SamplingParams`` cannot check: ``n`` against the engine's ``max_num_seqs``."""
+    def check_common(self, max_n: int, vocab_size: int) -> None:
+        """What ``SamplingParams`` cannot check: ``n`` against the engine's ``max_num_seqs``, ``logit_bias``' ids
+        against the vocabulary."""
         if isinstance(self.n, int) and self.n > max_n:
             raise RequestError(f"n must be at most {max_n} (the server's max_num_seqs); got {self.n}", param="n")
+        outside = [k for k in self.logit_bias or () if k.isdigit() and int(k) >= vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias: token ids must be below the vocabulary's {vocab_size}; got {outside[:5]}",
+                               param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options applies with stream: true", param="stream_options")
 
@@ -78,7 +84,8 @@ class _Sampling(BaseModel):
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                                   seed=self.seed, logprobs=logprobs, n=self.n,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens)
+                                  repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                                  logit_bias=self.logit_bias)
         except ValueError as e:  # "SamplingParams: NAME must be ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise RequestError(message, param=message.split(" ", 1)[0]) from None

@@ -101,6 +101,28 @@ def test_penalized_and_plain_rows_share_a_batch(text_llama, llm):
             assert other.stats.num_overlapped_steps > 0
 
 
+def test_logit_bias(llm):
+    """+100 all but forces a token; a bias moves the greedy choice as adding it to the logits does; a row's bias
+    stays its own in a shared batch; an id outside the vocabulary is refused naming ``logit_bias``."""
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    forced = llm.generate({"prompt_token_ids": ids[0]}, greedy(6, logit_bias={42: 100}))[0]
+    assert forced.token_ids == [42] * 6
+    plain = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(8))
+    bias = {plain[0].token_ids[0]: -100.0, plain[0].token_ids[1]: 3.5, 7: 2.0}
+
+    def choose(seqs, logits):
+        shift = torch.zeros(logits.shape[-1])
+        for t, b in bias.items():
+            shift[t] = b
+        return (logits.cpu() + shift).argmax(dim=-1).tolist()
+    expected = llm.run(ids[:1], 8, choose)[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], [greedy(8, logit_bias=bias), greedy(8), greedy(8)])
+    assert outs[0].token_ids == expected != plain[0].token_ids
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in plain[1:]]
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 320\); got 320"):
+        llm.generate("hi", greedy(logit_bias={320: 1}))
+
+
 def test_logprobs_stay_those_of_the_raw_logits(llm):
     plain = llm.generate(PROMPTS[0], greedy(4, logprobs=2, ignore_eos=True))[0]
     penalized = llm.generate(PROMPTS[0], greedy(4, logprobs=2, ignore_eos=True, frequency_penalty=2))[0]
@@ -178,6 +200,9 @@ def test_one_completion_calls_refuse_n(llm):
     ("min_tokens", -1, "min_tokens must be an int"),
     ("n", 0, "n must be an int >= 1"),
     ("n", 2.0, "n must be an int >= 1"),
+    ("logit_bias", {5: 101}, r"logit_bias must be biases in \[-100, 100\] \(token 5\); got 101"),
+    ("logit_bias", {"x": 1}, "logit_bias must be token ids"),
+    ("logit_bias", [5], "logit_bias must be a dict"),
 ])
 def test_params_errors_name_the_field(field, value, expected):
     with pytest.raises(ValueError, match=expected):
@@ -209,5 +234,12 @@ def test_server_takes_penalties_min_tokens_and_n(llm):
                 texts[choice.index] += choice.delta.content or ""
         chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(n=3, **kw, **extra))[0]
         assert texts == [c.text for c in chat.outputs]
+        # logit_bias: OpenAI's JSON keys are strings
+        token = llm.tokenizer.convert_tokens_to_ids("a")
+        biased = client.completions.create(model="m", prompt="hi", max_tokens=4, temperature=0,
+                                           logit_bias={str(token): 100})
+        assert biased.choices[0].text == "aaaa"
+        with pytest.raises(openai.BadRequestError, match="logit_bias: token ids must be below"):
+            client.completions.create(model="m", prompt="hi", logit_bias={"100000": 5})
     finally:
         server.should_exit = True
