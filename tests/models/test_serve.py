@@ -285,15 +285,18 @@ def test_a_cancelled_request_frees_its_sequence(llm):
     assert out.text == llm.generate(PROMPTS[1], greedy(6))[0].text
 
 
-def test_disconnect_mid_stream_frees_the_sequence(llm, server, client):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_the_sequence(llm, server, client, n):
+    """A client that leaves a stream: its sequence (each of its ``n`` completions') ends and frees its blocks."""
     free = llm.kv_cache.num_free_blocks
     body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "n": n}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # it runs; then the client leaves
     assert free_blocks_when_idle(llm, free) == free
+    assert llm.stats.num_generated < n * 200  # ended early, not run to max_tokens (the request's steps' stats)
     got = client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=6)
     assert got.choices[0].text == llm.generate(PROMPTS[1], greedy(6))[0].text
 
