@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from typing import NoReturn
 
+from .structured_outputs import StructuredOutputsParams
+
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
 #: The most top logprobs a request may ask for per generated token (vLLM's default ``max_logprobs``).
@@ -53,6 +55,9 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to those tokens' logits at every step, each bias in [-100, 100]
             (OpenAI's; -100 in effect bans a token, 100 all but forces it); ids are checked against the
             vocabulary when the request is made.
+        structured_outputs: a :class:`models.StructuredOutputsParams` the output must follow (a JSON schema,
+            any JSON object, a regex, a choice, a grammar); it ends with the end-of-sequence token where the
+            constraint is met (so not with ``ignore_eos``). Needs the checkpoint's tokenizer and ``xgrammar``.
     """
 
     temperature: float = 1.0
@@ -71,6 +76,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature)
@@ -90,6 +96,12 @@ class SamplingParams:
             _refuse("max_tokens", "an int >= 1", self.max_tokens)
         self._check_penalties()
         self.logit_bias = self._bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _refuse("structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)
+            if self.ignore_eos:
+                _refuse("ignore_eos", "False with structured_outputs (the output ends with EOS where the "
+                        "constraint is met)", self.ignore_eos)
         if not _is_int(self.n) or self.n < 1:
             _refuse("n", "an int >= 1", self.n)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -58,6 +58,7 @@ from .kv_cache import KVCache, attention_layers
 from .outputs import RequestOutput
 from .prompts import Prompt, is_text_call, parse_prompts
 from .request import Request, final_output
+from .grammar import Grammars, StructuredSampler
 from .request_sampler import RequestSampler
 from .sampling import ChooserSampler, Sampler, make_sampler
 from .scheduler import Scheduler
@@ -258,6 +259,7 @@ class LLM:
         self._image_processor = (load_image_processor(model) if isinstance(model, str)
                                  and hasattr(self.model, "prepare_images") else None)
         self._request_sampler = RequestSampler(self.device)
+        self._structured_sampler: StructuredSampler | None = None
 
     # ------------------------------------------------------------ the parts' knobs, under the runner's names
     @property
@@ -594,6 +596,15 @@ class LLM:
         config = self.model.config
         return expand_image_tokens(tokens, config.image_token_index, config.num_image_tokens)
 
+    def _grammar_sampler(self) -> StructuredSampler:
+        """The sampler of requests with structured outputs, made at the first (it compiles the tokenizer's vocabulary
+        for ``xgrammar``)."""
+        if self._structured_sampler is None:
+            self._need_tokenizer("generate (structured_outputs are matched on the tokenizer's tokens)")
+            grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            self._structured_sampler = StructuredSampler(self.device, grammars)
+        return self._structured_sampler
+
     def _one_request_seq(self, prompt: Prompt, params: SamplingParams, where: str) -> Seq:
         """The sequence of a call that takes one completion (streams, :meth:`add_request`)."""
         if params.n != 1:
@@ -610,6 +621,9 @@ class LLM:
         seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         seq.min_tokens = params.min_tokens
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_sampler().grammars.matcher(params.structured_outputs)
+            seq.sampler = self._structured_sampler
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"generate: logit_bias token ids must be in [0, {self.vocab_size}); got "
                              f"{max(params.logit_bias)}")

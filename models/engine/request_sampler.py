@@ -55,17 +55,22 @@ class RequestSampler:
         self.device = device
         self._rows: _Rows | None = None
 
-    def __call__(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, seqs: list[Seq], logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """``bitmask``: int32 ``[B, ceil(vocab / 32)]`` on the logits' device, bit ``t % 32`` of word ``t // 32`` set
+        where row may draw token ``t`` (structured outputs); the others are masked after the penalties."""
         rows = self._rows
         if rows is None or rows.seqs != seqs:  # Seq compares by identity
             rows = self._rows = self._batch(seqs)
         with torch.inference_mode():  # the logits are inference tensors; masks write in place
             x = logits
+            if rows.adjusts or bitmask is not None:
+                x = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for the logprobs
             if rows.adjusts:
                 if rows.adjust is None:
                     rows.adjust = LogitsAdjust(seqs, logits.shape[-1], logits.device)
-                x = logits.to(torch.float32, copy=True)  # the raw logits stay as they are, for the logprobs
                 rows.adjust.apply(x)
+            if bitmask is not None:
+                x.masked_fill_(~_allowed(bitmask, x.shape[-1]), float("-inf"))
             if rows.all_greedy:  # in the model's dtype: converting is exact, so the argmax is the same
                 tokens = x.argmax(dim=-1)
             else:
@@ -141,6 +146,13 @@ class RequestSampler:
         for i, seq in enumerate(seqs):
             if seq.params.logprobs is not None:
                 seq.logprob_rows.append((values, ids, i))
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The packed ``bitmask`` ``[B, words]`` as bools ``[B, vocab]``."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def logprobs_of(seq: Seq) -> list[dict[int, float]]:

@@ -49,6 +49,7 @@ class Seq:
     num_sampled: int = 0
     token_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
+    grammar: Any = None  # structured outputs: its xgrammar matcher (.grammar.StructuredSampler advances it)
 
     @property
     def num_generated(self) -> int:

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..engine.grammar import StructuredOutputError
 from .bridge import AsyncLLM
 from .protocol import (
     ChatCompletionRequest,
@@ -86,8 +87,9 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         rid = new_id("cmpl")
         if req.stream:
             chunk = functools.partial(completion_chunk, rid, model_name)
-            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first=None)
-        outs = await _generate(engine, prompt, params)
+            return await stream_response(engine, prompt, params, chunk, _include_usage(req), None,
+                                         functools.partial(request_error, req=req))
+        outs = await _generate(engine, prompt, params, req)
         return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer))
 
     @app.post("/v1/chat/completions")
@@ -109,8 +111,9 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
 
             def first(index: int) -> dict[str, Any]:
                 return chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None, index=index)
-            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first)
-        outs = await _generate(engine, prompt, params)
+            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first,
+                                         functools.partial(request_error, req=req))
+        outs = await _generate(engine, prompt, params, req)
         return JSONResponse(chat_response(rid, model_name, outs, llm.tokenizer, top or 0))
 
     return app
@@ -151,12 +154,19 @@ def _include_usage(req: Any) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-async def _generate(engine: AsyncLLM, prompt: Any, params: Any) -> list[Any]:
+async def _generate(engine: AsyncLLM, prompt: Any, params: Any, req: Any) -> list[Any]:
     """The final outputs of the request's ``n`` completions, run at once."""
     try:
         return list(await asyncio.gather(*(engine.generate(prompt, one) for one in params.completions())))
-    except (ValueError, TypeError) as e:  # the prompt: too long, empty, ids out of the vocabulary
-        raise RequestError(str(e).removeprefix("generate: "), param="prompt") from None
+    except (ValueError, TypeError) as e:
+        raise request_error(e, req) from None
+
+
+def request_error(e: Exception, req: Any) -> RequestError:
+    """The 400 of an error making the request: its output constraint's (naming the field that gave it), else its
+    prompt's (too long, empty, ids out of the vocabulary)."""
+    param = req.structured()[1] if isinstance(e, StructuredOutputError) else "prompt"
+    return RequestError(str(e).removeprefix("generate: "), param=param)
 
 
 class _Guard:

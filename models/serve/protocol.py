@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured_outputs import StructuredOutputsParams
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestError", "chat_chunk",
            "chat_response", "completion_chunk", "completion_response", "error_body", "usage"]
@@ -40,6 +41,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(BaseModel):
     """The fields both endpoints share; ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``,
     ``repetition_penalty``, ``min_tokens``: vLLM's extensions."""
@@ -62,6 +79,12 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...: ...}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
     def check_common(self, max_n: int, vocab_size: int) -> None:
@@ -76,8 +99,34 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options applies with stream: true", param="stream_options")
 
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that gave it (at most one field may)."""
+        guided = {k.removeprefix("guided_"): getattr(self, k) for k in
+                  ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, k) is not None}
+        fmt = self.response_format
+        asked = {name: value for name, value in [
+            ("response_format", None if fmt is None or fmt.type == "text" else fmt),
+            ("structured_outputs", self.structured_outputs), ("guided_*", guided or None)] if value is not None}
+        if len(asked) > 1:
+            raise RequestError(f"give one of response_format, structured_outputs, guided_*; got {', '.join(asked)}",
+                               param=next(iter(asked)))
+        if not asked:
+            return None, None
+        (field, value), = asked.items()
+        try:
+            if field == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True), field
+                if value.json_schema is None or value.json_schema.json_schema is None:
+                    raise RequestError("response_format: json_schema needs json_schema.schema", param=field)
+                return StructuredOutputsParams(json=value.json_schema.json_schema), field
+            return StructuredOutputsParams(**value), field
+        except (TypeError, ValueError) as e:  # an unknown key, no constraint or two, a bad value
+            raise RequestError(f"{field}: {str(e).removeprefix('StructuredOutputsParams: ')}", param=field) from None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The request's :class:`SamplingParams`; a bad value is a 400 naming its field."""
+        structured, _ = self.structured()
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   min_p=self.min_p, max_tokens=max_tokens, stop=self.stop,
@@ -85,7 +134,7 @@ class _Sampling(BaseModel):
                                   seed=self.seed, logprobs=logprobs, n=self.n,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                                  logit_bias=self.logit_bias)
+                                  logit_bias=self.logit_bias, structured_outputs=structured)
         except ValueError as e:  # "SamplingParams: NAME must be ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise RequestError(message, param=message.split(" ", 1)[0]) from None

@@ -30,16 +30,17 @@ def event(obj: dict[str, Any]) -> str:
 
 
 async def stream_response(engine: AsyncLLM, prompt: Any, params: Any, chunk: Chunk, include_usage: bool,
-                          first: Callable[[int], dict[str, Any]] | None) -> StreamingResponse:
+                          first: Callable[[int], dict[str, Any]] | None,
+                          refusal: Callable[[Exception], RequestError]) -> StreamingResponse:
     """The events of ``params.n`` completions of ``prompt``; ``first(index)``: a chunk each opens with (chat's
-    role). The prompt's errors are a 400 before the 200 and its headers."""
+    role). Errors making the request are ``refusal(error)``, a 400 before the 200 and its headers."""
     streams = [engine.stream(prompt, one) for one in params.completions()]
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     failed = next((e for e in firsts if isinstance(e, BaseException)), None)
     if failed is not None:
         await _close(streams)
-        if isinstance(failed, (ValueError, TypeError)):  # the prompt: too long, empty, ids out of the vocabulary
-            raise RequestError(str(failed).removeprefix("generate: "), param="prompt") from None
+        if isinstance(failed, (ValueError, TypeError)):  # the prompt's, or the output constraint's
+            raise refusal(failed) from None
         raise failed
     return StreamingResponse(_events(streams, firsts, chunk, include_usage, first), media_type="text/event-stream")
 
