@@ -109,7 +109,10 @@ class LogitsAdjust:
         return self._banned if key else None
 
     def count(self, tokens: torch.Tensor) -> None:
-        """Add a draw's ``tokens`` ``[B]`` (on the device) to the penalized rows' counts."""
+        """Add a draw's ``tokens`` ``[B]`` (on the device) to the penalized rows' counts; one more draw for each row
+        with ``min_tokens``."""
+        for _, seq in self.min_tokens:
+            seq.num_sampled += 1
         if self.counts is not None:
             drawn = tokens if self.rows is None else tokens[self.rows]
             self.counts.scatter_add_(1, drawn[:, None].to(torch.int64),

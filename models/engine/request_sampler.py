@@ -79,8 +79,6 @@ class RequestSampler:
                 rows.adjust.count(tokens)
             if rows.num_logprobs is not None:
                 self._record_logprobs(seqs, logits, tokens, rows.num_logprobs)
-        for seq in seqs:
-            seq.num_sampled += 1
         return tokens
 
     def _batch(self, seqs: list[Seq]) -> _Rows:

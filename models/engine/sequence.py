@@ -44,7 +44,8 @@ class Seq:
     num_keyed: int = 0
     prefix_id: int = 0
     # SamplingParams.min_tokens: no stop before this many generated tokens. The request sampler's state
-    # (.logits_adjust): its draws so far, and on the device the generated tokens' counts and the prompt's tokens
+    # (.logits_adjust): its draws so far (counted with min_tokens only), and on the device the generated tokens'
+    # counts and the prompt's tokens (with a penalty only)
     min_tokens: int = 0
     num_sampled: int = 0
     token_counts: torch.Tensor | None = None
