@@ -55,6 +55,9 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to those tokens' logits at every step, each bias in [-100, 100]
             (OpenAI's; -100 in effect bans a token, 100 all but forces it); ids are checked against the
             vocabulary when the request is made.
+        prompt_logprobs: for each prompt token after the first, the log-probabilities of it and of the
+            ``prompt_logprobs`` most likely tokens there, given the tokens before it (``RequestOutput.prompt_logprobs``;
+            such a prompt is computed whole, never taken from the prefix cache); None: none.
         structured_outputs: a :class:`models.StructuredOutputsParams` the output must follow (a JSON schema,
             any JSON object, a regex, a choice, a grammar); it ends with the end-of-sequence token where the
             constraint is met (so not with ``ignore_eos``). Needs the checkpoint's tokenizer and ``xgrammar``.
@@ -76,6 +79,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +114,9 @@ class SamplingParams:
             _refuse("seed", "an int or None", self.seed)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _refuse("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            _refuse("prompt_logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         if not isinstance(self.ignore_eos, bool):
             _refuse("ignore_eos", "a bool", self.ignore_eos)
         self.stop = self._stop_strings(self.stop)

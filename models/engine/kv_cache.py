@@ -23,6 +23,7 @@ from ops.triton_utils import cdiv
 
 from ..attention import Attention
 from .prefix_cache import PrefixCache
+from .prompt_logprobs import wants_prompt_logprobs
 from .sequence import Seq
 
 logger = logging.getLogger(__name__)
@@ -149,10 +150,11 @@ class KVCache:
         return len(freed)
 
     def cached_prefix(self, seq: Seq) -> list[int]:
-        """The cached blocks ``seq``'s prompt starts with (none without prefix caching or for a prompt with images,
-        whose placeholder tokens do not name the images). At most ``prompt_len - 1`` tokens: the last prompt token is
-        always computed, for its logits. Sets ``seq.prefix_id`` for :meth:`cache_computed`."""
-        if self.prefix is None or seq.images is not None:
+        """The cached blocks ``seq``'s prompt starts with (none without prefix caching, for a prompt with images,
+        whose placeholder tokens do not name the images, or for one that asks for prompt logprobs, which need its
+        forward). At most ``prompt_len - 1`` tokens: the last prompt token is always computed, for its logits. Sets
+        ``seq.prefix_id`` for :meth:`cache_computed`."""
+        if self.prefix is None or seq.images is not None or wants_prompt_logprobs(seq):
             return []
         blocks, seq.prefix_id = self.prefix.match(seq.tokens, (seq.prompt_len - 1) // self.block_size)
         seq.num_keyed = len(blocks)

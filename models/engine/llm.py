@@ -59,6 +59,7 @@ from .outputs import RequestOutput
 from .prompts import Prompt, is_text_call, parse_prompts
 from .request import Request, final_output
 from .grammar import Grammars, StructuredSampler
+from .prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .request_sampler import RequestSampler
 from .sampling import ChooserSampler, Sampler, make_sampler
 from .scheduler import Scheduler
@@ -345,16 +346,19 @@ class LLM:
         """
         full_graph, num_seqs, num_tokens, t, images, md = self.input_batch.prepare(
             batch, num_decodes, self.graphs.padding, device_ids, id_rows)
+        # prompt chunks whose sequences ask for prompt logprobs: the step's batch, to take them from its hidden states
+        asks = (batch, num_decodes) if any(wants_prompt_logprobs(s) for s, _ in batch[num_decodes:]) else None
         if self._tp is None:
-            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
+            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md, asks)
         with self._tp.guard("step"):  # the workers run the step with this one
             self._tp.send_step(self.input_ids, full_graph, num_seqs, num_tokens, t, len(batch),
                                md.num_decodes if md else 0, device_ids is not None)
-            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md)
+            return self._forward_step(full_graph, num_seqs, num_tokens, t, len(batch), images, md, asks)
 
     def _forward_step(self, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int, images: list,
-                      md: Any) -> torch.Tensor:
-        """The forward of a staged step (:meth:`InputBatch.prepare`'s results; ``b`` sequences): logits ``[B, vocab]``."""
+                      md: Any, asks: tuple[list[tuple[Seq, int]], int] | None = None) -> torch.Tensor:
+        """The forward of a staged step (:meth:`InputBatch.prepare`'s results; ``b`` sequences): logits ``[B, vocab]``.
+        ``asks``: (batch, decodes) of a step with prompt chunks that ask for prompt logprobs (recorded here)."""
         if full_graph:
             return self.graphs.replay(num_seqs)[:b]
         with set_forward_context(ForwardContext(self.layers, md)), torch.inference_mode():
@@ -366,6 +370,8 @@ class LLM:
             # Each sequence's last token: the first b rows when every sequence has one (no gather), else
             # at query_start_loc[1:] - 1, already on the device.
             last = hidden[:b] if t == b else hidden[self.query_start_loc[1:b + 1] - 1]
+            if asks is not None:
+                record_prompt_logprobs(*asks, hidden, self.model.compute_logits)
             return self.model.compute_logits(last)  # [B, vocab], the model's dtype
 
     # ------------------------------------------------------------ generate

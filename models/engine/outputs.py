@@ -24,6 +24,8 @@ class RequestOutput:
             that token and of the most likely ones.
         num_cached_tokens: prompt tokens whose keys and values came from the prefix cache
             (``LLM(enable_prefix_caching=True)``), not computed; 0 otherwise.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token ``{token id: log-probability}``
+            of that token and of the most likely ones given the tokens before it; None for the first token.
         index: which of the request's completions this is (``SamplingParams.n``), from 0.
         completions: with ``n`` > 1, every completion of the request in order (this object, the first, too);
             read them as :attr:`outputs`.
@@ -37,6 +39,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0
     completions: list[RequestOutput] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from .outputs import RequestOutput
+from .prompt_logprobs import prompt_logprobs_of, wants_prompt_logprobs
 from .prompts import Prompt
 from .request_sampler import logprobs_of
 from .sequence import Seq
@@ -24,7 +25,8 @@ def final_output(seq: Seq, prompt: Prompt) -> RequestOutput:
         prompt=prompt.text, prompt_token_ids=seq.tokens[:seq.prompt_len],
         text=seq.detokenizer.text if seq.detokenizer is not None else None,
         token_ids=seq.tokens[seq.prompt_len:], finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-        logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None, num_cached_tokens=seq.num_cached)
+        logprobs=logprobs_of(seq) if seq.params.logprobs is not None else None, num_cached_tokens=seq.num_cached,
+        prompt_logprobs=prompt_logprobs_of(seq) if wants_prompt_logprobs(seq) else None)
 
 
 @dataclasses.dataclass(eq=False)

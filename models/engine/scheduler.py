@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .kv_cache import KVCache
+from .prompt_logprobs import wants_prompt_logprobs
 from .sampling import PendingStep, SampledTokens, sample
 from .sequence import Seq
 from .stats import GenerateStats
@@ -283,7 +284,7 @@ def _computes_next_block(seq: Seq, cached: int, prefilling: list[Seq], block_siz
     the same tokens from the first on (so ``seq`` could take it from the cache once computed). Only a block ``seq``
     would take: within its first ``prompt_len - 1`` tokens."""
     end = cached + block_size
-    if end > seq.prompt_len - 1 or seq.images is not None:
+    if end > seq.prompt_len - 1 or seq.images is not None or wants_prompt_logprobs(seq):
         return False
     head = seq.tokens[:end]
     return any(other.num_computed < end <= len(other.tokens) and other.images is None and other.tokens[:end] == head

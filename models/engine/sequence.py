@@ -37,6 +37,7 @@ class Seq:
     finish_reason: str | None = None  # "stop", "length", "abort"; set once, when it ends
     stop_reason: int | str | None = None
     logprob_rows: list[tuple[torch.Tensor, torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    prompt_logprob_rows: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     error: BaseException | None = None  # the exception of a step that failed it
     # Prefix caching (KVCache.cached_prefix / cache_computed): prompt tokens found cached at admission, whole
     # blocks cached so far, and the prefix-cache id of the last of them (.prefix_cache.ROOT: none)

@@ -83,14 +83,17 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         prompt = req.one_prompt()
         room = _room(llm, _num_tokens(llm, prompt))
         max_tokens = _max_tokens(req.max_tokens, room)
-        params = req.sampling_params(max_tokens, req.logprobs)
+        # echo with logprobs: the prompt's tokens' logprobs too (their forward's)
+        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
         rid = new_id("cmpl")
+        echo = _prompt_text(llm, prompt) if req.echo else None
         if req.stream:
             chunk = functools.partial(completion_chunk, rid, model_name)
-            return await stream_response(engine, prompt, params, chunk, _include_usage(req), None,
+            first = None if echo is None else (lambda index: completion_chunk(rid, model_name, echo, None, index=index))
+            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first,
                                          functools.partial(request_error, req=req))
         outs = await _generate(engine, prompt, params, req)
-        return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer))
+        return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer, echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
@@ -148,6 +151,14 @@ def _max_tokens(asked: int | None, room: int) -> int:
         raise RequestError(f"max_tokens={asked} is past the context: the prompt leaves room for {room} tokens",
                            param="max_tokens")
     return asked
+
+
+def _prompt_text(llm: Any, prompt: str | dict[str, list[int]]) -> str:
+    """A completion prompt as text (token ids decoded), for ``echo``."""
+    if isinstance(prompt, str):
+        return prompt
+    return llm.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False)
 
 
 def _include_usage(req: Any) -> bool:

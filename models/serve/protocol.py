@@ -124,7 +124,8 @@ class _Sampling(BaseModel):
         except (TypeError, ValueError) as e:  # an unknown key, no constraint or two, a bad value
             raise RequestError(f"{field}: {str(e).removeprefix('StructuredOutputsParams: ')}", param=field) from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's :class:`SamplingParams`; a bad value is a 400 naming its field."""
         structured, _ = self.structured()
         try:
@@ -134,7 +135,8 @@ class _Sampling(BaseModel):
                                   seed=self.seed, logprobs=logprobs, n=self.n,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                                  logit_bias=self.logit_bias, structured_outputs=structured)
+                                  logit_bias=self.logit_bias, structured_outputs=structured,
+                                  prompt_logprobs=prompt_logprobs)
         except ValueError as e:  # "SamplingParams: NAME must be ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise RequestError(message, param=message.split(" ", 1)[0]) from None
@@ -154,8 +156,6 @@ class CompletionRequest(_Sampling):
             if len(prompt) != 1:
                 raise RequestError(f"prompt: one prompt a request; got {len(prompt)}", param="prompt")
             prompt = prompt[0]
-        if self.echo:
-            raise RequestError("echo is not supported", param="echo")
         return {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
 
 
@@ -213,17 +213,22 @@ def _token(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def completion_logprobs(out: RequestOutput, tokenizer: Any) -> dict[str, Any] | None:
-    """The legacy completions shape: per token its text, its logprob and the top ones by text."""
+def completion_logprobs(out: RequestOutput, tokenizer: Any, echo: bool = False) -> dict[str, Any] | None:
+    """The legacy completions shape: per token its text, its logprob and the top ones by text; with ``echo``, the
+    prompt's tokens first (the first one's logprob and top ones null, as OpenAI's)."""
     if out.logprobs is None:
         return None
-    tokens = [_token(tokenizer, t) for t in out.token_ids[:len(out.logprobs)]]
+    ids, rows = out.token_ids[:len(out.logprobs)], list(out.logprobs)
+    if echo:
+        ids, rows = list(out.prompt_token_ids) + ids, list(out.prompt_logprobs) + rows
+    tokens = [_token(tokenizer, t) for t in ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [row[t] for row, t in zip(out.logprobs, out.token_ids)],
-            "top_logprobs": [{_token(tokenizer, i): lp for i, lp in row.items()} for row in out.logprobs],
+    return {"tokens": tokens, "token_logprobs": [None if row is None else row[t] for row, t in zip(rows, ids)],
+            "top_logprobs": [None if row is None else {_token(tokenizer, i): lp for i, lp in row.items()}
+                             for row in rows],
             "text_offset": offsets}
 
 
@@ -243,9 +248,12 @@ def chat_logprobs(out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any
     return {"content": content}
 
 
-def completion_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any) -> dict[str, Any]:
+def completion_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any,
+                        echo: str | None = None) -> dict[str, Any]:
+    """``echo``: the prompt's text, put before each choice's text (and its tokens before the logprobs')."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
+            "choices": [{"index": i, "text": (echo or "") + out.text,
+                         "logprobs": completion_logprobs(out, tokenizer, echo is not None),
                          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
                         for i, out in enumerate(outs)],
             "usage": usage(outs)}
