@@ -83,3 +83,15 @@ def test_server_echo(text_llama):
         assert streamed == plain.choices[0].text
     finally:
         server.should_exit = True
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_prompt_logprobs_match_transformers(text_llama):
+    """Level 3 on the GPU (the prompt's piecewise forward, in 8-token chunks): fp32 within 1e-3 of transformers'
+    fp32 on the CPU."""
+    path, hf, tok = text_llama
+    llm = LLM(path, level=3, device="cuda", dtype=torch.float32, max_num_tokens=8)
+    ids = tok.encode(TEXT)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    expected, _ = reference(hf, ids)
+    assert [row[t] for row, t in zip(out.prompt_logprobs[1:], ids[1:])] == pytest.approx(expected, abs=1e-3)
