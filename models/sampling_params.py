@@ -57,7 +57,8 @@ class SamplingParams:
             vocabulary when the request is made.
         prompt_logprobs: for each prompt token after the first, the log-probabilities of it and of the
             ``prompt_logprobs`` most likely tokens there, given the tokens before it (``RequestOutput.prompt_logprobs``;
-            such a prompt is computed whole, never taken from the prefix cache); None: none.
+            such a prompt is computed whole, never taken from the prefix cache; not with tensor parallelism);
+            None: none.
         structured_outputs: a :class:`models.StructuredOutputsParams` the output must follow (a JSON schema,
             any JSON object, a regex, a choice, a grammar); it ends with the end-of-sequence token where the
             constraint is met (so not with ``ignore_eos``). Needs the checkpoint's tokenizer and ``xgrammar``.

@@ -627,6 +627,9 @@ class LLM:
         seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         seq.min_tokens = params.min_tokens
+        if params.prompt_logprobs is not None and self._tp is not None:
+            raise ValueError("generate: prompt_logprobs are not supported with tensor_parallel_size > 1 (the "
+                             "vocabulary-parallel LM head would run on rank 0 alone)")
         if params.structured_outputs is not None:
             seq.grammar = self._grammar_sampler().grammars.matcher(params.structured_outputs)
             seq.sampler = self._structured_sampler

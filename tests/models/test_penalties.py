@@ -243,3 +243,20 @@ def test_server_takes_penalties_min_tokens_and_n(llm):
             client.completions.create(model="m", prompt="hi", logit_bias={"100000": 5})
     finally:
         server.should_exit = True
+
+
+@pytest.mark.slow
+def test_tensor_parallel_samples_as_one_rank(text_llama, llm):
+    """Two ranks (rank 0 samples): penalties, logit bias, min_tokens and n as on one; prompt_logprobs refused
+    (the vocabulary-parallel LM head runs on every rank, the prompt's logits on rank 0 alone)."""
+    params = [greedy(10, frequency_penalty=1.0, repetition_penalty=1.3), greedy(6, logit_bias={42: 5.0}, min_tokens=3),
+              SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=4, presence_penalty=0.5)]
+    tp = LLM(text_llama[0], level=0, max_num_tokens=32, tensor_parallel_size=2)
+    try:
+        got = tp.generate(PROMPTS, params)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [
+            [c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+        with pytest.raises(ValueError, match="prompt_logprobs are not supported with tensor_parallel_size > 1"):
+            tp.generate("hi", greedy(2, prompt_logprobs=1))
+    finally:
+        tp.close()
