@@ -80,20 +80,22 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
         _check(req, model_name, llm)
-        prompt = req.one_prompt()
-        room = _room(llm, _num_tokens(llm, prompt))
-        max_tokens = _max_tokens(req.max_tokens, room)
-        # echo with logprobs: the prompt's tokens' logprobs too (their forward's)
-        params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        jobs = []  # (prompt, one completion's params): each prompt's n completions in a row
+        for prompt in req.prompts(llm.max_num_seqs):
+            max_tokens = _max_tokens(req.max_tokens, _room(llm, _num_tokens(llm, prompt)))
+            # echo with logprobs: the prompt's tokens' logprobs too (their forward's)
+            params = req.sampling_params(max_tokens, req.logprobs, req.logprobs if req.echo else None)
+            jobs += [(prompt, one) for one in params.completions()]
         rid = new_id("cmpl")
-        echo = _prompt_text(llm, prompt) if req.echo else None
+        echoes = [_prompt_text(llm, prompt) for prompt, _ in jobs] if req.echo else None
         if req.stream:
             chunk = functools.partial(completion_chunk, rid, model_name)
-            first = None if echo is None else (lambda index: completion_chunk(rid, model_name, echo, None, index=index))
-            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first,
+            first = None if echoes is None else (
+                lambda index: completion_chunk(rid, model_name, echoes[index], None, index=index))
+            return await stream_response(engine, jobs, req.n, chunk, _include_usage(req), first,
                                          functools.partial(request_error, req=req))
-        outs = await _generate(engine, prompt, params, req)
-        return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer, echo))
+        outs = await _generate(engine, jobs, req)
+        return JSONResponse(completion_response(rid, model_name, outs, llm.tokenizer, req.n, echoes))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
@@ -114,9 +116,10 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
 
             def first(index: int) -> dict[str, Any]:
                 return chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None, index=index)
-            return await stream_response(engine, prompt, params, chunk, _include_usage(req), first,
+            jobs = [(prompt, one) for one in params.completions()]
+            return await stream_response(engine, jobs, req.n, chunk, _include_usage(req), first,
                                          functools.partial(request_error, req=req))
-        outs = await _generate(engine, prompt, params, req)
+        outs = await _generate(engine, [(prompt, one) for one in params.completions()], req)
         return JSONResponse(chat_response(rid, model_name, outs, llm.tokenizer, top or 0))
 
     return app
@@ -165,10 +168,10 @@ def _include_usage(req: Any) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-async def _generate(engine: AsyncLLM, prompt: Any, params: Any, req: Any) -> list[Any]:
-    """The final outputs of the request's ``n`` completions, run at once."""
+async def _generate(engine: AsyncLLM, jobs: list[tuple[Any, Any]], req: Any) -> list[Any]:
+    """The final outputs of the request's completions (``jobs``: each one's prompt and params), run at once."""
     try:
-        return list(await asyncio.gather(*(engine.generate(prompt, one) for one in params.completions())))
+        return list(await asyncio.gather(*(engine.generate(prompt, params) for prompt, params in jobs)))
     except (ValueError, TypeError) as e:
         raise request_error(e, req) from None
 

@@ -143,20 +143,22 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: one prompt (a string, token ids, or a list holding one of them)."""
+    """``POST /v1/completions``: a prompt (a string or token ids) or a list of them; the choices are each prompt's
+    ``n`` completions in order (index ``i * n + j``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
 
-    def one_prompt(self) -> str | dict[str, list[int]]:
+    def prompts(self, max_prompts: int) -> list[str | dict[str, list[int]]]:
+        """The request's prompts (at most ``max_prompts``), each a string or ``{"prompt_token_ids": [...]}``."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise RequestError(f"prompt: one prompt a request; got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        return {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        many = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if not 1 <= len(many) * max(self.n, 1) <= max_prompts:  # n < 1: SamplingParams' 400, naming n
+            raise RequestError(f"prompt: 1 to {max_prompts} prompts times n (the server's max_num_seqs); got "
+                               f"{len(many)} x {self.n}", param="prompt")
+        return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in many]
 
 
 class ChatMessage(BaseModel):
@@ -201,12 +203,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_PREFIX}{next(_ID_COUNT):016x}"
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's usage counts of a request's completions (its prompt counted once, the completions' tokens summed);
-    ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held (the most of any completion's)."""
-    prompt, completion = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+def usage(outs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage counts of a request's completions, each prompt's ``n`` in a row (each prompt counted once,
+    the completions' tokens summed); ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache
+    held (of each prompt, the most any of its completions found)."""
+    groups = [outs[i:i + n] for i in range(0, len(outs), n)]
+    prompt, completion = sum(len(g[0].prompt_token_ids) for g in groups), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(o.num_cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(max(o.num_cached_tokens for o in g) for g in groups)}}
 
 
 def _token(tokenizer: Any, token: int) -> str:
@@ -248,15 +252,15 @@ def chat_logprobs(out: RequestOutput, tokenizer: Any, top: int) -> dict[str, Any
     return {"content": content}
 
 
-def completion_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any,
-                        echo: str | None = None) -> dict[str, Any]:
-    """``echo``: the prompt's text, put before each choice's text (and its tokens before the logprobs')."""
+def completion_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any, n: int,
+                        echoes: list[str] | None = None) -> dict[str, Any]:
+    """``echoes``: each choice's prompt text, put before its text (and its tokens before the logprobs')."""
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": (echo or "") + out.text,
-                         "logprobs": completion_logprobs(out, tokenizer, echo is not None),
+            "choices": [{"index": i, "text": (echoes[i] if echoes else "") + out.text,
+                         "logprobs": completion_logprobs(out, tokenizer, echoes is not None),
                          "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
                         for i, out in enumerate(outs)],
-            "usage": usage(outs)}
+            "usage": usage(outs, n)}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
@@ -272,7 +276,7 @@ def chat_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: An
             "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                          "logprobs": chat_logprobs(out, tokenizer, top), "finish_reason": out.finish_reason,
                          "stop_reason": out.stop_reason} for i, out in enumerate(outs)],
-            "usage": usage(outs)}
+            "usage": usage(outs, len(outs))}  # one prompt's completions
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,

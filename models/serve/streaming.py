@@ -29,12 +29,13 @@ def event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream_response(engine: AsyncLLM, prompt: Any, params: Any, chunk: Chunk, include_usage: bool,
+async def stream_response(engine: AsyncLLM, jobs: list[tuple[Any, Any]], n: int, chunk: Chunk, include_usage: bool,
                           first: Callable[[int], dict[str, Any]] | None,
                           refusal: Callable[[Exception], RequestError]) -> StreamingResponse:
-    """The events of ``params.n`` completions of ``prompt``; ``first(index)``: a chunk each opens with (chat's
-    role). Errors making the request are ``refusal(error)``, a 400 before the 200 and its headers."""
-    streams = [engine.stream(prompt, one) for one in params.completions()]
+    """The events of the request's completions (``jobs``: each one's prompt and params, each prompt's ``n`` in a
+    row; a choice's index is its place there); ``first(index)``: a chunk each opens with (chat's role, an echoed
+    prompt). Errors making the request are ``refusal(error)``, a 400 before the 200 and its headers."""
+    streams = [engine.stream(prompt, params) for prompt, params in jobs]
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     failed = next((e for e in firsts if isinstance(e, BaseException)), None)
     if failed is not None:
@@ -42,10 +43,10 @@ async def stream_response(engine: AsyncLLM, prompt: Any, params: Any, chunk: Chu
         if isinstance(failed, (ValueError, TypeError)):  # the prompt's, or the output constraint's
             raise refusal(failed) from None
         raise failed
-    return StreamingResponse(_events(streams, firsts, chunk, include_usage, first), media_type="text/event-stream")
+    return StreamingResponse(_events(streams, firsts, n, chunk, include_usage, first), media_type="text/event-stream")
 
 
-async def _events(streams: list[AsyncIterator[Any]], firsts: list[Any], chunk: Chunk, include_usage: bool,
+async def _events(streams: list[AsyncIterator[Any]], firsts: list[Any], n: int, chunk: Chunk, include_usage: bool,
                   first: Callable[[int], dict[str, Any]] | None) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
 
@@ -74,7 +75,7 @@ async def _events(streams: list[AsyncIterator[Any]], firsts: list[Any], chunk: C
             if out.finish_reason is not None:
                 finals[i] = out
         if include_usage:
-            yield event(chunk("", None, usage(finals)))
+            yield event(chunk("", None, usage(finals, n)))
     except Exception as e:  # after the 200: the error goes in the stream
         logger.exception("stream failed")
         yield event(error_body(str(e), type="internal_error"))

@@ -107,6 +107,29 @@ def test_completion_sampling_fields(llm, client):
     assert got.choices[0].text == expected.text  # the seed: the same draw in any batch
 
 
+def test_completion_of_several_prompts(llm, server, client):
+    """A list of prompts (text or token ids): each prompt's n choices in order, index i * n + j, as
+    ``LLM.generate`` gives them; usage counts each prompt once; streamed and echoed alike; past max_num_seqs a 400."""
+    kw = dict(temperature=0.9, max_tokens=6, seed=2)
+    expected = llm.generate(PROMPTS[:3], SamplingParams(n=2, **kw))
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[:3], n=2, **kw)
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [c.text for o in expected for c in o.outputs]
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for o in expected for c in o.outputs)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert [c.text for c in by_ids.choices] == [p + o.text for p, o in zip(PROMPTS[:2], llm.generate(PROMPTS[:2],
+                                                                                                   greedy(4)))]
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[:3], stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [o.text for o in llm.generate(PROMPTS[:3], SamplingParams(**kw))]
+    r = post(server, "completions", {"model": MODEL, "prompt": PROMPTS[:3], "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_completion_token_ids_and_logprobs(llm, client):
     ids = llm.tokenizer.encode(PROMPTS[2])
     expected = llm.generate({"prompt_token_ids": ids}, greedy(4, logprobs=2))[0]
