@@ -65,11 +65,6 @@ class StructuredOutputsParams:
         """The field that is set."""
         return next(f for f in _FIELDS if getattr(self, f) not in (None, False))
 
-    def key(self) -> str:
-        """The constraint as text: equal keys compile to the same grammar."""
-        value = getattr(self, self.kind)
-        return f"{self.kind}:{json_lib.dumps(value, sort_keys=True) if not isinstance(value, str) else value}"
-
 
 def _refuse(expected: str, given: object) -> None:
     raise ValueError(f"StructuredOutputsParams: expected {expected}; got {given!r}")

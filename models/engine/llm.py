@@ -54,12 +54,12 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_loop import EngineLoop
 from .graphs import StepGraphs, check_one_dynamic_size
 from .input_batch import InputBatch
+from .grammar import Grammars, StructuredSampler
 from .kv_cache import KVCache, attention_layers
 from .outputs import RequestOutput
+from .prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .prompts import Prompt, is_text_call, parse_prompts
 from .request import Request, final_output
-from .grammar import Grammars, StructuredSampler
-from .prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .request_sampler import RequestSampler
 from .sampling import ChooserSampler, Sampler, make_sampler
 from .scheduler import Scheduler
@@ -619,6 +619,12 @@ class LLM:
         return self._request_seq(0, prompt, params)
 
     def _request_seq(self, index: int, prompt: Prompt, params: SamplingParams) -> Seq:
+        if params.prompt_logprobs is not None and self._tp is not None:
+            raise ValueError("generate: prompt_logprobs are not supported with tensor_parallel_size > 1 (the "
+                             "vocabulary-parallel LM head would run on rank 0 alone)")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"generate: logit_bias token ids must be in [0, {self.vocab_size}); got "
+                             f"{max(params.logit_bias)}")
         tokens = self._expand_image_tokens(prompt.token_ids)
         seq = self._new_seq(index, tokens, params.max_tokens, prompt.images)
         seq.sampler, seq.params = self._request_sampler, params
@@ -627,21 +633,14 @@ class LLM:
         seq.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         seq.stop_token_ids = frozenset(params.stop_token_ids)
         seq.min_tokens = params.min_tokens
-        if params.prompt_logprobs is not None and self._tp is not None:
-            raise ValueError("generate: prompt_logprobs are not supported with tensor_parallel_size > 1 (the "
-                             "vocabulary-parallel LM head would run on rank 0 alone)")
         if params.structured_outputs is not None:
             seq.grammar = self._grammar_sampler().grammars.matcher(params.structured_outputs)
             seq.sampler = self._structured_sampler
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"generate: logit_bias token ids must be in [0, {self.vocab_size}); got "
-                             f"{max(params.logit_bias)}")
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, tokens, params.stop)
         elif params.stop:
             self._need_tokenizer("generate (stop strings are matched on the text)")
         return seq
-
 
     def _new_seq(self, index: int, prompt: Sequence[int], max_new_tokens: int, images: Any = None) -> Seq:
         tokens = [int(t) for t in prompt]
