@@ -71,7 +71,8 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     from models import LLM
 
     llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
-              device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32))
+              device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32),
+              enable_prefix_caching=False)  # the warm-up's prompts are the timed run's first
     rng = random.Random(0)
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
     run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs

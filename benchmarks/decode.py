@@ -506,7 +506,7 @@ def bench_generate(name: str, batches: list[int], device: torch.device, dtype: t
 
     max_b = max(batches)
     llm = LLM(name, level=3, max_num_tokens=max(512, max_b), max_num_seqs=max_b, dtype=dtype, device=device,
-              num_cache_tokens=max_b * (prompt_len + new_tokens + 16))
+              num_cache_tokens=max_b * (prompt_len + new_tokens + 16), enable_prefix_caching=False)
     floor = (Floor(_weight_bytes(llm.model), _kv_bytes_per_token(llm.kv_cache), copy_bw, _row_bytes(llm.model))
              if copy_bw else None)
     context = prompt_len + new_tokens // 2
@@ -539,7 +539,7 @@ def startup_child(name: str) -> None:
 
     cuda = torch.cuda.is_available()
     llm = LLM(name, level=3, max_num_tokens=512, max_num_seqs=256, dtype=torch.bfloat16 if cuda else torch.float32,
-              device="cuda" if cuda else "cpu")
+              device="cuda" if cuda else "cpu", enable_prefix_caching=False)
     llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=1)
     st = dataclasses.asdict(llm.startup)
     n_sizes = len(llm.full_sizes) + len(llm.piece_sizes)

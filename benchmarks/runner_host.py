@@ -44,9 +44,9 @@ def measure(batches: list[int], new_tokens: int = 64, prompt_len: int = 16, repe
     from models import LLM
 
     max_b = max(batches)
-    extra = dict(enable_prefix_caching=True) if prefix_caching else {}
     llm = LLM("tiny-llama", level=0, max_num_tokens=max(512, max_b * prompt_len), max_num_seqs=max_b,
-              num_cache_tokens=max_b * (prompt_len + new_tokens + 16), device="cpu", **extra)
+              num_cache_tokens=max_b * (prompt_len + new_tokens + 16), device="cpu",
+              enable_prefix_caching=prefix_caching)
     llm.model = _StubModel(llm.vocab_size)
     rows = []
     for b in batches:

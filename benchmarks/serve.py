@@ -264,7 +264,8 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
 
     cmax = max(a.concurrency)
     llm = LLM(name, level=a.level, max_num_tokens=max(512, cmax), max_num_seqs=cmax, dtype=dtype,
-              device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer())
+              device=device, num_cache_tokens=cmax * (a.prompt_len + a.max_tokens + 32), tokenizer=IdTokenizer(),
+              enable_prefix_caching=False)  # every concurrency serves the same prompts
     arrivals: list[float] = []
     url, server, loop_thread = start_server(llm, name, arrivals)
     profile = None if step_rows is None else serve_steps.StepProfile(llm.engine, loop_thread.ident)

@@ -69,7 +69,7 @@ def bench(name: str, tp: int, batches: list[int], prefill: int, device: str, dty
     t0 = time.perf_counter()
     llm = LLM(name, level=3, tensor_parallel_size=tp, max_num_tokens=max(512, max_b, prefill), max_num_seqs=max_b,
               dtype=dtype, device=device, num_cache_tokens=max(max_b * (PROMPT + NEW + 16), prefill + 16),
-              compilation_config=config)
+              compilation_config=config, enable_prefix_caching=False)
     start_s = time.perf_counter() - t0
     rows = []
     tag = dict(variant=variant) if variant else {}

@@ -117,8 +117,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--kv-cache-dtype", default="auto",  # checked by LLM (no torch import for --help)
                    help="the paged KV cache's dtype: auto (default: the model's, or fp8 where the checkpoint has a "
                         "kv_cache_scheme), fp8 / fp8_e4m3 (half a bf16 cache's bytes a token)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV cache of prompt prefixes computed before (LLM(enable_prefix_caching=True))")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes computed before (default on; "
+                        "LLM(enable_prefix_caching=...))")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None, help="default: all tokens")

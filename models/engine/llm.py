@@ -115,10 +115,12 @@ class LLM:
             earlier one's tokens (a system prompt, a chat's earlier turns) computes only the rest: at most its
             last ``prompt_len - 1`` tokens come from the cache, whole blocks (``block_size``), never for a prompt
             with images. Cached blocks no sequence holds are evicted as the cache needs room, least recently
-            released first. Off by default: a prompt whose prefix was cached attends to it as a chunk after
-            cached context, whose values may differ from a whole prefill's in the last bits (the kernels'
-            summation order), as in vLLM. ``RequestOutput.num_cached_tokens`` and ``stats.num_cached_tokens``
-            say how many prompt tokens came from it.
+            released first. On by default, as in vLLM: a prompt whose prefix was cached attends to it as a
+            chunk after cached context. In fp32 its tokens are the uncached run's; in bf16 the cached keys and
+            values were computed in another step's shape, so they may differ in the last bits, and a near-tie
+            between two tokens can turn (``benchmarks/results/prefix_caching*_h200.md``). False: every prompt
+            is computed whole. ``RequestOutput.num_cached_tokens`` and ``stats.num_cached_tokens`` say how many
+            prompt tokens came from it.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -128,7 +130,7 @@ class LLM:
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
                  async_scheduling: bool | None = None, tokenizer: str | Any | None = None,
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = True) -> None:
         if max_num_tokens < 2:
             raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:

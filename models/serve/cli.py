@@ -36,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto",  # checked by LLM (no torch import before the port's bound)
                    help="the KV cache's dtype: auto (default: the model's, or the checkpoint's fp8 kv_cache_scheme), "
                         "fp8 / fp8_e4m3")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV cache of prompt prefixes seen before (a system prompt, earlier turns)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before (a system prompt, earlier turns; default on)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--verbose", action="store_true", help="a traceback with errors")
     return p

@@ -1,4 +1,4 @@
-"""``LLM(enable_prefix_caching=True)``: a prompt that starts with an earlier prompt's tokens takes their cached
+"""Prefix caching (``LLM(enable_prefix_caching=True)``, the default): a prompt that starts with an earlier prompt's tokens takes their cached
 keys and values (whole blocks) and computes only the rest; the tokens are those of an LLM without the cache, on the
 CPU (fp32) at levels 0 and 3, with async scheduling, with tensor parallelism, under a cache small enough to evict,
 and for a prompt cached whole. The counts: ``stats.num_cached_tokens``, ``RequestOutput.num_cached_tokens``, the server's
@@ -21,7 +21,7 @@ def make(level=0, **kw):
 
 @pytest.fixture(scope="module")
 def plain():
-    return make()
+    return make(enable_prefix_caching=False)
 
 
 def prompts_sharing(prefix, tails):
@@ -136,8 +136,11 @@ def test_reset_forgets_every_block(plain):
     assert plain.reset_prefix_cache() == 0
 
 
-def test_off_by_default_nothing_is_cached(plain):
+def test_on_by_default_and_off_when_asked(plain):
     prompts = prompts_sharing(PREFIX, [[9], [10]])
+    default = make(max_num_seqs=1)
+    assert default.generate(prompts, 4) == plain.generate(prompts, 4)
+    assert default.stats.num_cached_tokens == 2 * BLOCK
     plain.generate(prompts, 4)
     plain.generate(prompts, 4)
     assert plain.stats.num_cached_tokens == 0 and plain.kv_cache.prefix is None
@@ -159,13 +162,16 @@ def test_prompts_with_images_are_never_cached():
     assert len(llm.kv_cache.prefix) == 0
 
 
-def test_cli_generate_takes_the_flag(capsys):
+def test_cli_generate_caches_unless_told_not_to(capsys):
     from models.cli import main
 
     assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--level", "0", "--random-prompts",
-                 "--num-prompts", "2", "--max-tokens", "2", "--enable-prefix-caching"]) == 0
+                 "--num-prompts", "2", "--max-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "[1] prompt" in out and "prompt tokens from the prefix cache" in out
+    assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--level", "0", "--random-prompts",
+                 "--num-prompts", "2", "--max-tokens", "2", "--no-enable-prefix-caching"]) == 0
+    assert "prefix cache" not in capsys.readouterr().out
 
 
 def test_served_usage_counts_the_cached_prompt_tokens(tmp_path):
