@@ -311,7 +311,8 @@ def test_chat_applies_the_template(text_llama, llm):
         assert out.prompt_token_ids.count(tok.bos_token_id) == 1  # the template's BOS only
         (by_ids,) = llm.generate([{"prompt_token_ids": ids}], greedy(8))
         assert (by_ids.token_ids, by_ids.text) == (out.token_ids, out.text)
-    assert llm.chat(conversations[0], greedy(8)) == outs[:1]  # one conversation
+    (again,) = llm.chat(conversations[0], greedy(8))  # one conversation (its prompt's blocks now cached)
+    assert (again.prompt, again.token_ids, again.text) == (outs[0].prompt, outs[0].token_ids, outs[0].text)
 
 
 # ------------------------------------------------------------------ threads
