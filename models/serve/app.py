@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``; and vLLM's
+``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/reset_prefix_cache`` (:mod:`.utility_routes`).
 
 Built by :func:`build_app` around one :class:`models.LLM` (the model is fixed at start: no request names
 a path). ``stream: true`` answers server-sent events, ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``.
@@ -40,6 +41,7 @@ from .protocol import (
     new_id,
 )
 from .streaming import stream_response
+from .utility_routes import OPEN_PATHS, add_utility_routes
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,8 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     Args:
         llm: a :class:`models.LLM` with a tokenizer.
         model_name: the model's id in ``/v1/models``; a request naming another gets a 404.
-        api_key: when set, every route wants ``Authorization: Bearer <api_key>`` (else 401).
+        api_key: when set, every route but ``/health`` and ``/version`` wants ``Authorization: Bearer <api_key>``
+            (else 401).
         max_body_bytes: larger request bodies get a 413.
     """
     engine = AsyncLLM(llm)
@@ -70,6 +73,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     app.state.engine = engine
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
+    add_utility_routes(app, engine, model_name)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -195,8 +199,8 @@ class _Guard:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             refusal = None
-            if self.expected is not None and not secrets.compare_digest(headers.get(b"authorization", b""),
-                                                                        self.expected):
+            if (self.expected is not None and scope["path"] not in OPEN_PATHS
+                    and not secrets.compare_digest(headers.get(b"authorization", b""), self.expected)):
                 refusal = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
                                                   code="invalid_api_key"), status_code=401)
             elif not headers.get(b"content-length", b"0").isdigit() or int(

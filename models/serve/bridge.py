@@ -33,14 +33,22 @@ class AsyncLLM:
         self.llm = llm
         self._thread: EngineThread | None = None  # started by the first request, on its loop
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The conversation through the tokenizer's chat template, as :meth:`LLM.chat` renders it."""
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The conversation through the tokenizer's chat template, as :meth:`LLM.chat` renders it (without the
+        assistant's header when ``add_generation_prompt`` is False)."""
         tok = self.llm.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.llm.model_name} has no chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         # The template writes the special tokens (BOS) itself.
         return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def problem(self) -> str | None:
+        """Why the engine cannot take requests (its thread has ended, or the server is shutting down); None
+        while it can (its thread starts with the first request)."""
+        if self._thread is not None and not self._thread.alive():
+            return "the engine thread has ended"
+        return None
 
     def _engine_thread(self) -> EngineThread:
         """The engine thread of the running loop (a new loop, e.g. a server started again: a new thread; the

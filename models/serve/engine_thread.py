@@ -80,6 +80,10 @@ class EngineThread:
                 self._cancelled.append(request.seq)
                 self._cv.notify()
 
+    def alive(self) -> bool:
+        """Whether the thread still runs steps (not closed, not ended)."""
+        return self._thread.is_alive() and not self._closed
+
     def close(self) -> None:
         """Abort what is followed and end the thread (after the step running now)."""
         with self._cv:
