@@ -53,6 +53,11 @@ class EngineLoop:
         self.step_hook: Callable[[Callable[[], None]], None] | None = None
 
     @property
+    def num_incoming(self) -> int:
+        """Sequences submitted and not yet handed to the scheduler (before the next step)."""
+        return len(self._incoming)
+
+    @property
     def stepping(self) -> bool:
         """A step is running now (a condition checked now may see it half done)."""
         return self._busy

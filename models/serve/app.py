@@ -41,6 +41,7 @@ from .protocol import (
     new_id,
 )
 from .streaming import stream_response
+from .metrics import server_metrics
 from .utility_routes import OPEN_PATHS, add_utility_routes
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
             (else 401).
         max_body_bytes: larger request bodies get a 413.
     """
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm, metrics=server_metrics(llm, model_name))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,7 @@ gets nothing before its end: a client that leaves it is noticed only if the serv
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,10 +28,12 @@ class AsyncLLM:
 
     Args:
         llm: the engine (with a tokenizer).
+        metrics: told each streamed request's first chunk and each request's end (``.metrics.ServerMetrics``).
     """
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, metrics: Any = None) -> None:
         self.llm = llm
+        self.metrics = metrics
         self._thread: EngineThread | None = None  # started by the first request, on its loop
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
@@ -65,6 +68,7 @@ class AsyncLLM:
         Raises:
             ValueError: a prompt the engine refuses (too long, empty, bad ids), before anything is yielded.
         """
+        arrival = time.perf_counter()
         request = self.llm.add_request(prompt, params)
         thread = self._engine_thread()
         ready = asyncio.Event()
@@ -77,10 +81,12 @@ class AsyncLLM:
                 done = request.done  # read before the text: once ended, the text read after it is final
                 _raise_failed(request, follow)
                 if done:
-                    yield request.output()
+                    yield self._ended(request.output(), arrival)
                     return
                 text = request.visible_text
                 if len(text) > shown:
+                    if not shown and self.metrics is not None:
+                        self.metrics.first_output(time.perf_counter() - arrival)
                     shown = len(text)
                     yield request.partial_output(text)
         finally:
@@ -93,6 +99,7 @@ class AsyncLLM:
         Raises:
             ValueError: a prompt the engine refuses (too long, empty, bad ids).
         """
+        arrival = time.perf_counter()
         request = self.llm.add_request(prompt, params)
         thread = self._engine_thread()
         ended = asyncio.get_running_loop().create_future()
@@ -103,7 +110,12 @@ class AsyncLLM:
             if not request.done:  # cancelled while waiting
                 thread.cancel(request)
         _raise_failed(request, follow)
-        return request.output()
+        return self._ended(request.output(), arrival)
+
+    def _ended(self, out: RequestOutput, arrival: float) -> RequestOutput:
+        if self.metrics is not None:
+            self.metrics.ended(out, time.perf_counter() - arrival)
+        return out
 
     def shutdown(self) -> None:
         if self._thread is not None:

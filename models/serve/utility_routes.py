@@ -3,6 +3,7 @@
 - ``GET /health``: 200 while the engine can take requests, 503 (with the reason) once its thread has ended;
   with an API key set it still needs none (a load balancer's or Kubernetes' probe has no key).
 - ``GET /version``: ``{"version": ...}``, the installed package's; no key either.
+- ``GET /metrics``: Prometheus' text format (:mod:`.metrics`); no key either (a scraper has none).
 - ``POST /tokenize``: a prompt (``{"prompt": text, "add_special_tokens": true}``) or a conversation (``{"messages":
   [...], "add_generation_prompt": true}``, through the chat template as ``/v1/chat/completions`` renders it) to
   ``{"count", "max_model_len", "tokens"}``.
@@ -25,8 +26,8 @@ from .protocol import ChatMessage, RequestError, error_body
 
 __all__ = ["OPEN_PATHS", "DetokenizeRequest", "TokenizeRequest", "add_utility_routes"]
 
-#: Routes an API key does not guard.
-OPEN_PATHS = frozenset({"/health", "/version"})
+#: Routes an API key does not guard (probes and scrapers have none).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
 class TokenizeRequest(BaseModel):
@@ -80,6 +81,14 @@ def add_utility_routes(app: FastAPI, engine: AsyncLLM, model_name: str) -> None:
         if problem is None:
             return Response(status_code=200)
         return JSONResponse(error_body(problem, "service_unavailable"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics is None:
+            return JSONResponse(error_body("/metrics needs prometheus_client (pip install -e '.[serve]')",
+                                           "not_implemented"), status_code=501)
+        body, content_type = engine.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -118,3 +118,42 @@ def test_health_is_503_once_the_engine_has_stopped(llm):
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     finally:
         srv.should_exit = True
+
+
+def scrape(url):
+    """``/metrics`` (no key) as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_count_the_requests_tokens_and_latencies(llm, served):
+    pytest.importorskip("prometheus_client")
+    url, _ = served
+    before = scrape(url)
+    prompt = [5, 6, 7, 8, 9]
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                                                   "ignore_eos": True}, headers=AUTH, timeout=60)
+    assert r.status_code == 200
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "prompt": "hello world", "max_tokens": 4, "ignore_eos": True,
+                            "stream": True}) as s:
+        assert s.status_code == 200 and "[DONE]" in "".join(s.iter_text())
+    after = scrape(url)
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    streamed_prompt = len(llm.tokenizer.encode("hello world"))
+    assert grew("dynamo_once:prompt_tokens_total") == len(prompt) + streamed_prompt
+    assert grew("dynamo_once:generation_tokens_total") == 3 + 4
+    assert grew("dynamo_once:request_success_total", (("finished_reason", "length"),)) == 2
+    assert grew("dynamo_once:e2e_request_latency_seconds_count") == 2
+    assert grew("dynamo_once:e2e_request_latency_seconds_sum") > 0
+    assert grew("dynamo_once:time_to_first_token_seconds_count") == 1  # the streamed one
+    assert after[("dynamo_once:num_requests_running", ())] == 0  # both ended
+    assert after[("dynamo_once:num_requests_waiting", ())] == 0
+    assert 0.0 <= after[("dynamo_once:kv_cache_usage_perc", ())] < 1.0
