@@ -61,6 +61,13 @@ class InputBatch:
         self._staged = torch.cuda.Event() if pin else None
         self.block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=i32, device=dev)
         self._table_seqs: list[Seq | None] = []  # whose rows block_table holds, in order (None: a dummy)
+        self._table_rows: dict[int, int] = {}  # id(seq) -> its row in block_table
+        self._row_lens: list[int] = []  # the blocks each row holds
+        self._grown: list[Seq] = []  # sequences whose blocks grew since the last step (note_grown)
+        # Block-table patches (row, column, block) for grown rows, staged like the other inputs.
+        self._patch = torch.zeros(2 * max_num_seqs, 3, dtype=i32, device=dev)
+        self._patch_host = torch.zeros(2 * max_num_seqs, 3, dtype=i32, pin_memory=True) if pin else self._patch
+        self._patch_np = self._patch_host.numpy()
         self.pad_block: int | None = None  # the cache block padding writes to, reserved with the CUDA graphs
         # The decode kernels' split-KV scratch, shared by every step's metadata (see AttentionMetadata.decode_plan).
         self.decode_workspace = DecodeWorkspace(max_num_seqs)
@@ -107,21 +114,8 @@ class InputBatch:
         if pad_seqs or pad_tokens:
             self.add_padding(ids, pos, slots, starts, lens, pad_seqs, pad_tokens)
         num_seqs, num_tokens = b + pad_seqs, t + pad_seqs + pad_tokens
-        # A sequence's blocks are allocated whole at admission and never change, so the device block
-        # table still holds this step's rows when the step has the last table's sequences in the same
-        # order and the same dummies (most decode steps): then nothing is built or copied. Rows are as
-        # wide as the longest block list (the kernels read no further); a dummy's row is the pad block.
-        seqs: list[Seq | None] = [seq for seq, _ in batch] + [None] * pad_seqs
-        rows = None
-        if seqs != self._table_seqs:  # Seq compares by identity
-            width = max(len(seq.blocks) for seq, _ in batch)
-            zeros = [0] * width
-            table = [seq.blocks + zeros[len(seq.blocks):] for seq, _ in batch]
-            if pad_seqs:
-                table += [[self.pad_block] + zeros[1:]] * pad_seqs
-            rows = torch.tensor(table, dtype=torch.int32)
-            self._table_seqs = seqs
-        self.stage(ids, pos, slots, starts, lens, rows, id_rows)
+        rows, patch = self._table(batch, pad_seqs)
+        self.stage(ids, pos, slots, starts, lens, rows, id_rows, patch)
         if device_ids is not None:  # after the staged ids (placeholders), in stream order
             if id_rows is None:
                 self.input_ids[:b].copy_(device_ids)
@@ -131,6 +125,42 @@ class InputBatch:
             return True, num_seqs, num_tokens, t, images, None
         md = self.metadata(num_seqs, num_tokens, num_decodes + pad_seqs, starts, lens)
         return False, num_seqs, num_tokens, t, images, md
+
+    def note_grown(self, seq: Seq) -> None:
+        """``seq``'s blocks grew (``Scheduler.on_grow``): its block-table row gets the new ones at the next step."""
+        self._grown.append(seq)
+
+    def _table(self, batch: list[tuple[Seq, int]], pad_seqs: int
+               ) -> tuple[torch.Tensor | None, list[tuple[int, int, int]] | None]:
+        """The block-table rows to write (all of them), or the patches of the rows that grew, or neither.
+
+        The device table still holds this step's rows when the step has the last table's sequences in the same
+        order and the same dummies (most decode steps): then only the blocks a sequence gained since are written
+        (a block every ``block_size`` decode steps). Rows are as wide as the longest block list (the kernels read
+        no further); a dummy's row is the pad block."""
+        seqs: list[Seq | None] = [seq for seq, _ in batch] + [None] * pad_seqs
+        grown, self._grown = self._grown, []
+        if seqs == self._table_seqs:  # Seq compares by identity
+            if not grown:
+                return None, None
+            where, lens = self._table_rows, self._row_lens
+            patch = []
+            for seq in grown:
+                r = where.get(id(seq))
+                if r is not None and lens[r] < len(seq.blocks):
+                    patch += [(r, c, seq.blocks[c]) for c in range(lens[r], len(seq.blocks))]
+                    lens[r] = len(seq.blocks)
+            if len(patch) <= len(self._patch_np):
+                return None, patch or None
+        width = max(len(seq.blocks) for seq, _ in batch)
+        zeros = [0] * width
+        table = [seq.blocks + zeros[len(seq.blocks):] for seq, _ in batch]
+        if pad_seqs:
+            table += [[self.pad_block] + zeros[1:]] * pad_seqs
+        self._table_seqs = seqs
+        self._table_rows = {id(seq): r for r, (seq, _) in enumerate(batch)}
+        self._row_lens = [len(seq.blocks) for seq, _ in batch]
+        return torch.tensor(table, dtype=torch.int32), None
 
     def metadata(self, num_seqs: int, num_tokens: int, num_decodes: int, starts: list[int],
                  lens: list[int]) -> AttentionMetadata:
@@ -157,10 +187,11 @@ class InputBatch:
         lens += [1] * pad_seqs
 
     def stage(self, ids: list[int], pos: list[int], slots: list[int], starts: list[int], lens: list[int],
-              rows: torch.Tensor | None, id_rows: list[int] | None = None) -> None:
+              rows: torch.Tensor | None, id_rows: list[int] | None = None,
+              patch: list[tuple[int, int, int]] | None = None) -> None:
         """Write a step's inputs into the persistent buffers through the (pinned, on CUDA) staging tensors:
         per token ``ids, pos, slots``; per sequence ``starts`` (one more), ``lens`` and ``id_rows``; and
-        block-table ``rows`` (None: the table already holds them)."""
+        block-table ``rows`` (None: the table already holds them) or ``patch`` ((row, column, block) entries)."""
         t, n = len(ids), len(lens)
         if self._staged is not None:  # the last step's copies may still be reading the staging tensors
             self._staged.synchronize()
@@ -179,9 +210,17 @@ class InputBatch:
                 self._seq[r, :n + 1].copy_(self._seq_host[r, :n + 1], non_blocking=True)
         if rows is not None:
             self.block_table[:n, :rows.shape[1]].copy_(rows, non_blocking=True)
+        if patch:
+            k = len(patch)
+            self._patch_np[:k] = patch
+            if self._patch_host is not self._patch:
+                self._patch[:k].copy_(self._patch_host[:k], non_blocking=True)
+            p = self._patch[:k]
+            self.block_table.index_put_((p[:, 0], p[:, 1]), p[:, 2])
         if self._staged is not None:
             self._staged.record()
 
     def forget_table(self) -> None:
         """Rebuild the block table at the next step: its rows are stale once their sequences are gone."""
         self._table_seqs = []
+        self._grown = []

@@ -126,6 +126,23 @@ class KVCache:
             self._holders[b] = 1
         return cached + new
 
+    def grow(self, blocks: list[int], num_tokens: int) -> bool:
+        """Append to a running sequence's ``blocks`` the new ones it needs to hold ``num_tokens`` tokens, taken as
+        :meth:`allocate` takes them; False (``blocks`` unchanged) when too few are free."""
+        n = self.blocks_for(num_tokens) - len(blocks)
+        if n <= 0:
+            return True
+        if n > self.num_free_blocks:
+            return False
+        if self.prefix is None:
+            blocks += [self._free.pop() for _ in range(n)]
+            return True
+        new = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
+        for b in new:
+            self._holders[b] = 1
+        blocks += new
+        return True
+
     def free(self, blocks: list[int]) -> None:
         """A sequence's blocks, released (with prefix caching: a cached block another sequence holds stays held, and
         one none holds stays cached until evicted, its sequence's last block first)."""
@@ -153,10 +170,11 @@ class KVCache:
         """The cached blocks ``seq``'s prompt starts with (none without prefix caching, for a prompt with images,
         whose placeholder tokens do not name the images, or for one that asks for prompt logprobs, which need its
         forward). At most ``prompt_len - 1`` tokens: the last prompt token is always computed, for its logits. Sets
-        ``seq.prefix_id`` for :meth:`cache_computed`."""
+        ``seq.prefix_id`` for :meth:`cache_computed`. A preempted sequence's generated tokens count as its prompt's
+        (``prefill_len``): their blocks too may be found again."""
         if self.prefix is None or seq.images is not None or wants_prompt_logprobs(seq):
             return []
-        blocks, seq.prefix_id = self.prefix.match(seq.tokens, (seq.prompt_len - 1) // self.block_size)
+        blocks, seq.prefix_id = self.prefix.match(seq.tokens, (seq.prefill_len - 1) // self.block_size)
         seq.num_keyed = len(blocks)
         return blocks
 

@@ -86,7 +86,9 @@ class LLM:
         max_num_tokens: tokens per step (the largest T the model sees), >= 2.
         max_num_seqs: sequences per step (default ``min(64, max_num_tokens)``).
         num_cache_tokens: the KV cache's token budget, shared by all sequences
-            (default: ``max(8192, max_num_tokens)``).
+            (default: ``max(8192, max_num_tokens)``): blocks are taken as tokens need them, and when none is
+            left the most recently admitted sequences are preempted and computed again later
+            (:mod:`.scheduler`). One sequence's ``prompt + max_tokens`` must fit it whole.
         block_size: tokens per cache block.
         dtype, device: for loading ``model`` by name and for the cache (default: the model's).
         compilation_config: base config (default: the current one); ``level`` overrides its level.
@@ -186,6 +188,7 @@ class LLM:
         self.graphs = StepGraphs(inputs, max_num_tokens, max_num_seqs)
         self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device,
                                    self.device.type == "cuda" if async_scheduling is None else async_scheduling)
+        self.scheduler.on_grow = self.input_batch.note_grown  # a sequence's new block: its block-table row
         # The engine calls the step through a weak reference: a bound method would make a cycle (LLM -> engine
         # -> LLM), and `del llm` would free the model and its KV cache only at the next garbage collection.
         self._engine = EngineLoop(self.scheduler, self.startup.first_token(_weak_method(self._execute)),

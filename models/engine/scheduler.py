@@ -5,9 +5,13 @@ prompt tokens while the step's token budget (``max_num_tokens``) and the cache a
 sequences share steps. With ``chunked_prefill`` a prompt that does not fit the budget left in a step is
 prefilled in chunks over several steps, each chunk attending to the cached earlier ones, so prompts may be
 longer than ``max_num_tokens``; prompts with images are always prefilled whole. A sequence gets the cache
-blocks for ``prompt + max_new_tokens`` when it is admitted (no preemption); with prefix caching the first of
-them may be cached blocks of an earlier prompt's same prefix, whose tokens it then does not compute. With async
-scheduling, once every prompt is admitted, each decode step is launched before the last one's tokens are read.
+blocks of its prompt when it is admitted (while a watermark of free blocks stays for the running ones' growth),
+and one more block whenever its next token needs it. When the cache has none left, the most recently admitted
+running sequences are preempted: their blocks are freed and they wait at the front of the queue, to compute every
+token they had again (recompute, as vLLM's; what they generated and sampled is kept). With prefix caching the first
+blocks of a prompt (or of a preempted sequence's tokens) may be cached blocks of the same tokens computed before,
+which it then does not compute. With async scheduling, once every prompt is admitted, each decode step is launched
+before the last one's tokens are read.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from .kv_cache import KVCache
+from .prefix_cache import ROOT
 from .prompt_logprobs import wants_prompt_logprobs
 from .sampling import PendingStep, SampledTokens, sample
 from .sequence import Seq
@@ -60,6 +65,10 @@ class Scheduler:
         # sampling needs no split by sampler, found without a pass over the batch (~5 us at batch 128).
         self._samplers: dict[int, list] = {}
         self._admitted: list[Seq] = []  # the running step's newly admitted sequences
+        #: Told of each running sequence whose blocks grew (the input batch patches its block-table row).
+        self.on_grow: Callable[[Seq], None] = _ignore
+        #: Free blocks admission leaves for the running sequences' next tokens (1% of the cache, as vLLM's).
+        self.watermark = max(1, kv_cache.num_blocks // 100)
         #: Sequences ended so far (any way: a stop, ``max_tokens``, an abort, a failed step), never reset: a
         #: caller that follows many sequences looks at them only when it moved (the server's engine thread).
         self.num_ended = 0
@@ -155,7 +164,7 @@ class Scheduler:
         alive = [s for s in pending.seqs if s.blocks]  # not ended by the read before
         if not self.waiting and len(self.running) == len(alive):
             going_on = [s for s in alive if len(s.tokens) + 1 - s.prompt_len < s.max_new_tokens]
-            if going_on:
+            if going_on and self._grow_ahead(going_on):
                 launched = self._launch_decodes(execute, going_on, pending)
                 self.stats.num_overlapped_steps += 1
         self._read(pending)
@@ -192,52 +201,98 @@ class Scheduler:
         sequences it admits from ``waiting`` (which then hold their cache blocks)."""
         # Decodes first (one token each: the last sampled one), then prompt chunks of the sequences
         # already prefilling, then newly admitted prompts, while the token budget lasts.
+        preempted = self._grow_running()
         waiting, running = self.waiting, self.running
-        batch = [(s, 1) for s in running if s.num_computed >= s.prompt_len]
+        batch = [(s, 1) for s in running if s.num_computed >= s.prefill_len]
         num_decodes = len(batch)
         budget = self.max_num_tokens - num_decodes
         for s in running:
-            if s.num_computed < s.prompt_len and budget > 0:
-                n = min(s.prompt_len - s.num_computed, budget)
+            if s.num_computed < s.prefill_len and budget > 0:
+                n = min(s.prefill_len - s.num_computed, budget)
                 batch.append((s, n))
                 budget -= n
         admitted = []
         prefilling = [s for s, n in batch[num_decodes:]]  # computing prompt tokens this step
-        while waiting and len(batch) < self.max_num_seqs and budget > 0:
+        # After a preemption nothing is admitted this step (the cache has no room to spare), unless nothing runs.
+        while waiting and not (preempted and batch) and len(batch) < self.max_num_seqs and budget > 0:
             seq = waiting[0]
             if not self._admit(seq, budget, prefilling):
                 break
             prefilling.append(seq)
             waiting.popleft()
-            n = min(seq.prompt_len - seq.num_computed, budget)
+            n = min(seq.prefill_len - seq.num_computed, budget)
             batch.append((seq, n))
             admitted.append(seq)
             budget -= n
         if not batch:  # nothing running, and the first waiting one cannot be admitted
             raise RuntimeError(f"LLM: sequence {waiting[0].index} cannot be scheduled: it needs "
-                               f"{self.kv_cache.blocks_for(waiting[0].prompt_len + waiting[0].max_new_tokens)} cache "
-                               f"blocks of {self.kv_cache.num_blocks}; raise num_cache_tokens")
+                               f"{self.kv_cache.blocks_for(waiting[0].prefill_len)} cache blocks of "
+                               f"{self.kv_cache.num_blocks}; raise num_cache_tokens")
         return batch, num_decodes, admitted
 
     def _admit(self, seq: Seq, budget: int, prefilling: list[Seq]) -> bool:
         """Give ``seq`` its cache blocks if it fits this step (``budget`` tokens left) and the cache: its prompt's
-        cached prefix (prefix caching; those tokens then count as computed), then new blocks for the rest of
-        ``prompt + max_new_tokens``. With prefix caching, not while a sequence of ``prefilling`` (computing prompt
-        tokens this step) computes the next block of ``seq``'s prefix: ``seq`` then waits a step and takes it from
-        the cache (a block is cached once computed; two sequences of one step never read each other's)."""
+        cached prefix (prefix caching; those tokens then count as computed), then new blocks for the rest of its
+        ``prefill_len`` tokens, leaving ``watermark`` blocks free while others run. With prefix caching, not while
+        a sequence of ``prefilling`` (computing prompt tokens this step) computes the next block of ``seq``'s
+        prefix: ``seq`` then waits a step and takes it from the cache (a block is cached once computed; two
+        sequences of one step never read each other's)."""
         cache = self.kv_cache
         cached = cache.cached_prefix(seq)
         if cache.prefix is not None and _computes_next_block(seq, len(cached) * cache.block_size, prefilling,
                                                               cache.block_size):
             return False
-        total = seq.prompt_len + seq.max_new_tokens
+        total = seq.prefill_len
         whole = not self.chunked_prefill or seq.images is not None
-        if (whole and seq.prompt_len - len(cached) * cache.block_size > budget) or not cache.fits(total, cached):
+        room = total + (self.watermark * cache.block_size if self.running or prefilling else 0)
+        if (whole and total - len(cached) * cache.block_size > budget) or not cache.fits(room, cached):
             return False
         seq.blocks = cache.allocate(total, cached)
-        seq.num_computed = seq.num_cached = len(cached) * cache.block_size
-        self.stats.num_cached_tokens += seq.num_cached
+        seq.num_computed = len(cached) * cache.block_size
+        if not seq.num_preempted:  # a prompt's tokens from the cache (not a preempted one's computed again)
+            seq.num_cached = seq.num_computed
+            self.stats.num_cached_tokens += seq.num_cached
         return True
+
+    def _grow_running(self) -> bool:
+        """Give each running sequence the blocks its next token needs, the earliest admitted first; when the cache
+        has too few, preempt the most recently admitted (possibly the one growing). True if any was preempted."""
+        bs = self.kv_cache.block_size
+        short = [s for s in self.running if len(s.blocks) * bs <= s.num_computed]
+        preempted = False
+        for seq in short:
+            if not seq.blocks:  # preempted for an earlier one of short
+                continue
+            while not self.kv_cache.grow(seq.blocks, seq.num_computed + 1):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.on_grow(seq)
+        return preempted
+
+    def _grow_ahead(self, seqs: list[Seq]) -> bool:
+        """The blocks a decode step launched ahead needs (its tokens' positions are ``num_computed``); False when the
+        cache has too few: the step is then not launched ahead, and the next one preempts as it must."""
+        bs = self.kv_cache.block_size
+        for seq in [s for s in seqs if len(s.blocks) * bs <= s.num_computed]:
+            if not self.kv_cache.grow(seq.blocks, seq.num_computed + 1):
+                return False
+            self.on_grow(seq)
+        return True
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free a running sequence's blocks and queue it first to compute all its tokens again."""
+        self.kv_cache.free(seq.blocks)
+        seq.blocks = []
+        seq.prefill_len = len(seq.tokens)
+        seq.num_computed = seq.num_keyed = 0
+        seq.prefix_id = ROOT
+        seq.num_preempted += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def _launch_decodes(self, execute: Execute, seqs: list[Seq], pending: PendingStep) -> PendingStep:
         """A decode step of ``seqs`` (those of ``pending`` that go on, in its order) whose input ids are
@@ -289,3 +344,7 @@ def _computes_next_block(seq: Seq, cached: int, prefilling: list[Seq], block_siz
     head = seq.tokens[:end]
     return any(other.num_computed < end <= len(other.tokens) and other.images is None and other.tokens[:end] == head
                for other in prefilling)
+
+
+def _ignore(seq: Seq) -> None:
+    pass

@@ -52,6 +52,14 @@ class Seq:
     token_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None
     grammar: Any = None  # structured outputs: its xgrammar matcher (.grammar.StructuredSampler advances it)
+    # Preemption (Scheduler): the tokens to compute before the next sample (the prompt's; after a preemption every
+    # token known then, whose keys and values were freed), and how often it was preempted
+    prefill_len: int = -1
+    num_preempted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill_len < 0:
+            self.prefill_len = self.prompt_len
 
     @property
     def num_generated(self) -> int:

@@ -25,6 +25,8 @@ class GenerateStats:
     num_overlapped_steps: int = 0
     """Decode steps launched before the last step's tokens were read (``async_scheduling``)."""
     total_s: float = 0.0
+    num_preemptions: int = 0
+    """Running sequences whose cache blocks were taken back for others' new tokens, to be computed again."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache (``LLM(prefix_caching=True)``): their keys and values not computed."""
 

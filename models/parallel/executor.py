@@ -64,13 +64,15 @@ class WorkerError(RuntimeError):
 
 def step_message(staged: tuple, full_graph: bool, num_seqs: int, num_tokens: int, t: int, b: int,
                  num_decodes: int, device_ids: bool = False) -> tuple:
-    """One step for the workers: ``InputBatch.stage``'s arguments (the block-table rows as lists) and the
+    """One step for the workers: ``InputBatch.stage``'s arguments (the block-table rows as lists, the patches of
+    grown rows) and the
     step's sizes (see :meth:`LLM._forward_step`). ``device_ids``: the first ``b`` input ids are broadcast from
     rank 0's device (async scheduling: the last step's sampled tokens, never on the host)."""
-    ids, pos, slots, starts, lens, rows, *_ = staged
+    ids, pos, slots, starts, lens, rows, *rest = staged
+    patch = rest[1] if len(rest) > 1 else None
     rows = None if rows is None else rows.tolist()
-    return ("step", (ids, pos, slots, starts, lens, rows), full_graph, num_seqs, num_tokens, t, b, num_decodes,
-            device_ids)
+    return ("step", (ids, pos, slots, starts, lens, rows, patch), full_graph, num_seqs, num_tokens, t, b,
+            num_decodes, device_ids)
 
 
 class TensorParallelExecutor:

@@ -121,9 +121,11 @@ def _inject(kind: str, step: int) -> None:
 def run_step(runner: Any, message: tuple) -> None:
     """One step from the caller (:func:`.executor.step_message`): stage its inputs into ``runner``'s buffers,
     then run its forward as the caller does (the logits, all-gathered, are dropped)."""
-    _, (ids, pos, slots, starts, lens, rows), full_graph, num_seqs, num_tokens, t, b, num_decodes, device_ids = message
+    _, (ids, pos, slots, starts, lens, rows, patch), full_graph, num_seqs, num_tokens, t, b, num_decodes, device_ids = \
+        message
     inputs = runner.input_batch
-    inputs.stage(ids, pos, slots, starts, lens, None if rows is None else torch.tensor(rows, dtype=torch.int32))
+    inputs.stage(ids, pos, slots, starts, lens, None if rows is None else torch.tensor(rows, dtype=torch.int32),
+                 None, patch)
     if device_ids:  # async scheduling: the ids rank 0 sampled, broadcast over its staged placeholders
         dist.broadcast(inputs.input_ids[:b], src=0)
     md = None

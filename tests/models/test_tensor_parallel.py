@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dispatcher import compat, CompilationConfig, compilation_counter, set_compilation_config
-from models import BUILTIN_MODELS, LLM, CheckpointError, ForwardContext, attention_layers, set_forward_context
+from models import BUILTIN_MODELS, LLM, CheckpointError, ForwardContext, SamplingParams, attention_layers, set_forward_context
 from models.loader import build_model, init_random_weights, load_model, load_weights, read_config, _weight_files
 from models.parallel import TensorParallelState, init_tensor_parallel, destroy_tensor_parallel, use_tensor_parallel
 from models.parallel import executor
@@ -68,6 +68,26 @@ def test_tp2_async_scheduling(level, llama_dir):
     """Async scheduling: each decode step's input ids are rank 0's sampled tokens, broadcast to rank 1 (on
     the CPU async scheduling is off unless asked for)."""
     assert _greedy(llama_dir, level, 2, async_scheduling=True) == _greedy(llama_dir, level, 1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_preemption_equals_one_rank(async_scheduling, llama_dir):
+    """A cache too small for every sequence at once: rank 0 grows and preempts, the workers patch their block tables
+    as rank 0's (the staged patches); the tokens are one rank's with a roomy cache."""
+    prompts = [[(11 * i + 5 * j) % 120 + 2 for j in range(18 + i % 3)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    roomy = LLM(llama_dir, level=0, max_num_tokens=32, max_num_seqs=6)
+    expected = roomy.generate(prompts, params)
+    llm = LLM(llama_dir, level=0, max_num_tokens=32, max_num_seqs=6, num_cache_tokens=112, tensor_parallel_size=2,
+              async_scheduling=async_scheduling)
+    try:
+        outs = llm.generate(prompts, params)
+        assert llm.stats.num_preemptions > 0
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+        for o, e in zip(outs, expected):  # a stale block-table row on rank 1 moves them by ~1e-2
+            assert all(abs(a[t] - b[t]) < 1e-4 for a, b in zip(o.logprobs, e.logprobs) for t in a)
+    finally:
+        llm.close()
 
 
 # ------------------------------------------------------------------ one process: shards, graph structure
