@@ -165,8 +165,7 @@ class LLM:
         compiled = [m for m in self.model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)]
         self.level = compiled[0].compilation_level if compiled else config.level
         param = next(self.model.parameters())
-        self.device = param.device
-        self.dtype = param.dtype
+        self.device, self.dtype = param.device, param.dtype
         self.vocab_size: int = self.model.config.vocab_size
         self.max_model_len: int = self.model.config.max_position_embeddings
         self.max_num_tokens = max_num_tokens
@@ -187,8 +186,8 @@ class LLM:
         self.block_table = inputs.block_table
         self.graphs = StepGraphs(inputs, max_num_tokens, max_num_seqs)
         self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device,
-                                   self.device.type == "cuda" if async_scheduling is None else async_scheduling)
-        self.scheduler.on_grow = self.input_batch.note_grown  # a sequence's new block: its block-table row
+                                   self.device.type == "cuda" if async_scheduling is None else async_scheduling,
+                                   on_grow=self.input_batch.note_grown)  # a new block: its block-table row
         # The engine calls the step through a weak reference: a bound method would make a cycle (LLM -> engine
         # -> LLM), and `del llm` would free the model and its KV cache only at the next garbage collection.
         self._engine = EngineLoop(self.scheduler, self.startup.first_token(_weak_method(self._execute)),

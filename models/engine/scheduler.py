@@ -46,10 +46,12 @@ class Scheduler:
         kv_cache: where an admitted sequence gets its blocks.
         max_num_tokens, max_num_seqs, chunked_prefill, async_scheduling: as :class:`LLM`.
         device: the model's (on CUDA, async decode steps' tokens come back through pinned buffers).
+        on_grow: told of each running sequence whose blocks grew (the input batch patches its block-table row).
     """
 
     def __init__(self, kv_cache: KVCache, max_num_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 device: torch.device, async_scheduling: bool = False) -> None:
+                 device: torch.device, async_scheduling: bool = False,
+                 on_grow: Callable[[Seq], None] | None = None) -> None:
         self.kv_cache = kv_cache
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -66,7 +68,7 @@ class Scheduler:
         self._samplers: dict[int, list] = {}
         self._admitted: list[Seq] = []  # the running step's newly admitted sequences
         #: Told of each running sequence whose blocks grew (the input batch patches its block-table row).
-        self.on_grow: Callable[[Seq], None] = _ignore
+        self.on_grow: Callable[[Seq], None] = on_grow or _ignore
         #: Free blocks admission leaves for the running sequences' next tokens (1% of the cache, as vLLM's).
         self.watermark = max(1, kv_cache.num_blocks // 100)
         #: Sequences ended so far (any way: a stop, ``max_tokens``, an abort, a failed step), never reset: a
