@@ -245,9 +245,11 @@ class Scheduler:
                                                               cache.block_size):
             return False
         total = seq.prefill_len
+        # Prompts with images (and all, without chunked prefill) in one step; a preempted sequence's generated tokens
+        # may follow in later chunks.
         whole = not self.chunked_prefill or seq.images is not None
         room = total + (self.watermark * cache.block_size if self.running or prefilling else 0)
-        if (whole and total - len(cached) * cache.block_size > budget) or not cache.fits(room, cached):
+        if (whole and seq.prompt_len - len(cached) * cache.block_size > budget) or not cache.fits(room, cached):
             return False
         seq.blocks = cache.allocate(total, cached)
         seq.num_computed = len(cached) * cache.block_size

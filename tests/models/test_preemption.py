@@ -12,8 +12,8 @@ def prompts(n, length=20):
     return [[(13 * i + 7 * j) % 120 + 3 for j in range(length - i % 3)] for i in range(n)]
 
 
-def make(num_cache_tokens, level=0, **kw):
-    return LLM("tiny-llama", level=level, device="cpu", max_num_tokens=64, max_num_seqs=8,
+def make(num_cache_tokens, level=0, max_num_tokens=64, **kw):
+    return LLM("tiny-llama", level=level, device="cpu", max_num_tokens=max_num_tokens, max_num_seqs=8,
                num_cache_tokens=num_cache_tokens, **kw)
 
 
@@ -71,6 +71,36 @@ def test_sampling_state_survives_a_preemption(roomy):
         for got, want in zip(o.prompt_logprobs[1:] + o.logprobs, r.prompt_logprobs[1:] + r.logprobs):
             assert got.keys() == want.keys()
             assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+
+
+def test_without_chunked_prefill_a_preempted_sequence_longer_than_a_step_is_computed_in_chunks(roomy):
+    """Its prompt fits a step (the rule without chunked prefill); prompt + generated tokens may not: they follow in
+    chunks rather than never fitting."""
+    small = make(128, max_num_tokens=32, chunked_prefill=False, enable_prefix_caching=False)
+    ps, params = prompts(6), greedy(40)
+    outs = small.generate(ps, params)
+    assert small.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(ps, params)]
+
+
+def test_prompts_with_images_are_preempted_and_computed_again():
+    """A prompt with images is prefilled whole (its image embedded again at the recompute); the tokens it generated
+    before may follow in chunks."""
+    import torch
+
+    roomy = LLM("tiny-llava", level=0, device="cpu", max_num_tokens=64, enable_prefix_caching=False)
+    config = roomy.model.config
+    size = config.vision_config.image_size
+    requests = [{"prompt_token_ids": [1, 5 + i, 6] + [config.image_token_index] + list(range(20, 30 + i)),
+                 "multi_modal_data": {"image": torch.randn(3, size, size, generator=torch.Generator().manual_seed(i))}}
+                for i in range(4)]
+    params = greedy(40)
+    ref = roomy.generate(requests, params)
+    longest = max(len(o.prompt_token_ids) for o in ref) + 40
+    small = LLM("tiny-llava", level=0, device="cpu", max_num_tokens=64, num_cache_tokens=2 * longest + 16)
+    outs = small.generate(requests, params)
+    assert small.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
 
 
 def test_a_cache_too_small_for_one_request_is_refused_before_it_runs():
