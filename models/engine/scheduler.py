@@ -74,6 +74,8 @@ class Scheduler:
         #: Sequences ended so far (any way: a stop, ``max_tokens``, an abort, a failed step), never reset: a
         #: caller that follows many sequences looks at them only when it moved (the server's engine thread).
         self.num_ended = 0
+        #: Preemptions so far, never reset (``stats.num_preemptions`` counts those of the last call).
+        self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -296,6 +298,7 @@ class Scheduler:
         seq.prefix_id = ROOT
         seq.num_preempted += 1
         self.stats.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _launch_decodes(self, execute: Execute, seqs: list[Seq], pending: PendingStep) -> PendingStep:

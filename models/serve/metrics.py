@@ -5,6 +5,7 @@ Per server (one ``CollectorRegistry`` each, so that two apps in one process keep
 - gauges, read at each scrape: ``dynamo_once:num_requests_running`` (sequences holding cache blocks),
   ``dynamo_once:num_requests_waiting`` (submitted, not yet admitted), ``dynamo_once:kv_cache_usage_perc`` (the share of
   cache blocks sequences hold; cached prefix blocks none holds count as free, as they are evicted on demand);
+- ``dynamo_once:num_preemptions_total``: running sequences preempted so far (the scheduler's count, read at each scrape);
 - counters, at each request's end: ``dynamo_once:prompt_tokens_total``, ``dynamo_once:generation_tokens_total``,
   ``dynamo_once:prefix_cache_hits_total`` (prompt tokens taken from the prefix cache),
   ``dynamo_once:request_success_total{finished_reason}`` ("stop", "length", "abort");
@@ -24,6 +25,7 @@ from ..engine.outputs import RequestOutput
 
 try:
     import prometheus_client as prom
+    from prometheus_client.core import CounterMetricFamily
 except ImportError:  # the route says what is missing
     prom = None
 
@@ -60,6 +62,8 @@ class ServerMetrics:
               lambda: len(sched.waiting) + llm.engine.num_incoming)
         gauge("kv_cache_usage_perc", "The share of KV-cache blocks sequences hold (0-1).",
               lambda: 1.0 - cache.num_free_blocks / cache.num_blocks)
+        registry.register(_SchedulerCounter(PREFIX + "num_preemptions", "Sequences preempted (blocks freed, computed "
+                                            "again later).", lambda: sched.num_preemptions, labels))
 
         def counter(name: str, doc: str) -> Any:
             return prom.Counter(PREFIX + name, doc, names, registry=registry).labels(**labels)
@@ -90,6 +94,18 @@ class ServerMetrics:
     def exposition(self) -> tuple[bytes, str]:
         """The text format a Prometheus scrape reads, and its content type."""
         return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+
+
+class _SchedulerCounter:
+    """A counter the scheduler keeps (read at each scrape): a collector of one ``<name>_total`` sample."""
+
+    def __init__(self, name: str, doc: str, read: Any, labels: dict[str, str]) -> None:
+        self.name, self.doc, self.read, self.labels = name, doc, read, labels
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), self.read())
+        yield family
 
 
 def server_metrics(llm: Any, model_name: str) -> ServerMetrics | None:

@@ -157,3 +157,25 @@ def test_metrics_count_the_requests_tokens_and_latencies(llm, served):
     assert after[("dynamo_once:num_requests_running", ())] == 0  # both ended
     assert after[("dynamo_once:num_requests_waiting", ())] == 0
     assert 0.0 <= after[("dynamo_once:kv_cache_usage_perc", ())] < 1.0
+    assert after[("dynamo_once:num_preemptions_total", ())] == llm.scheduler.num_preemptions
+
+
+def test_metrics_count_preemptions(tmp_path):
+    """Concurrent requests in a cache too small for all of them: the scrape counts the preemptions."""
+    import concurrent.futures
+
+    from models.serve.app import build_app
+
+    save_text_llama(tmp_path)
+    small = LLM(str(tmp_path), level=0, max_num_tokens=32, max_num_seqs=4, num_cache_tokens=96,
+                enable_prefix_caching=False)
+    url, srv = start_server(build_app(small, MODEL))
+    try:
+        def ask(i):
+            return httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": [3 + i] * 20, "max_tokens": 40, "ignore_eos": True}).status_code
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == [200] * 4
+        assert scrape(url)[("dynamo_once:num_preemptions_total", ())] == small.scheduler.num_preemptions > 0
+    finally:
+        srv.should_exit = True
