@@ -57,6 +57,7 @@ from .input_batch import InputBatch
 from .grammar import Grammars, StructuredSampler
 from .kv_cache import KVCache, attention_layers
 from .outputs import RequestOutput
+from .progress import progress
 from .prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from .prompts import Prompt, is_text_call, parse_prompts
 from .request import Request, final_output
@@ -382,7 +383,7 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | int | None = None,
                  *, images: Sequence[Any] | None = None, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None) -> list[RequestOutput] | list[list[int]]:
+                 eos_token_id: int | None = None, use_tqdm: bool = False) -> list[RequestOutput] | list[list[int]]:
         """Generate after each prompt.
 
         The text way, when a prompt is a string or a dict or ``sampling_params`` is given: returns one
@@ -397,6 +398,8 @@ class LLM:
                 ``SamplingParams()``: vLLM's defaults, temperature 1, 16 tokens).
             images: one entry per prompt, None or that prompt's images: PIL images or uint8 arrays
                 (processed as the checkpoint's ``preprocessor_config.json`` says) or pixel-value tensors.
+            use_tqdm: show a progress bar (``tqdm``) of the prompts processed and the output tokens a second.
+                Off by default (vLLM's is on): a library call prints nothing unless asked.
 
         The token-id way, when every prompt is a list of token ids and no ``SamplingParams`` is given
         (an int in second place is ``max_new_tokens``): returns the new token ids per prompt. Its keywords
@@ -417,20 +420,21 @@ class LLM:
             legacy["max_new_tokens"], sampling_params = sampling_params, None
         legacy = {k: v for k, v in legacy.items() if v is not None}
         if sampling_params is None and not is_text_call(prompts):
-            return self._generate_ids(prompts, images=images, **legacy)
+            return self._generate_ids(prompts, images=images, use_tqdm=use_tqdm, **legacy)
         if legacy:
             raise TypeError(f"generate: {', '.join(legacy)} apply to token-id prompts without sampling_params; "
                             f"with strings, dicts or SamplingParams say it in SamplingParams (max_tokens, "
                             f"temperature, top_k, seed, stop_token_ids)")
-        return self._generate_prompts(parse_prompts(prompts, images, self._encode), sampling_params)
+        return self._generate_prompts(parse_prompts(prompts, images, self._encode), sampling_params, use_tqdm)
 
     def _generate_ids(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int = 16,
                       temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-                      eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
+                      eos_token_id: int | None = None, images: Sequence[Any] | None = None,
+                      use_tqdm: bool = False) -> list[list[int]]:
         if not temperature >= 0:  # NaN too
             raise ValueError(f"generate: temperature must be >= 0; got {temperature}")
         sampler = make_sampler(temperature, top_k, torch.Generator(device=self.device).manual_seed(seed))
-        return self._run_ids(prompt_token_ids, max_new_tokens, sampler, eos_token_id, images)
+        return self._run_ids(prompt_token_ids, max_new_tokens, sampler, eos_token_id, images, use_tqdm)
 
     def run(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, choose: Chooser,
             eos_token_id: int | None = None, images: Sequence[Any] | None = None) -> list[list[int]]:
@@ -443,7 +447,7 @@ class LLM:
         return self._run_ids(prompt_token_ids, max_new_tokens, ChooserSampler(choose), eos_token_id, images)
 
     def _run_ids(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int, sampler: Sampler,
-                 eos_token_id: int | None, images: Sequence[Any] | None) -> list[list[int]]:
+                 eos_token_id: int | None, images: Sequence[Any] | None, use_tqdm: bool = False) -> list[list[int]]:
         if max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be >= 1; got {max_new_tokens}")
         if images is not None and len(images) != len(prompt_token_ids):
@@ -454,14 +458,15 @@ class LLM:
         stop = frozenset() if eos_token_id is None else frozenset([eos_token_id])
         for seq in seqs:
             seq.sampler, seq.stop_token_ids = sampler, stop
-        self._submit_and_wait(seqs)
+        self._submit_and_wait(seqs, use_tqdm)
         return [s.tokens[s.prompt_len:] for s in seqs]
 
-    def _submit_and_wait(self, seqs: list[Seq]) -> None:
+    def _submit_and_wait(self, seqs: list[Seq], use_tqdm: bool = False) -> None:
         """Run ``seqs`` to their ends in the shared engine (taking turns at its steps with other callers)."""
         self._engine.submit(seqs)
         try:
-            self._engine.run_until(_all_done(seqs))
+            with progress(_all_done(seqs), seqs) if use_tqdm else contextlib.nullcontext(_all_done(seqs)) as done:
+                self._engine.run_until(done)
         except BaseException:
             self._engine.abort(seqs)  # interrupted while waiting: free them; after a failed step: nothing left
             raise
@@ -470,13 +475,13 @@ class LLM:
             raise RuntimeError(f"LLM: a step failed (run by another caller's thread): {failed!r}") from failed
 
     # ------------------------------------------------------------ the text way
-    def _generate_prompts(self, prompts: list[Prompt],
-                          sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+    def _generate_prompts(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                          use_tqdm: bool = False) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(prompts))
         # SamplingParams.n: a sequence a completion, each prompt's next to each other
         per_prompt = [[self._request_seq(i, p, one) for one in sp.completions()]
                       for i, (p, sp) in enumerate(zip(prompts, params))]
-        self._submit_and_wait([seq for seqs in per_prompt for seq in seqs])
+        self._submit_and_wait([seq for seqs in per_prompt for seq in seqs], use_tqdm)
         return [self._outputs(seqs, p) for seqs, p in zip(per_prompt, prompts)]
 
     @staticmethod
@@ -501,9 +506,11 @@ class LLM:
         return params
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Answer a conversation (a list of ``{"role": ..., "content": ...}``) or a list of conversations,
-        through the tokenizer's chat template (``add_generation_prompt=True``); one output each."""
+        through the tokenizer's chat template (``add_generation_prompt=True``); one output each. ``use_tqdm``:
+        as :meth:`generate`'s."""
         tok = self._need_tokenizer("chat")
         if getattr(tok, "chat_template", None) is None:
             raise ValueError(f"LLM.chat: the tokenizer of {self.model_name} has no chat template "
@@ -514,7 +521,7 @@ class LLM:
             text = tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
             # The template writes the special tokens (BOS) itself, as apply_chat_template(tokenize=True).
             prompts.append(Prompt(text, tok.encode(text, add_special_tokens=False)))
-        return self._generate_prompts(prompts, sampling_params)
+        return self._generate_prompts(prompts, sampling_params, use_tqdm)
 
     def generate_stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate after one prompt (as :meth:`generate` takes it), yielding the text as it grows: each
