@@ -40,7 +40,7 @@ from .protocol import (
     error_body,
     new_id,
 )
-from .streaming import stream_response
+from .streaming import stream_response, whole_chat_stream
 from .metrics import server_metrics
 from .utility_routes import OPEN_PATHS, add_utility_routes
 
@@ -106,8 +106,9 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         _check(req, model_name, llm)
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        tools = req.template_tools()
         try:
-            prompt = engine.chat_prompt(messages)
+            prompt = engine.chat_prompt(messages, tools=tools)
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         top = req.top_logprobs_count()
@@ -115,7 +116,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         max_tokens = _max_tokens(asked, _room(llm, len(prompt["prompt_token_ids"])))
         params = req.sampling_params(max_tokens, top)
         rid = new_id("chatcmpl")
-        if req.stream:
+        if req.stream and tools is None:
             def chunk(text: str, finish: str | None, use: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
                 return chat_chunk(rid, model_name, {"content": text}, finish, use, index)
 
@@ -125,7 +126,9 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
             return await stream_response(engine, jobs, req.n, chunk, _include_usage(req), first,
                                          functools.partial(request_error, req=req))
         outs = await _generate(engine, [(prompt, one) for one in params.completions()], req)
-        return JSONResponse(chat_response(rid, model_name, outs, llm.tokenizer, top or 0))
+        body = chat_response(rid, model_name, outs, llm.tokenizer, top or 0, req)
+        # With tools, a stream is sent once the output is whole: its tool calls are known only then.
+        return whole_chat_stream(body, _include_usage(req)) if req.stream else JSONResponse(body)
 
     return app
 

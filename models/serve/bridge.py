@@ -36,13 +36,16 @@ class AsyncLLM:
         self.metrics = metrics
         self._thread: EngineThread | None = None  # started by the first request, on its loop
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The conversation through the tokenizer's chat template, as :meth:`LLM.chat` renders it (without the
-        assistant's header when ``add_generation_prompt`` is False)."""
+        assistant's header when ``add_generation_prompt`` is False; with ``tools`` shown as the template shows
+        them)."""
         tok = self.llm.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.llm.model_name} has no chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        extra = {} if tools is None else {"tools": tools}
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
         # The template writes the special tokens (BOS) itself.
         return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..structured_outputs import StructuredOutputsParams
+from .tools import ToolChoice, ToolDef, template_tools, tool_constraint, tool_message
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "RequestError", "chat_chunk",
            "chat_response", "completion_chunk", "completion_response", "error_body", "usage"]
@@ -183,6 +184,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: one call at most
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none with ``tool_choice: "none"``)."""
+        try:
+            return template_tools(self.tools, self.tool_choice)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """As the other fields', or the constraint of a named or ``"required"`` ``tool_choice`` (not both)."""
+        try:
+            constraint = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+        base, field = super().structured()
+        if constraint is None:
+            return base, field
+        if base is not None:
+            raise RequestError(f"tool_choice constrains the output to a tool call; give no {field} with it",
+                               param="tool_choice")
+        return constraint, "tool_choice"
+
+    def message(self, out: RequestOutput, rid: str) -> tuple[dict[str, Any], str | None]:
+        """A completion's assistant message (content, or tool calls) and finish reason."""
+        content, calls = tool_message(out.text, rid, self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        if calls is None:
+            return {"role": "assistant", "content": content}, out.finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -271,12 +303,15 @@ def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None,
             "choices": choices, "usage": usage}
 
 
-def chat_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any, top: int) -> dict[str, Any]:
+def chat_response(rid: str, model: str, outs: list[RequestOutput], tokenizer: Any, top: int,
+                  req: ChatCompletionRequest) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outs):
+        message, finish = req.message(out, f"{rid}-{i}")
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out, tokenizer, top),
+                        "finish_reason": finish, "stop_reason": out.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": chat_logprobs(out, tokenizer, top), "finish_reason": out.finish_reason,
-                         "stop_reason": out.stop_reason} for i, out in enumerate(outs)],
-            "usage": usage(outs, len(outs))}  # one prompt's completions
+            "choices": choices, "usage": usage(outs, len(outs))}  # one prompt's completions
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None,

@@ -20,7 +20,7 @@ from .protocol import RequestError, error_body, usage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["event", "stream_response"]
+__all__ = ["event", "stream_response", "whole_chat_stream"]
 
 Chunk = Callable[..., dict[str, Any]]  # chunk(text, finish_reason, usage=None, index=0)
 
@@ -90,3 +90,28 @@ async def _events(streams: list[AsyncIterator[Any]], firsts: list[Any], n: int, 
 async def _close(streams: list[AsyncIterator[Any]]) -> None:
     for stream in streams:
         await stream.aclose()
+
+
+def whole_chat_stream(body: dict[str, Any], include_usage: bool) -> StreamingResponse:
+    """A chat completion already whole (``body``, as ``chat_response`` makes it) as the events of a streamed one: each
+    choice's role, then its content or its tool calls in one delta, then its finish reason; the usage if asked. For
+    tool calls, which are known only once the output is whole."""
+    def chunk(choice: dict[str, Any] | None, use: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
+                "model": body["model"], "choices": [] if choice is None else [choice], "usage": use}
+
+    def events() -> Any:
+        for c in body["choices"]:
+            message, i = c["message"], c["index"]
+            yield event(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}))
+            calls = message.get("tool_calls")
+            delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls
+                     else {"content": message["content"]})
+            yield event(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+            yield event(chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}))
+        if include_usage:
+            yield event(chunk(None, body["usage"]))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

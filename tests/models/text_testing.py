@@ -60,22 +60,23 @@ def byte_token(tokenizer, b):
     return tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b])
 
 
-def save_text_llama(path, **overrides):
-    """A tiny random Llama with the tokenizer beside it; (transformers model, tokenizer)."""
-    tok = build_tokenizer()
+def save_text_llama(path, tok=None, **overrides):
+    """A tiny random Llama with the tokenizer beside it (``tok``, default :func:`build_tokenizer`'s);
+    (transformers model, tokenizer)."""
+    tok = tok or build_tokenizer()
     model = save_hf_llama(path, vocab_size=len(tok), bos_token_id=1, eos_token_id=2, **overrides)
     tok.save_pretrained(path)
     return model, tok
 
 
-def save_chain_llama(path, chain, **overrides):
+def save_chain_llama(path, chain, tok=None, **overrides):
     """A tiny Llama whose greedy next token after ``chain[i]`` is ``chain[i + 1]``, with the tokenizer.
 
     Attention and MLP outputs are zeroed, so the last hidden state is the normed embedding of the last
     token; ``lm_head`` row ``chain[i + 1]`` is ``chain[i]``'s embedding direction (logit ~ 80 against < 40
     for the other rows: random 64-dimensional directions). ``chain`` has no repeated token but the last.
     """
-    model, tok = save_text_llama(path, **overrides)
+    model, tok = save_text_llama(path, tok, **overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
