@@ -108,7 +108,7 @@ def build_app(llm: Any, model_name: str, api_key: str | None = None,
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         tools = req.template_tools()
         try:
-            prompt = engine.chat_prompt(messages, tools=tools)
+            prompt = engine.chat_prompt(messages, tools=tools, **req.template_options())
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
         top = req.top_logprobs_count()

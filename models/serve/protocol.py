@@ -187,6 +187,26 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: one call at most
+    # vLLM's extensions: how the template renders the conversation
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is called with besides the messages and tools."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError("continue_final_message: the last message is continued, so add_generation_prompt "
+                               "must be false", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError(f"continue_final_message: the last message must be the assistant's; got "
+                               f"{self.messages[-1].role!r}", param="continue_final_message")
+        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+        clash = sorted(reserved & set(self.chat_template_kwargs or ()))
+        if clash:
+            raise RequestError(f"chat_template_kwargs: {clash} are set by the request's own fields",
+                               param="chat_template_kwargs")
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with ``tool_choice: "none"``)."""
