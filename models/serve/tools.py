@@ -10,7 +10,8 @@ model sees them). What comes back depends on ``tool_choice``:
   schema, returned as tool calls;
 - ``"auto"`` (the default with tools): the output is free; when it is, whole, a tool call in the JSON form Llama 3.1+
   templates ask for (``{"name": ..., "parameters": {...}}``, or a list of them; ``arguments`` is taken too; an
-  optional leading ``<|python_tag|>``) naming one of the tools, it is returned as tool calls, else as content;
+  optional leading ``<|python_tag|>``), or in Hermes' ``<tool_call>{...}</tool_call>`` blocks, naming tools of the
+  request, it is returned as tool calls, else as content;
 - ``"none"``: the tools are not shown to the model and nothing is parsed.
 
 A message with tool calls has ``content`` null and ``finish_reason`` ``"tool_calls"``. Errors are ``ValueError``s
@@ -20,6 +21,7 @@ naming the field (the protocol makes them 400s).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -31,6 +33,9 @@ __all__ = ["FunctionDef", "NamedToolChoice", "ToolChoice", "ToolDef", "effective
 
 #: What a model may write before a JSON tool call (Llama 3.1's code-interpreter tag).
 _PREFIXES = ("<|python_tag|>",)
+#: Hermes' tool calls (Hermes-3 Llama fine-tunes): only such blocks, whitespace between them.
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_HERMES = re.compile(r"(?:\s*<tool_call>.*?</tool_call>)+\s*", re.S)
 
 
 class FunctionDef(BaseModel):
@@ -112,8 +117,12 @@ def _parse_auto(text: str, names: set[str]) -> list[tuple[str, Any]] | None:
     body = text.strip()
     for prefix in _PREFIXES:
         body = body.removeprefix(prefix).strip()
+    tagged = _HERMES.fullmatch(body)
     try:
-        found = json.loads(body)
+        if tagged:  # Hermes' form: <tool_call>{...}</tool_call>, one a call
+            found = [json.loads(m) for m in _HERMES_CALL.findall(body)]
+        else:
+            found = json.loads(body)
     except ValueError:
         return None
     calls = found if isinstance(found, list) else [found]

@@ -27,21 +27,39 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 ASK = [{"role": "user", "content": "hello there"}]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tool_llama")
+def serve_writer(path, call):
+    """A server whose model's greedy answer to ASK is ``call`` (one added token), then EOS."""
     tok = build_tokenizer()
-    tok.add_tokens([CALL])  # one token: the chain writes it, then EOS
+    tok.add_tokens([call])
     tok.chat_template = TEMPLATE
     last = prompt_ids(tok, ASK)[-1]
-    save_chain_llama(path, [last, tok.convert_tokens_to_ids(CALL), tok.eos_token_id], tok, max_position_embeddings=1024)
+    save_chain_llama(path, [last, tok.convert_tokens_to_ids(call), tok.eos_token_id], tok, max_position_embeddings=1024)
     llm = LLM(str(path), level=0, max_num_tokens=64)
     from models.serve.app import build_app
 
     url, server = start_server(build_app(llm, "m"))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    return url, server, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60), llm
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    url, server, client, llm = serve_writer(tmp_path_factory.mktemp("tool_llama"), CALL)
     yield url, client, llm
     server.should_exit = True
+
+
+def test_hermes_blocks_are_calls_too(tmp_path):
+    hermes = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    _, server, client, _ = serve_writer(tmp_path, hermes)
+    try:
+        calls = ask(client, tools=[WEATHER, TIME]).message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Rome"}), ("get_time", {})]
+        one = ask(client, tools=[WEATHER, TIME], parallel_tool_calls=False).message.tool_calls
+        assert [c.function.name for c in one] == ["get_weather"]
+    finally:
+        server.should_exit = True
 
 
 def prompt_ids(tok, messages, **kw):
