@@ -507,18 +507,27 @@ class LLM:
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, *, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Answer a conversation (a list of ``{"role": ..., "content": ...}``) or a list of conversations,
-        through the tokenizer's chat template (``add_generation_prompt=True``); one output each. ``use_tqdm``:
-        as :meth:`generate`'s."""
+        through the tokenizer's chat template; one output each. As vLLM's: ``tools`` (OpenAI's tool dicts) are
+        shown as the template shows them; ``add_generation_prompt`` adds the assistant's header;
+        ``continue_final_message`` goes on from the assistant's last message instead (``add_generation_prompt``
+        False); ``chat_template_kwargs``: the template's own variables. ``use_tqdm``: as :meth:`generate`'s."""
         tok = self._need_tokenizer("chat")
         if getattr(tok, "chat_template", None) is None:
             raise ValueError(f"LLM.chat: the tokenizer of {self.model_name} has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("LLM.chat: continue_final_message continues the last message: pass "
+                             "add_generation_prompt=False with it")
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, **({"tools": tools} if tools else {})}
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = tok.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(list(conversation), tokenize=False, **options)
             # The template writes the special tokens (BOS) itself, as apply_chat_template(tokenize=True).
             prompts.append(Prompt(text, tok.encode(text, add_special_tokens=False)))
         return self._generate_prompts(prompts, sampling_params, use_tqdm)

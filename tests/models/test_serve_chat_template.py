@@ -1,6 +1,6 @@
-"""vLLM's chat-template fields in ``/v1/chat/completions``: ``add_generation_prompt``, ``continue_final_message`` (the
-answer goes on from the assistant's last message) and ``chat_template_kwargs`` (the template's own variables), each
-the prompt transformers' ``apply_chat_template`` renders with them, and the greedy completion of that prompt."""
+"""vLLM's chat-template fields in ``/v1/chat/completions`` and ``LLM.chat``: ``add_generation_prompt``,
+``continue_final_message`` (the answer goes on from the assistant's last message) and ``chat_template_kwargs`` (the
+template's own variables), each the prompt transformers' ``apply_chat_template`` renders with them, and the greedy completion of that prompt."""
 
 import pytest
 
@@ -69,3 +69,15 @@ def test_contradictions_name_the_field(served, fields, messages):
     r = chat(url, messages=messages, **fields)
     param = "chat_template_kwargs" if "chat_template_kwargs" in fields else "continue_final_message"
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_llm_chat_takes_the_same_fields(served):
+    _, llm = served
+    params = SamplingParams(temperature=0, max_tokens=6)
+    (out,) = llm.chat([USER, PARTIAL], params, add_generation_prompt=False, continue_final_message=True)
+    assert (len(out.prompt_token_ids), out.text) == expected(llm, [USER, PARTIAL], add_generation_prompt=False,
+                                                              continue_final_message=True)
+    (out,) = llm.chat([USER], params, chat_template_kwargs={"hint": "be brief"})
+    assert (len(out.prompt_token_ids), out.text) == expected(llm, [USER], hint="be brief", add_generation_prompt=True)
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat([USER, PARTIAL], params, continue_final_message=True)
