@@ -1,6 +1,7 @@
 """vLLM's chat-template fields in ``/v1/chat/completions`` and ``LLM.chat``: ``add_generation_prompt``,
 ``continue_final_message`` (the answer goes on from the assistant's last message) and ``chat_template_kwargs`` (the
-template's own variables), each the prompt transformers' ``apply_chat_template`` renders with them, and the greedy completion of that prompt."""
+template's own variables), each the prompt transformers' ``apply_chat_template`` renders with them, and the greedy
+completion of that prompt."""
 
 import pytest
 
