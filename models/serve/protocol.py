@@ -176,6 +176,24 @@ class ChatMessage(BaseModel):
         return "".join(p["text"] for p in self.content)
 
 
+def template_options(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's template fields, checked, as ``apply_chat_template`` keywords (the template's variables included)."""
+    if continue_final_message and add_generation_prompt:
+        raise RequestError("continue_final_message: the last message is continued, so add_generation_prompt "
+                           "must be false", param="continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise RequestError(f"continue_final_message: the last message must be the assistant's; got "
+                           f"{messages[-1].role!r}", param="continue_final_message")
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+    clash = sorted(reserved & set(chat_template_kwargs or ()))
+    if clash:
+        raise RequestError(f"chat_template_kwargs: {clash} are set by the request's own fields",
+                           param="chat_template_kwargs")
+    return {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message}
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: a conversation through the checkpoint's chat template."""
 
@@ -194,19 +212,8 @@ class ChatCompletionRequest(_Sampling):
 
     def template_options(self) -> dict[str, Any]:
         """What the chat template is called with besides the messages and tools."""
-        if self.continue_final_message and self.add_generation_prompt:
-            raise RequestError("continue_final_message: the last message is continued, so add_generation_prompt "
-                               "must be false", param="continue_final_message")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise RequestError(f"continue_final_message: the last message must be the assistant's; got "
-                               f"{self.messages[-1].role!r}", param="continue_final_message")
-        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
-        clash = sorted(reserved & set(self.chat_template_kwargs or ()))
-        if clash:
-            raise RequestError(f"chat_template_kwargs: {clash} are set by the request's own fields",
-                               param="chat_template_kwargs")
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return template_options(self.messages, self.add_generation_prompt, self.continue_final_message,
+                                self.chat_template_kwargs)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with ``tool_choice: "none"``)."""

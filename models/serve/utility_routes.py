@@ -5,7 +5,8 @@
 - ``GET /version``: ``{"version": ...}``, the installed package's; no key either.
 - ``GET /metrics``: Prometheus' text format (:mod:`.metrics`); no key either (a scraper has none).
 - ``POST /tokenize``: a prompt (``{"prompt": text, "add_special_tokens": true}``) or a conversation (``{"messages":
-  [...], "add_generation_prompt": true}``, through the chat template as ``/v1/chat/completions`` renders it) to
+  [...]}``, through the chat template as ``/v1/chat/completions`` renders it, with its ``add_generation_prompt``,
+  ``continue_final_message``, ``chat_template_kwargs`` and ``tools``) to
   ``{"count", "max_model_len", "tokens"}``.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``; an id outside the vocabulary is a 400
   naming ``tokens``.
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bridge import AsyncLLM
-from .protocol import ChatMessage, RequestError, error_body
+from .protocol import ChatMessage, RequestError, error_body, template_options
+from .tools import ToolDef
 
 __all__ = ["OPEN_PATHS", "DetokenizeRequest", "TokenizeRequest", "add_utility_routes"]
 
@@ -39,6 +42,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
 
     def token_ids(self, engine: AsyncLLM) -> list[int]:
         if (self.prompt is None) == (self.messages is None):
@@ -46,8 +52,11 @@ class TokenizeRequest(BaseModel):
         if self.prompt is not None:
             return list(engine.llm.tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens))
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
+        options = template_options(self.messages, self.add_generation_prompt, self.continue_final_message,
+                                   self.chat_template_kwargs)
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
         try:
-            return engine.chat_prompt(messages, self.add_generation_prompt)["prompt_token_ids"]
+            return engine.chat_prompt(messages, tools=tools, **options)["prompt_token_ids"]
         except ValueError as e:
             raise RequestError(str(e), param="messages") from None
 

@@ -82,3 +82,18 @@ def test_llm_chat_takes_the_same_fields(served):
     assert (len(out.prompt_token_ids), out.text) == expected(llm, [USER], hint="be brief", add_generation_prompt=True)
     with pytest.raises(ValueError, match="add_generation_prompt=False"):
         llm.chat([USER, PARTIAL], params, continue_final_message=True)
+
+
+def test_tokenize_renders_the_same(served):
+    url, llm = served
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for body, kw in [({"continue_final_message": True, "add_generation_prompt": False},
+                      {"continue_final_message": True, "add_generation_prompt": False}),
+                     ({"chat_template_kwargs": {"hint": "be brief"}}, {"hint": "be brief", "add_generation_prompt": True}),
+                     ({"tools": tools}, {"tools": tools, "add_generation_prompt": True})]:
+        messages = [USER, PARTIAL] if body.get("continue_final_message") else [USER]
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages, **body}, timeout=30)
+        text = llm.tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+        assert r.status_code == 200 and r.json()["tokens"] == llm.tokenizer.encode(text, add_special_tokens=False)
+    r = httpx.post(f"{url}/tokenize", json={"messages": [USER], "continue_final_message": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
