@@ -115,16 +115,21 @@ class KVCache:
         if n > free:
             raise RuntimeError(f"KVCache: a sequence of {num_tokens} tokens needs {n} blocks, "
                                f"{free} of {self.num_blocks} are free; raise num_cache_tokens")
+        if self.prefix is not None:
+            for b in cached:
+                if self._holders[b] == 0:
+                    del self.prefix.evictable[b]
+                self._holders[b] += 1
+        return cached + self._take(n)
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` new blocks, free ones first, then evicted from the prefix cache; each held by one sequence."""
         if self.prefix is None:
             return [self._free.pop() for _ in range(n)]
-        for b in cached:
-            if self._holders[b] == 0:
-                del self.prefix.evictable[b]
-            self._holders[b] += 1
         new = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
         for b in new:
             self._holders[b] = 1
-        return cached + new
+        return new
 
     def grow(self, blocks: list[int], num_tokens: int) -> bool:
         """Append to a running sequence's ``blocks`` the new ones it needs to hold ``num_tokens`` tokens, taken as
@@ -134,13 +139,7 @@ class KVCache:
             return True
         if n > self.num_free_blocks:
             return False
-        if self.prefix is None:
-            blocks += [self._free.pop() for _ in range(n)]
-            return True
-        new = [self._free.pop() if self._free else self.prefix.evict() for _ in range(n)]
-        for b in new:
-            self._holders[b] = 1
-        blocks += new
+        blocks += self._take(n)
         return True
 
     def free(self, blocks: list[int]) -> None:

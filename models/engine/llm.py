@@ -515,22 +515,30 @@ class LLM:
         shown as the template shows them; ``add_generation_prompt`` adds the assistant's header;
         ``continue_final_message`` goes on from the assistant's last message instead (``add_generation_prompt``
         False); ``chat_template_kwargs``: the template's own variables. ``use_tqdm``: as :meth:`generate`'s."""
-        tok = self._need_tokenizer("chat")
-        if getattr(tok, "chat_template", None) is None:
-            raise ValueError(f"LLM.chat: the tokenizer of {self.model_name} has no chat template "
-                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("LLM.chat: continue_final_message continues the last message: pass "
                              "add_generation_prompt=False with it")
         options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, **({"tools": tools} if tools else {})}
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = tok.apply_chat_template(list(conversation), tokenize=False, **options)
-            # The template writes the special tokens (BOS) itself, as apply_chat_template(tokenize=True).
-            prompts.append(Prompt(text, tok.encode(text, add_special_tokens=False)))
+        prompts = [self.render_chat(conversation, **options) for conversation in conversations]
         return self._generate_prompts(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: Sequence[dict[str, Any]], **options: Any) -> Prompt:
+        """A conversation through the tokenizer's chat template: its text and token ids (the template writes the
+        special tokens, BOS, itself). ``options``: ``apply_chat_template``'s keywords (``add_generation_prompt``
+        True unless given, ``continue_final_message``, ``tools``) and the template's own variables. A missing
+        template, or the template's own error, is a ``ValueError``."""
+        tok = self._need_tokenizer("chat")
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError(f"LLM.chat: the tokenizer of {self.model_name} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        try:
+            text = tok.apply_chat_template(list(conversation), tokenize=False,
+                                           **{"add_generation_prompt": True, **options})
+        except Exception as e:  # jinja's error, or the template's raise_exception
+            raise ValueError(f"LLM.chat: the chat template failed: {e}") from None
+        return Prompt(text, tok.encode(text, add_special_tokens=False))
 
     def generate_stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate after one prompt (as :meth:`generate` takes it), yielding the text as it grows: each

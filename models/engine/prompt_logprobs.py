@@ -33,15 +33,11 @@ def record_prompt_logprobs(batch: list[tuple[Seq, int]], num_decodes: int, hidde
             continue
         k = min(n, seq.prompt_len - 1 - first)  # the last prompt token's next is the first generated one
         # A preempted sequence computes its prompt again: the rows recorded before are kept, not recorded twice.
-        done = sum(len(values) for values, _ in seq.prompt_logprob_rows) - first if seq.num_preempted else 0
-        if done > 0:
-            first, k, skip = first + done, k - done, done
-        else:
-            skip = 0
+        skip = max(0, sum(len(v) for v, _ in seq.prompt_logprob_rows) - first) if seq.num_preempted else 0
+        first, k = first + skip, k - skip
         if k <= 0:
             continue
-        rows = hidden[start - n + skip:start - n + skip + k]
-        logprobs = compute_logits(rows).float().log_softmax(dim=-1)  # [k, vocab]
+        logprobs = compute_logits(hidden[start - n + skip:start - n + skip + k]).float().log_softmax(dim=-1)
         targets = torch.tensor(seq.tokens[first + 1:first + 1 + k], device=logprobs.device)
         values, ids = logprobs.gather(-1, targets[:, None]), targets[:, None]
         top = seq.params.prompt_logprobs

@@ -263,11 +263,9 @@ class Scheduler:
     def _grow_running(self) -> bool:
         """Give each running sequence the blocks its next token needs, the earliest admitted first; when the cache
         has too few, preempt the most recently admitted (possibly the one growing). True if any was preempted."""
-        bs = self.kv_cache.block_size
-        short = [s for s in self.running if len(s.blocks) * bs <= s.num_computed]
         preempted = False
-        for seq in short:
-            if not seq.blocks:  # preempted for an earlier one of short
+        for seq in self._short(self.running):
+            if not seq.blocks:  # preempted for an earlier short one
                 continue
             while not self.kv_cache.grow(seq.blocks, seq.num_computed + 1):
                 victim = self.running.pop()
@@ -282,12 +280,16 @@ class Scheduler:
     def _grow_ahead(self, seqs: list[Seq]) -> bool:
         """The blocks a decode step launched ahead needs (its tokens' positions are ``num_computed``); False when the
         cache has too few: the step is then not launched ahead, and the next one preempts as it must."""
-        bs = self.kv_cache.block_size
-        for seq in [s for s in seqs if len(s.blocks) * bs <= s.num_computed]:
+        for seq in self._short(seqs):
             if not self.kv_cache.grow(seq.blocks, seq.num_computed + 1):
                 return False
             self.on_grow(seq)
         return True
+
+    def _short(self, seqs: list[Seq]) -> list[Seq]:
+        """Those of ``seqs`` whose next token (at ``num_computed``) has no block yet."""
+        bs = self.kv_cache.block_size
+        return [s for s in seqs if len(s.blocks) * bs <= s.num_computed]
 
     def _preempt(self, seq: Seq) -> None:
         """Free a running sequence's blocks and queue it first to compute all its tokens again."""

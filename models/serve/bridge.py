@@ -41,17 +41,9 @@ class AsyncLLM:
         """The conversation through the tokenizer's chat template, as :meth:`LLM.chat` renders it (without the
         assistant's header when ``add_generation_prompt`` is False; with ``tools`` shown as the template shows
         them; ``options``: more of ``apply_chat_template``'s keywords and the template's variables)."""
-        tok = self.llm.tokenizer
-        if getattr(tok, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {self.llm.model_name} has no chat template")
         extra = options if tools is None else {**options, "tools": tools}
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                           **extra)
-        except Exception as e:  # the template's own error (jinja's, or raise_exception in the template)
-            raise ValueError(f"the chat template failed: {e}") from None
-        # The template writes the special tokens (BOS) itself.
-        return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        prompt = self.llm.render_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return {"prompt_token_ids": prompt.token_ids}
 
     def problem(self) -> str | None:
         """Why the engine cannot take requests (its thread has ended, or the server is shutting down); None

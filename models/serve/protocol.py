@@ -176,6 +176,14 @@ class ChatMessage(BaseModel):
         return "".join(p["text"] for p in self.content)
 
 
+def _tools_call(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` of :mod:`.tools`; its ``ValueError`` ("FIELD: ...") a 400 naming the field."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+
+
 def template_options(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                      chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's template fields, checked, as ``apply_chat_template`` keywords (the template's variables included)."""
@@ -217,17 +225,11 @@ class ChatCompletionRequest(_Sampling):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model (none with ``tool_choice: "none"``)."""
-        try:
-            return template_tools(self.tools, self.tool_choice)
-        except ValueError as e:
-            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+        return _tools_call(template_tools, self.tools, self.tool_choice)
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """As the other fields', or the constraint of a named or ``"required"`` ``tool_choice`` (not both)."""
-        try:
-            constraint = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
-        except ValueError as e:
-            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+        constraint = _tools_call(tool_constraint, self.tools, self.tool_choice, self.parallel_tool_calls is not False)
         base, field = super().structured()
         if constraint is None:
             return base, field

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from .bridge import AsyncLLM
-from .protocol import RequestError, error_body, usage
+from .protocol import RequestError, chat_chunk, error_body, usage
 
 logger = logging.getLogger(__name__)
 
@@ -96,22 +96,19 @@ def whole_chat_stream(body: dict[str, Any], include_usage: bool) -> StreamingRes
     """A chat completion already whole (``body``, as ``chat_response`` makes it) as the events of a streamed one: each
     choice's role, then its content or its tool calls in one delta, then its finish reason; the usage if asked. For
     tool calls, which are known only once the output is whole."""
-    def chunk(choice: dict[str, Any] | None, use: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
-                "model": body["model"], "choices": [] if choice is None else [choice], "usage": use}
+    rid, model = body["id"], body["model"]
 
     def events() -> Any:
         for c in body["choices"]:
             message, i = c["message"], c["index"]
-            yield event(chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}))
+            yield event(chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=i))
             calls = message.get("tool_calls")
             delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls
                      else {"content": message["content"]})
-            yield event(chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
-            yield event(chunk({"index": i, "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}))
+            yield event(chat_chunk(rid, model, delta, None, index=i))
+            yield event(chat_chunk(rid, model, {}, c["finish_reason"], index=i))
         if include_usage:
-            yield event(chunk(None, body["usage"]))
+            yield event(chat_chunk(rid, model, {}, None, body["usage"]))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
