@@ -6,8 +6,8 @@ pieces' CUDA-graph replays, once per layer: its host time, not its GPU time, set
 it is the larger. For each model's attention shape (bf16 paged cache, 16-token blocks) and B decode
 sequences of ``--context`` cached tokens, plus one ``--prefill``-token prompt (0: decodes only), this
 times a step's worth of calls (one per layer of the model, a fresh metadata object per step, as the
-runner builds one: the first call builds the step's decode plan, the others reuse it; ``plan``: ``built``, or
-``inherited`` from the last step's, as the runner's consecutive steps of one shape take it over):
+runner builds one: the first call gets the step's decode plan and launches, the others reuse them; ``plan``:
+``built`` anew, ``cached`` from a recent step's, or ``inherited`` from the last step's, see :meth:`MixedStep.step`):
 
 The calls are made as inside a piecewise step (the op writes into the layer's persistent output buffer).
 
@@ -48,6 +48,8 @@ from ops.paged_attention import DecodeWorkspace
 from ops.triton_utils import FastLaunch
 
 BLOCK = 16
+#: How a timed step gets its plans and launches (:meth:`MixedStep.step`).
+PLANS = ("built", "cached", "inherited")
 UNIFIED_DEFAULT = attention_module.UNIFIED_ATTENTION  # restored after each measurement
 FORMS = ("unified", "split")
 
@@ -101,14 +103,19 @@ class MixedStep:
             workspace=DecodeWorkspace(batch))
         self.last: AttentionMetadata | None = None  # the last step's metadata
 
-    def step(self, inherit: bool = False, marks: list[float] | None = None) -> None:
-        """One step's calls, one per layer, under a fresh metadata object (its plan built by the first; with
-        ``inherit``, taken over from the last step's, as the engine's steps of one shape do:
-        ``AttentionMetadata.inherit``), each as the piecewise path's split graph makes it: the op's eager function
-        where one is set (``plugins.set_splitting_op_eager_impl``, as ``models.attention`` does), else the op.
-        ``marks``: ``time.perf_counter()`` is appended after each call."""
+    def step(self, plan: str = "cached", marks: list[float] | None = None) -> None:
+        """One step's calls, one per layer, under a fresh metadata object, each as the piecewise path's split graph
+        makes it: the op's eager function where one is set (``plugins.set_splitting_op_eager_impl``, as
+        ``models.attention`` does), else the op. ``marks``: ``time.perf_counter()`` is appended after each call.
+
+        ``plan`` (see :data:`PLANS`): ``built``, the first call builds the step's plans, bound launches and launch
+        program anew (the workspace's cache of recent steps' emptied first: a layout never seen); ``cached``, it
+        takes them from that cache (a layout seen some steps ago, not the last); ``inherited``, the metadata takes
+        them over from the last step's (``AttentionMetadata.inherit``, the engine's consecutive steps of one shape)."""
         md = dataclasses.replace(self.md)
-        if inherit and not md.inherit(self.last):
+        if plan == "built":
+            self.md.workspace.launches.clear()
+        elif plan == "inherited" and not md.inherit(self.last):
             raise RuntimeError("attention_host: the step did not take over the last one's plans")
         self.last = md
         q, k, v = self.q, self.k, self.v
@@ -152,8 +159,8 @@ class StepTimes:
     gpu: float | None
 
 
-def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> StepTimes:
-    """:class:`StepTimes` over ``steps`` steps (``inherit``: see :meth:`MixedStep.step`)."""
+def time_step(s: MixedStep, device: torch.device, steps: int, plan: str) -> StepTimes:
+    """:class:`StepTimes` over ``steps`` steps (``plan``: see :meth:`MixedStep.step`)."""
     with torch.inference_mode():
         for _ in range(3):  # compiles, plans, allocator warm
             s.step()
@@ -161,14 +168,14 @@ def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> 
         for _ in range(steps):
             _sync(device)
             marks = [time.perf_counter()]
-            s.step(inherit, marks)
+            s.step(plan, marks)
             host.append((marks[-1] - marks[0]) * 1e6 / s.num_layers)
             first.append((marks[1] - marks[0]) * 1e6)
             later.append((marks[-1] - marks[1]) * 1e6 / max(s.num_layers - 1, 1))
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                s.step(inherit)
+                s.step(plan)
                 end.record()
                 end.synchronize()
                 gpu.append(start.elapsed_time(end) * 1e3 / s.num_layers)
@@ -177,8 +184,8 @@ def time_step(s: MixedStep, device: torch.device, steps: int, inherit: bool) -> 
 
 
 def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str | None, rows: int = 40,
-                  inherit: bool = False) -> str:
-    """cProfile over ``steps`` steps of ``s`` (the fast launch path; ``inherit``: see :meth:`MixedStep.step`): the
+                  plan: str = "built") -> str:
+    """cProfile over ``steps`` steps of ``s`` (the fast launch path; ``plan``: see :meth:`MixedStep.step`): the
     functions by their own time, as text (``attention_host_profile.txt`` under ``out_dir``). Where a call's host µs
     go on the GPU's host: Python, the bound launches, the C launcher."""
     import cProfile
@@ -192,12 +199,12 @@ def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str |
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
-            s.step(inherit)
+            s.step(plan)
         prof.disable()
         _sync(device)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
-    text = f"{steps} steps x {s.num_layers} calls, plans {'inherited' if inherit else 'built'}\n" + buf.getvalue()
+    text = f"{steps} steps x {s.num_layers} calls, plans {plan}\n" + buf.getvalue()
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "attention_host_profile.txt"), "w") as f:
@@ -218,7 +225,7 @@ def measure(names: list[str], batches: list[int], prefills: list[int], context: 
                     FastLaunch.enabled = launch == "fast"
                     attention_module.UNIFIED_ATTENTION = form == "unified"
                     try:
-                        t = time_step(s, device, steps, plan == "inherited")
+                        t = time_step(s, device, steps, plan)
                     finally:
                         FastLaunch.enabled = True
                         attention_module.UNIFIED_ATTENTION = UNIFIED_DEFAULT
@@ -256,8 +263,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--forms", default="unified,split",
                    help="with a prompt: unified (models.attention.UNIFIED_ATTENTION on: one launch a layer where the "
                         "step fits it) and/or split (off); decode-only steps take the first")
-    p.add_argument("--plans", default="built,inherited",
-                   help="built (each step's metadata builds its plans: a step of another shape than the last) and/or "
+    p.add_argument("--plans", default=",".join(PLANS),
+                   help="built (each step builds its plans and launches: a layout never seen), cached (taken from the "
+                        "workspace's cache of recent steps': a layout seen before, not the last step's) and/or "
                         "inherited (taken over from the last step's: AttentionMetadata.inherit, as the engine's "
                         "consecutive steps of one shape)")
     p.add_argument("--quick", action="store_true", help="tiny-llama's shape on the CPU, to check the harness")
@@ -284,11 +292,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not forms or not set(forms) <= set(FORMS) or not set(launches) <= {"fast", "triton"}:
         p.error(f"--forms: expected unified and/or split, --launches: fast and/or triton; got {a.forms!r}, "
                 f"{a.launches!r}")
-    if not set(plans) <= {"built", "inherited"}:
-        p.error(f"--plans: expected built and/or inherited; got {a.plans!r}")
+    if not plans or not set(plans) <= set(PLANS):
+        p.error(f"--plans: expected some of {', '.join(PLANS)}; got {a.plans!r}")
     if a.cprofile:
         print(profile_calls(MixedStep(names[0], batches[0], prefills[0], context, device, dtype), device, steps, a.out,
-                            inherit=plans[0] == "inherited"))
+                            plan=plans[0]))
         return []
     rows = measure(names, batches, prefills, context, device, dtype, steps, launches, forms, plans)
     stem = "attention_host" + ("_quick" if a.quick else "")
@@ -297,10 +305,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          notes=[f"B decodes of {context} cached tokens each, plus one prompt of `prefill` tokens "
                                 "(0: none); bf16 paged cache, 16-token blocks; one call per layer of the model a "
                                 "step, a fresh metadata object per step",
-                                "plan: built = the step's first call builds its plans and bound launches (a step of "
-                                "another shape than the last); inherited = the metadata takes them, and the launches "
-                                "the last step's first call recorded, over from the last step's "
-                                "(AttentionMetadata.inherit, as the engine's consecutive steps of one shape)",
+                                "plan: built = the step's first call builds its plans, bound launches and launch "
+                                "program (a layout never seen: the workspace's cache of recent steps' emptied "
+                                "first); cached = it takes them from that cache (ops.launch_cache: a layout seen "
+                                "before, not the last step's); inherited = the metadata takes them over from the "
+                                "last step's (AttentionMetadata.inherit, as the engine's consecutive steps of one "
+                                "shape)",
                                 "host_us: a step's calls back to back, no sync, perf_counter, per call (median of "
                                 f"{steps} steps, each from an idle GPU); first_call_us: the step's first call, with "
                                 "the step's setup before it (metadata, forward context); later_call_us: per call "

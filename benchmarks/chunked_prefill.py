@@ -35,7 +35,7 @@ from benchmarks import common
 
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
-           "total_s", "tokens_per_s"]
+           "total_s", "tokens_per_s", "pieces_built", "pieces_from_cache"]
 
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
@@ -76,9 +76,13 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     rng = random.Random(0)
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
     run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
+    cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
+    before = (cache.misses, cache.hits) if cache is not None else None
     stats, wall = run(llm, prompts, a.max_tokens)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens))
+             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens),
+             pieces_built=cache.misses - before[0] if cache is not None else "",
+             pieces_from_cache=cache.hits - before[1] if cache is not None else "")
     print(r, flush=True)
     return r
 
@@ -118,7 +122,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     f"tokens a step (longer prompts in chunks), {a.max_num_seqs} sequences in flight",
                                     "steps from LLM.stats: decode-only, prefill-only (prompt chunks alone), mixed "
                                     "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
-                                    "summed time; a step = forward + sampling + reading its tokens"])
+                                    "summed time; a step = forward + sampling + reading its tokens",
+                                    "pieces_built / pieces_from_cache: the attention launch state (a decode plan, a "
+                                    "kernel's bound launch, a layer's recorded launches) steps that did not inherit "
+                                    "the last step's built anew / took from the workspace's cache of recent steps' "
+                                    "(ops.launch_cache), over the timed run"])
     common.plot_stacked_bars(stem, [dict(r, decode=r["decode_steps"], prefill=r["prefill_steps"], mixed=r["mixed_steps"])
                                     for r in rows], label=["model", "tag"], parts=["decode", "prefill", "mixed"],
                              title="Steps of LLM.generate with chunked prefill, by kind", ylabel="steps", out_dir=a.out)

@@ -53,9 +53,9 @@ from dispatcher import envs, plugins
 from dispatcher.cuda_graph import thread_state as graph_state
 from ops.kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales
 from ops.launch_program import LaunchProgram, recording
-from ops.paged_attention import paged_decode_launch, write_kv_cache_launch
+from ops.paged_attention import DecodePlan, paged_decode_launch, write_kv_cache_launch
 from ops.paged_prefill import prefill_launch
-from ops.triton_utils import cdiv
+from ops.triton_utils import BoundLaunch, FastLaunch, cdiv
 
 from .forward_context import AttentionMetadata, get_forward_context
 
@@ -210,9 +210,9 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
         key += (torch.cuda.is_current_stream_capturing(),)
     call = md.layer_calls.get(key)
     if call is None:
-        call = md.layer_calls[key] = _StepCall(md, num_heads, head_size, shape, contiguous, q.device, q.dtype,
-                                               k.shape[0], logits_soft_cap is not None, sliding_window is not None,
-                                               kv_cache.dtype == FP8_KV_DTYPE)
+        call = md.layer_calls[key] = _step_call(md, key, num_heads, head_size, shape, contiguous, q.device, q.dtype,
+                                                k.shape[0], logits_soft_cap is not None, sliding_window is not None,
+                                                kv_cache.dtype == FP8_KV_DTYPE)
     # Read once a call, not per launch: the current device (a Python call into torch.cuda) and stream, and
     # whether launch hooks are set; the same for the two or three launches below, which switch no stream.
     target = call.fast.target() if call.fast is not None else None
@@ -281,47 +281,65 @@ def _launch(call: _StepCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 class _StepCall:
-    """What :func:`attention_cuda` needs for one step and layer configuration besides the layer's tensors, built by
-    the step's first call (``AttentionMetadata.layer_calls``): the decode plan (None: no decode, or the unified
-    launch attends for them), whether the decode kernel writes the decodes' keys and values (``fused_write``) and the
-    prefill kernel the others' (``prefill_writes``; every sequence's when unified), and the cache-write and prefill
-    kernels' bound launches (None: nothing to launch), as the metadata's cached ones."""
+    """What :func:`attention_cuda` needs for one step and layer configuration besides the layer's tensors
+    (:func:`_step_call`): the decode plan (None: no decode, or the unified launch attends for them), whether the
+    decode kernel writes the decodes' keys and values (``fused_write``) and the prefill kernel the others'
+    (``prefill_writes``; every sequence's when unified), and the cache-write and prefill kernels' bound launches
+    (None: nothing to launch), as the metadata's cached ones; then the launches the first call recorded."""
 
     __slots__ = ("plan", "fused_write", "prefill_writes", "write", "prefill", "fast", "cache_strides", "slots",
                  "program", "spec")
 
-    def __init__(self, md: AttentionMetadata, num_heads: int, head_size: int, shape: torch.Size, contiguous: bool,
-                 device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
-                 use_window: bool, kv_fp8: bool) -> None:
-        nd = md.num_decodes
-        page, num_kv_heads = shape[2], shape[3]
-        unified = (UNIFIED_ATTENTION and contiguous and nd <= UNIFIED_MAX_DECODES
-                   and md.decodes_fit_unified(UNIFIED_DECODE_TOKENS))
-        self.plan = plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device, kv_fp8) \
-            if nd and not unified else None
-        self.fused_write = plan is not None and plan.fused_write and contiguous
-        self.prefill_writes = unified or (PREFILL_WRITES_KV and contiguous and nd < md.num_seqs)
-        # write_kv_cache_triton's launch: under fused_write the decodes' rows go with the decode kernel
-        # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel (all, unified).
-        first = nd if self.fused_write else 0
-        end = (0 if unified else nd) if self.prefill_writes else num_tokens
-        self.cache_strides = _contiguous_strides(shape)[:4] if contiguous else None
-        self.slots = md.slot_mapping if md.slot_mapping.stride(-1) == 1 else md.slot_mapping.contiguous()
-        self.write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous and end > first \
-            else None
-        self.prefill = None
-        if nd < md.num_seqs:
-            self.prefill = md.prefill_launch(num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window,
-                                             new_kv=self.prefill_writes, all_seqs=unified)
-        launches = [self.write, self.prefill, *(plan.launches(use_softcap, use_window, dtype == torch.float32,
-                                                              self.fused_write) if plan is not None else ())]
-        # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.
-        self.fast = next((launch.fast for launch in launches if launch is not None), None) \
-            if device.type == "cuda" else None
+    def __init__(self, plan: DecodePlan | None, fused_write: bool, prefill_writes: bool, write: BoundLaunch | None,
+                 prefill: BoundLaunch | None, fast: FastLaunch | None, cache_strides: tuple[int, ...] | None,
+                 slots: torch.Tensor) -> None:
+        self.plan, self.fused_write, self.prefill_writes = plan, fused_write, prefill_writes
+        self.write, self.prefill, self.fast = write, prefill, fast
+        self.cache_strides, self.slots = cache_strides, slots
         # The step's first call records its launches (ops.launch_program); a later layer with the same spec
         # (_replay_spec) replays them with its own tensors. spec None: not recorded yet; False: no program.
         self.program: LaunchProgram | None = None
         self.spec: tuple | bool | None = None
+
+
+def _step_call(md: AttentionMetadata, key: tuple, num_heads: int, head_size: int, shape: torch.Size,
+               contiguous: bool, device: torch.device, dtype: torch.dtype, num_tokens: int, use_softcap: bool,
+               use_window: bool, kv_fp8: bool) -> _StepCall:
+    """The step's :class:`_StepCall` for a layer configuration (``key``: :func:`attention_cuda`'s), from the
+    metadata's plan and bound launches; a recent step's, recorded launches included, where it was built from the
+    same pieces (``md.launch_cache()``: every piece is then that step's, and so are the slots' tensor)."""
+    nd = md.num_decodes
+    page, num_kv_heads = shape[2], shape[3]
+    unified = (UNIFIED_ATTENTION and contiguous and nd <= UNIFIED_MAX_DECODES
+               and md.decodes_fit_unified(UNIFIED_DECODE_TOKENS))
+    plan = md.decode_plan(num_heads, num_kv_heads, head_size, page, device, kv_fp8) if nd and not unified else None
+    fused_write = plan is not None and plan.fused_write and contiguous
+    prefill_writes = unified or (PREFILL_WRITES_KV and contiguous and nd < md.num_seqs)
+    # write_kv_cache_triton's launch: under fused_write the decodes' rows go with the decode kernel
+    # (paged_decode_launch's new_kv), under prefill_writes the others with the prefill kernel (all, unified).
+    first = nd if fused_write else 0
+    end = (0 if unified else nd) if prefill_writes else num_tokens
+    cache_strides = _contiguous_strides(shape)[:4] if contiguous else None
+    slots = md.slot_mapping if md.slot_mapping.stride(-1) == 1 else md.slot_mapping.contiguous()
+    write = md.write_launch(end - first, num_kv_heads * shape[4], first) if contiguous and end > first else None
+    prefill = None
+    if nd < md.num_seqs:
+        prefill = md.prefill_launch(num_heads, num_kv_heads, head_size, page, dtype, use_softcap, use_window,
+                                    new_kv=prefill_writes, all_seqs=unified)
+    launches = [write, prefill, *(plan.launches(use_softcap, use_window, dtype == torch.float32, fused_write)
+                                  if plan is not None else ())]
+    # Where to read the launch target from (any of the kernels': they share the driver); on CUDA only.
+    fast = next((launch.fast for launch in launches if launch is not None), None) if device.type == "cuda" else None
+
+    def build() -> _StepCall:
+        return _StepCall(plan, fused_write, prefill_writes, write, prefill, fast, cache_strides, slots)
+
+    cache = md.launch_cache() if slots is md.slot_mapping else None
+    if cache is None:
+        return build()
+    # The pieces by identity: the cache's entries, alive while an entry holding them is (no id is reused meanwhile).
+    return cache.get_or_build(("call", key, id(plan), id(write), id(prefill), fused_write, prefill_writes,
+                               slots.data_ptr(), slots.shape, slots.dtype), build)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

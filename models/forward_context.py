@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ops.launch_cache import LaunchCache
 from ops.paged_attention import DecodePlan, DecodeWorkspace, bind_write_kv_cache
 from ops.paged_prefill import bind_prefill
 from ops.triton_utils import BoundLaunch
@@ -129,8 +130,24 @@ class AttentionMetadata:
             key += (torch.cuda.is_current_stream_capturing(),)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._new_plan(num_heads, num_kv_heads, head_size, page, device, kv_fp8)
+            build = functools.partial(self._new_plan, num_heads, num_kv_heads, head_size, page, device, kv_fp8)
+            cache = self.launch_cache()
+            if cache is None:
+                plan = build()
+            else:  # the plan reads the decodes' rows of the table and lengths, and the workspace's scratch
+                plan = cache.get_or_build(("plan", key, self.num_decodes, self.num_seqs,
+                                           _layout(self.block_table), _layout(self.seq_lens)), build)
+            self._plans[key] = plan
         return plan
+
+    def launch_cache(self) -> LaunchCache | None:
+        """The :attr:`workspace`'s cache of recent steps' plans and bound launches (``ops.launch_cache``), which
+        this step's take what they share with; None without a workspace, and while the current stream captures a
+        CUDA graph (whose plans stay the capture's own)."""
+        ws = self.workspace
+        if ws is None or (self.block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        return ws.launches
 
     def _new_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
                   device: torch.device, kv_fp8: bool) -> DecodePlan:
@@ -170,7 +187,10 @@ class AttentionMetadata:
         try:
             return self._writes[key]
         except KeyError:
-            launch = self._writes[key] = bind_write_kv_cache(self.slot_mapping, num_tokens, row, first)
+            build = functools.partial(bind_write_kv_cache, self.slot_mapping, num_tokens, row, first)
+            cache = self.launch_cache()
+            launch = build() if cache is None else cache.get_or_build(("write", key, _layout(self.slot_mapping)), build)
+            self._writes[key] = launch
             return launch
 
     def prefill_launch(self, num_heads: int, num_kv_heads: int, head_size: int, page: int, dtype: torch.dtype,
@@ -186,10 +206,14 @@ class AttentionMetadata:
             return self._prefills[key]
         except KeyError:
             block_table, seq_lens, query_start_loc, max_query_len = self.all_seq_args if all_seqs else self.prefill_args
-            launch = self._prefills[key] = bind_prefill(block_table, seq_lens, query_start_loc, max_query_len,
-                                                        num_heads, num_kv_heads, head_size, page, dtype,
-                                                        use_softcap, use_window, new_kv=new_kv,
-                                                        decode_rows=all_seqs)
+            build = functools.partial(bind_prefill, block_table, seq_lens, query_start_loc, max_query_len, num_heads,
+                                      num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv=new_kv,
+                                      decode_rows=all_seqs)
+            cache = self.launch_cache()
+            launch = build() if cache is None else cache.get_or_build(
+                ("prefill", key, max_query_len, _layout(block_table), _layout(seq_lens), _layout(query_start_loc)),
+                build)
+            self._prefills[key] = launch
             return launch
 
     def decodes_fit_unified(self, short: int = 0) -> bool:

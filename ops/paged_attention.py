@@ -53,6 +53,7 @@ import torch
 
 from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_from_e4m3, inverse_scale, \
     quantize_kv_ref, to_cache
+from .launch_cache import LaunchCache
 from .paged_decode_config import DecodeConfig, decode_config
 from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, pdl_args, pdl_available, tl, triton, \
     use_triton
@@ -446,6 +447,9 @@ class DecodeWorkspace:
     def __init__(self, max_num_seqs: int) -> None:
         self.max_num_seqs = max_num_seqs
         self._buffers: dict[tuple, torch.Tensor] = {}
+        #: The plans and bound launches of recent steps' metadata (``models.AttentionMetadata``), by what each was
+        #: built from: a step takes those it shares with a recent one instead of building them.
+        self.launches = LaunchCache()
 
     def get(self, num_heads: int, num_kv_heads: int, head_size: int, device: torch.device) -> torch.Tensor:
         """The flat fp32 buffer of this layer shape (:func:`decode_workspace_numel` elements) on ``device``."""

@@ -342,14 +342,14 @@ def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
 
     rows = attention_host.main(["--quick", "--out", str(tmp_path)])
     # with a prompt, both forms (the A/B of models.attention.UNIFIED_ATTENTION); decode-only steps once; each with
-    # the plans built, and inherited from the last step's
+    # the plans built, taken from the cache of recent steps', and inherited from the last step's
     shapes = [(1, 0, ""), (1, 32, "split"), (1, 32, "unified"), (4, 0, ""), (4, 32, "split"), (4, 32, "unified")]
     assert sorted((r["decodes"], r["prefill"], r["form"], r["plan"]) for r in rows) == [
-        (*shape, plan) for shape in shapes for plan in ("built", "inherited")]
+        (*shape, plan) for shape in shapes for plan in ("built", "cached", "inherited")]
     assert all(r["host_us"] > 0 and r["gpu_us"] is None for r in rows)
     # the step's first call (with the step's setup) and the later ones timed apart
     assert all(r["first_call_us"] > 0 and r["later_call_us"] > 0 for r in rows)
-    assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 12
+    assert len(read_csv(tmp_path / "attention_host_quick.csv")) == 18
     assert_png(tmp_path / "attention_host_quick.png")  # host lines only: no GPU on the CPU
 
 
@@ -361,6 +361,7 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     assert r["decode_steps"] + r["prefill_steps"] + r["mixed_steps"] == r["steps"]
     assert r["mixed_steps"] > 0 and r["median_mixed_ms"] > 0 and r["median_decode_ms"] > 0
     assert r["tokens_per_s"] > 0
+    assert r["pieces_built"] == r["pieces_from_cache"] == 0  # the CPU's native attention builds no launch
     assert len(read_csv(tmp_path / "chunked_prefill_quick.csv")) == 1
     assert_png(tmp_path / "chunked_prefill_quick.png")
 

@@ -287,9 +287,11 @@ def test_decode_plan_is_built_once_per_step_from_the_persistent_workspace():
     assert plan.num_splits == decode_num_splits(nd, KV_HEADS, cpu) > 1
     buf = ws.get(HEADS, KV_HEADS, HEAD, cpu)
     assert plan.mid_o.data_ptr() == buf.data_ptr() and plan.mid_lse.untyped_storage().data_ptr() == buf.data_ptr()
-    next_step = dataclasses.replace(md)  # the next step's metadata: a new plan, the same memory
-    plan2 = next_step.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
-    assert plan2 is not plan and plan2.mid_o.data_ptr() == buf.data_ptr()
+    # The next step's metadata over the same rows takes the plan from the workspace's cache of recent steps; one of
+    # another decode count builds its own, from the same memory.
+    assert dataclasses.replace(md).decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan
+    plan2 = dataclasses.replace(md, num_decodes=2).decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
+    assert plan2 is not plan and plan2.num_seqs == 2 and plan2.mid_o.data_ptr() == buf.data_ptr()
     # the scratch holds the largest batch's partial results; batches that need more fall back to their own
     assert buf.numel() == decode_workspace_numel(8, HEADS, KV_HEADS, HEAD, cpu)
     for n in range(1, 9):
@@ -581,14 +583,17 @@ def _next_step(md, **changes):
     return dataclasses.replace(md, **{"seq_lens_cpu": lens, "max_seq_len": max(lens), **changes})
 
 
+# Each change, and which of the last step's pieces the step still shares through the workspace's cache of recent
+# steps' (ops.launch_cache) when it does not inherit them: the decode plan (the decodes' rows of the table and
+# lengths), the unified prefill launch (every sequence's rows, and the longest query).
 NEXT_STEPS = {
-    "another query layout": lambda md: _next_step(md, query_start_loc_cpu=[0, 1, 2, 3, 8, 12, 20]),
-    "another decode count": lambda md: _next_step(md, num_decodes=2),
-    "another buffer": lambda md: _next_step(md, slot_mapping=md.slot_mapping.clone()),
-    "a longer view": lambda md: _next_step(md, block_table=torch.zeros(6, 9, dtype=torch.int32)[:, :8]),
-    "another workspace": lambda md: _next_step(md, workspace=DecodeWorkspace(max_num_seqs=8)),
-    "a decode past the unified threshold": lambda md: _next_step(
-        md, seq_lens_cpu=[30, 1, 14, 6, 17, 11], max_seq_len=30),
+    "another query layout": (lambda md: _next_step(md, query_start_loc_cpu=[0, 1, 2, 3, 8, 12, 20]), "plan"),
+    "another decode count": (lambda md: _next_step(md, num_decodes=2), "prefill"),
+    "another buffer": (lambda md: _next_step(md, slot_mapping=md.slot_mapping.clone()), "plan prefill"),
+    "a longer view": (lambda md: _next_step(md, block_table=torch.zeros(6, 9, dtype=torch.int32)[:, :8]), ""),
+    "another workspace": (lambda md: _next_step(md, workspace=DecodeWorkspace(max_num_seqs=8)), ""),
+    "a decode past the unified threshold": (lambda md: _next_step(
+        md, seq_lens_cpu=[30, 1, 14, 6, 17, 11], max_seq_len=30), "plan prefill"),
 }
 
 
@@ -596,7 +601,8 @@ NEXT_STEPS = {
 def test_a_step_of_the_last_ones_shape_takes_over_its_plans_and_bound_launches(change):
     """AttentionMetadata.inherit: a step over the same buffers, decode count and query layout (only lengths and
     contents moved on) takes over the last step's decode plan, bound launches and the attention op's per-layer
-    state; any difference in what they are built from, the unified launch's fit among it, builds its own."""
+    state; any difference in what they are built from, the unified launch's fit among it, builds its own state,
+    and takes from the workspace's cache the pieces built from the same as the last step's."""
     layer = new_layer()
     _, _, _, md = make_batch(layer, UNIFIED_SPECS)
     last = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=8))
@@ -604,12 +610,13 @@ def test_a_step_of_the_last_ones_shape_takes_over_its_plans_and_bound_launches(c
     plan = last.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
     prefill = last.prefill_launch(HEADS, KV_HEADS, HEAD, BLOCK, torch.float32, False, False, all_seqs=True)
     assert last.decodes_fit_unified(4) and prefill is not None
-    step = _next_step(last) if change is None else NEXT_STEPS[change](last)
+    step, shared = (_next_step(last), "plan prefill") if change is None else \
+        (NEXT_STEPS[change][0](last), NEXT_STEPS[change][1])
     inherited = step.inherit(last)
     assert inherited == (change is None)
-    assert (step.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan) == inherited
+    assert (step.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan) == ("plan" in shared)
     assert (step.prefill_launch(HEADS, KV_HEADS, HEAD, BLOCK, torch.float32, False, False, all_seqs=True)
-            is prefill) == inherited
+            is prefill) == ("prefill" in shared)
     assert (step.layer_calls is last.layer_calls) == inherited
     assert not _next_step(last).inherit(None)
 
@@ -649,3 +656,33 @@ def test_cuda_unified_attention_matches_native_and_writes_the_split_forms_cache(
                                kw.get("logits_soft_cap"))
         tol = TOLERANCES[torch.bfloat16]
         torch.testing.assert_close(outs[0].float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
+                                    pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_step_of_a_recent_layout_takes_its_launches_from_the_workspace_cache(device, monkeypatch):
+    """Steps over the same persistent buffers in layouts A, B, A (B: one decode fewer, the same tokens), each a
+    fresh metadata object that does not inherit the last step's: the second A takes A's step state (plan, bound
+    launches, recorded launches) from the workspace's cache of recent steps' (ops.launch_cache), and with new q, k, v
+    gives the native path's output and cache, as every step does."""
+    import models.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form: a decode plan to share
+    layer = new_layer(device=device, num_blocks=len(SPECS) * 20)
+    _, _, _, md = make_batch(layer, SPECS, device=device)
+    ws = DecodeWorkspace(max_num_seqs=8)
+    layouts = {"A": dataclasses.replace(md, workspace=ws), "B": dataclasses.replace(md, workspace=ws, num_decodes=2)}
+    g = torch.Generator().manual_seed(1)
+    states = []
+    for name in ("A", "B", "A"):
+        step = dataclasses.replace(layouts[name])
+        q, k, v = (torch.randn(md.num_tokens, n * HEAD, generator=g).to(device) for n in (HEADS, KV_HEADS, KV_HEADS))
+        cache = layer.kv_cache.clone()
+        for _ in range(2):  # two layers' calls: the first builds or takes the state, the second replays it
+            out = attention_module.attention_cuda(q, k, v, layer.kv_cache, step, HEADS, HEAD, HEAD**-0.5)
+        ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+        states.append(list(step.layer_calls.values()))
+    assert len(states[0]) == 1 and states[2] == states[0] and states[1] != states[0]
+    assert ws.launches.hits >= 1 and len(ws.launches) >= 2

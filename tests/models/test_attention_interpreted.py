@@ -109,6 +109,28 @@ def test_llm_steps_of_one_shape_take_over_the_last_steps_launches_and_generate_t
     assert sum(taken) >= 2  # 14-token chunks beside the 2 decodes, step after step
 
 
+def test_llm_steps_of_recent_layouts_take_their_launches_from_the_cache_and_generate_the_native_tokens(monkeypatch):
+    """Two long prompts chunked beside decodes that come and go: steps whose layout a recent step had, not the last,
+    take its launch state from the workspace's cache (ops.launch_cache) on the CUDA path's kernels (forced onto CPU
+    tensors), and give the native path's greedy tokens."""
+    from models import LLM
+    from models.attention import Attention
+
+    prompts = [[1, 2, 3], [9, 8], [5, 6, 7, 8] * 12, [4, 2] * 20, [7] * 5]
+    native = LLM("tiny-llama", level=0, max_num_tokens=16, max_num_seqs=4)
+    expected = native.generate(prompts, max_new_tokens=8)
+
+    def forward_impl(self, q, k, v, md):
+        return attention_cuda(q, k, v, self.kv_cache, md, self.num_heads, self.head_size, self.scale,
+                              self.sliding_window, self.logits_soft_cap)
+
+    monkeypatch.setattr(Attention, "forward_impl", forward_impl)
+    llm = LLM("tiny-llama", level=0, max_num_tokens=16, max_num_seqs=4)
+    assert llm.generate(prompts, max_new_tokens=8) == expected
+    cache = llm.input_batch.decode_workspace.launches
+    assert cache.hits >= 1 and cache.misses >= 2, (cache.hits, cache.misses)
+
+
 @pytest.mark.parametrize("num_decodes", [1, 5])
 def test_layers_of_a_step_share_one_plan_from_the_workspace(num_decodes, monkeypatch):
     """Three layers' calls on one step's metadata with a persistent workspace: one plan, the native results (the
