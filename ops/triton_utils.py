@@ -265,6 +265,8 @@ class FastLaunch:
         self._stream: Callable[[int], int] | None = None
         self._runtime: Any = None  # triton.knobs.runtime (the launch hooks)
         self.fast_launches = 0  # how many calls the fast path served (tests)
+        # BoundLaunch's launch layouts, by its shape and per-call specialization (layout / keep_layout)
+        self._layouts: dict[tuple, tuple] = {}
         jit = getattr(getattr(triton, "runtime", None), "JITFunction", None)
         self._usable = HAS_TRITON and jit is not None and isinstance(kernel, jit)
 
@@ -313,6 +315,31 @@ class FastLaunch:
             return None
         device = self._device()
         return device, self._stream(device)
+
+    _MAX_LAYOUTS = 256  # shapes x specializations of one kernel: a handful in practice; start over past this
+
+    def layout(self, key: tuple, shape: tuple | None) -> tuple | None:
+        """The launch layout a :class:`BoundLaunch` of this ``shape`` (its bound values' specialization, argument
+        order, constexprs and options) kept for the per-call specialization ``key`` (:meth:`keep_layout`); None: none
+        kept (or an unhashable constexpr)."""
+        if shape is None:
+            return None
+        try:
+            return self._layouts.get((key, shape))
+        except TypeError:
+            return None
+
+    def keep_layout(self, key: tuple, shape: tuple | None, layout: tuple) -> tuple:
+        """Keep ``layout`` (``BoundLaunch._launch_layout`` of the entry the fast path served ``key`` with) for
+        :meth:`layout`; returns it."""
+        if shape is not None:
+            if len(self._layouts) >= self._MAX_LAYOUTS:
+                self._layouts.clear()
+            try:
+                self._layouts[(key, shape)] = layout
+            except TypeError:
+                pass
+        return layout
 
     def bind(self, grid: tuple[int, ...], args: Iterable[Any], **kwargs: Any) -> BoundLaunch:
         """A :class:`BoundLaunch` of this kernel: ``grid``, ``kwargs`` and the arguments that are not
@@ -441,8 +468,12 @@ class BoundLaunch:
                  for a in args]
         found = key_and_launch_args(tuple(fixed_vals))
         self._fixed = tuple(found[1]) if found is not None else None  # None: an argument FastLaunch never serves
-        self._order = order  # the kernel's arguments as indices into (fixed values, tensor addresses, scalars)
+        self._order = tuple(order)  # the kernel's arguments as indices into (fixed values, tensor addresses, scalars)
         self._n_tensors = n_tensors
+        # What, besides the per-call values, decides the compiled kernel and the launcher's argument layout: bound
+        # launches of one kernel that share it (a step's, and the next step's of another grid or table) share the
+        # layout FastLaunch.layouts keeps, instead of each working it out at its first call.
+        self._shape = (found[0], self._order, n_tensors, tuple(kwargs.items())) if found is not None else None
         self._fast_path = fast._usable and self._fixed is not None
         n = len(grid)
         self._grid3 = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
@@ -472,12 +503,19 @@ class BoundLaunch:
             if entry is None:  # the normal launch serves this specialization
                 fast(self.grid, *self.full_args(tensors, scalars), **self.kwargs)
                 return
-            # unseen: the whole launch, which tells how this specialization is served
+            # unseen: the kernel's launch layout for this specialization, or the whole launch, which tells it
             if len(self._entries) >= self._MAX_ENTRIES:
                 self._entries.clear()
-            served = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
-            self._entries[key] = None if served is None else self._launch_plan(served)
-            return
+            layout = fast.layout(key, self._shape)
+            if layout is None:
+                served = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
+                if served is None:  # the normal launch serves this specialization
+                    self._entries[key] = None
+                    return
+                layout = fast.keep_layout(key, self._shape, self._launch_layout(served))
+                self._entries[key] = self._launch_plan(layout)
+                return
+            entry = self._entries[key] = self._launch_plan(layout)
         launch, const, order = entry[:3]
         launch(*order(const + (target[1],) + ptrs + scalars))
         fast.fast_launches += 1
@@ -488,17 +526,25 @@ class BoundLaunch:
         it, or it was never launched."""
         return self._entries.get(key) or None if key is not None else None
 
-    def _launch_plan(self, entry: tuple) -> tuple[Callable, tuple[Any, ...], Callable, int, tuple[tuple[int, int], ...]]:
-        """``(launch, const, order, stream_pos, tensor_pos)`` of a :meth:`FastLaunch.launch_entry` entry ``(launch,
-        fixed, tail)``: the launcher's whole argument list is ``order(const + (stream,) + tensor addresses +
-        scalars)``, ``const`` the grid, the compiled kernel's leading values, the bound arguments' and the constexpr
-        tail; in that list the stream is at ``stream_pos`` and per-call tensor ``i``'s address at each ``p`` of
-        ``tensor_pos``'s ``(p, i)`` (what ``ops.launch_program.LaunchProgram`` replays)."""
+    def _launch_layout(self, entry: tuple) -> tuple[Callable, tuple, tuple, Callable, int, tuple[tuple[int, int], ...]]:
+        """``(launch, fixed, tail, order, stream_pos, tensor_pos)`` of a :meth:`FastLaunch.launch_entry` entry
+        ``(launch, fixed, tail)``: what :meth:`_launch_plan` needs besides this bound launch's grid and bound values,
+        the same for every bound launch of this kernel with this :attr:`_shape` and specialization."""
         launch, fixed, tail = entry
-        const = self._grid3 + tuple(fixed) + self._fixed + tuple(tail)
-        n, lead, n_bound = len(const), 3 + len(fixed), len(self._fixed)
+        n_bound = len(self._fixed)
+        lead = 3 + len(fixed)
+        n = lead + n_bound + len(tail)  # the length of _launch_plan's const
         # (fixed values, addresses, scalars) index i: a bound value at lead + i, a per-call one after the stream
         args = [lead + i if i < n_bound else n + 1 + i - n_bound for i in self._order]
         idx = [0, 1, 2, n, *range(3, lead), *args, *range(lead + n_bound, n)]
         tensor_pos = tuple((p, i - n - 1) for p, i in enumerate(idx) if n < i and i - n - 1 < self._n_tensors)
-        return launch, const, operator.itemgetter(*idx), idx.index(n), tensor_pos
+        return launch, tuple(fixed), tuple(tail), operator.itemgetter(*idx), idx.index(n), tensor_pos
+
+    def _launch_plan(self, layout: tuple) -> tuple[Callable, tuple[Any, ...], Callable, int, tuple[tuple[int, int], ...]]:
+        """``(launch, const, order, stream_pos, tensor_pos)`` of a :meth:`_launch_layout`: the launcher's whole
+        argument list is ``order(const + (stream,) + tensor addresses + scalars)``, ``const`` the grid, the compiled
+        kernel's leading values, the bound arguments' and the constexpr tail; in that list the stream is at
+        ``stream_pos`` and per-call tensor ``i``'s address at each ``p`` of ``tensor_pos``'s ``(p, i)`` (what
+        ``ops.launch_program.LaunchProgram`` replays)."""
+        launch, fixed, tail, order, stream_pos, tensor_pos = layout
+        return launch, self._grid3 + fixed + self._fixed + tail, order, stream_pos, tensor_pos

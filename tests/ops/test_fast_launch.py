@@ -159,6 +159,27 @@ def test_bound_launch_keys_only_the_per_call_values(monkeypatch):
     assert calls == [((4, 2), (x, 48))]
 
 
+def test_a_new_bound_launch_of_a_known_shape_takes_its_launch_layout_from_the_kernel(monkeypatch):
+    """A step's bound launches are new objects each step (another grid, another table): the first call of one whose
+    bound values specialize, order and constexprs as an earlier one's (and the same per-call specialization) launches
+    through the layout that one kept (FastLaunch.layout), with its own grid and addresses, not the whole launch;
+    another specialization of a bound value, or another constexpr, takes the whole launch once."""
+    from ops.triton_utils import Slot
+
+    fast, runs, launcher = _fake_jit(monkeypatch)
+    x, y = torch.zeros(64), torch.zeros(128)
+    fast.bind((4,), (x, Slot.scalar(0)), BLOCK=128)((), (48,))  # compiles through run, keeps the layout
+    whole = []
+    entry = fast.launch_entry
+    monkeypatch.setattr(fast, "launch_entry", lambda *a: whole.append(a) or entry(*a))
+    fast.bind((9, 3), (y, Slot.scalar(0)), BLOCK=128)((), (48,))  # another grid and table, one shape
+    assert whole == [] and launcher.calls[-1] == (9, 3, 1, 777, 1234, False, True, None, None, (4, 1, 0), None,
+                                                  None, None, y.data_ptr(), 48, 128)
+    fast.bind((9, 3), (y[1:], Slot.scalar(0)), BLOCK=128)((), (48,))  # a misaligned table: another specialization
+    fast.bind((9, 3), (y, Slot.scalar(0)), BLOCK=64)((), (48,))  # another constexpr
+    assert len(whole) == 2 and len(runs) == 3
+
+
 def test_bound_launches_take_the_target_their_caller_read_once(monkeypatch):
     """The attention op reads the device and stream once a call (``FastLaunch.target``) and passes them to its two
     or three bound launches: they launch there, read no device themselves, and key their kernels by that device;
