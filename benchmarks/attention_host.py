@@ -109,13 +109,12 @@ class MixedStep:
         ``models.attention`` does), else the op. ``marks``: ``time.perf_counter()`` is appended after each call.
 
         ``plan`` (see :data:`PLANS`): ``built``, the first call builds the step's plans, bound launches and launch
-        program anew (the workspace's cache of recent steps' emptied first: a layout never seen); ``cached``, it
-        takes them from that cache (a layout seen some steps ago, not the last); ``inherited``, the metadata takes
-        them over from the last step's (``AttentionMetadata.inherit``, the engine's consecutive steps of one shape)."""
+        program anew (a layout never seen: the workspace's cache of recent steps' emptied before, by :meth:`forget`);
+        ``cached``, it takes them from that cache (a layout seen some steps ago, not the last); ``inherited``, the
+        metadata takes them over from the last step's (``AttentionMetadata.inherit``, the engine's consecutive steps
+        of one shape)."""
         md = dataclasses.replace(self.md)
-        if plan == "built":
-            self.md.workspace.launches.clear()
-        elif plan == "inherited" and not md.inherit(self.last):
+        if plan == "inherited" and not md.inherit(self.last):
             raise RuntimeError("attention_host: the step did not take over the last one's plans")
         self.last = md
         q, k, v = self.q, self.k, self.v
@@ -125,6 +124,14 @@ class MixedStep:
                 op(q, k, v, "attn")
                 if marks is not None:
                     marks.append(time.perf_counter())
+
+
+    def forget(self, plan: str) -> None:
+        """Before a ``built`` step (:meth:`step`), outside what is timed: empty the workspace's cache of recent
+        steps' plans and launches (what ``AttentionMetadata.launch_cache`` gives), so that the step builds anew."""
+        if plan == "built":
+            self.md.workspace.launches.clear()
+            self.last = None  # its plans and launches freed here, not inside the step
 
 
 @contextlib.contextmanager
@@ -166,6 +173,7 @@ def time_step(s: MixedStep, device: torch.device, steps: int, plan: str) -> Step
             s.step()
         host, first, later, gpu = [], [], [], []
         for _ in range(steps):
+            s.forget(plan)
             _sync(device)
             marks = [time.perf_counter()]
             s.step(plan, marks)
@@ -174,6 +182,7 @@ def time_step(s: MixedStep, device: torch.device, steps: int, plan: str) -> Step
             later.append((marks[-1] - marks[1]) * 1e6 / max(s.num_layers - 1, 1))
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.forget(plan)
                 start.record()
                 s.step(plan)
                 end.record()
@@ -199,6 +208,7 @@ def profile_calls(s: MixedStep, device: torch.device, steps: int, out_dir: str |
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
+            s.forget(plan)
             s.step(plan)
         prof.disable()
         _sync(device)

@@ -35,7 +35,8 @@ from benchmarks import common
 
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
-           "total_s", "tokens_per_s", "pieces_built", "pieces_from_cache"]
+           "total_s", "tokens_per_s", "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
+           "pieces_built", "pieces_from_cache"]
 
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
@@ -67,6 +68,21 @@ def summarize(stats: Any, wall: float, num_tokens: int) -> dict[str, Any]:
                 median_mixed_ms=median_mixed, total_s=round(wall, 3), tokens_per_s=round(num_tokens / wall, 1))
 
 
+def launch_state(stats: Any, cache: Any, before: tuple[Any, Any] | None) -> dict[str, Any]:
+    """How the steps whose attention ran eagerly (prefill-only and mixed: the piecewise path) got their launch
+    state: built anew, taken from the workspace's cache of recent steps' (``ops.launch_cache``; a layer's whole step
+    state, ``"call"``), or inherited from the last step's; and the pieces (plans, bound launches, step states) built
+    and taken. Blank on a tree without the cache."""
+    eager = stats.num_steps - len(stats.decode_step_times_s)
+    if cache is None:
+        return dict(eager_steps=eager, steps_built="", steps_from_cache="", steps_inherited="", pieces_built="",
+                    pieces_from_cache="")
+    built, taken = cache.misses - before[0], cache.hits - before[1]
+    return dict(eager_steps=eager, steps_built=built["call"], steps_from_cache=taken["call"],
+                steps_inherited=eager - built["call"] - taken["call"], pieces_built=sum(built.values()),
+                pieces_from_cache=sum(taken.values()))
+
+
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from models import LLM
 
@@ -77,12 +93,11 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
     run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
     cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
-    before = (cache.misses, cache.hits) if cache is not None else None
+    before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
     stats, wall = run(llm, prompts, a.max_tokens)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens),
-             pieces_built=cache.misses - before[0] if cache is not None else "",
-             pieces_from_cache=cache.hits - before[1] if cache is not None else "")
+             **launch_state(stats, cache, before))
     print(r, flush=True)
     return r
 
@@ -123,10 +138,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "steps from LLM.stats: decode-only, prefill-only (prompt chunks alone), mixed "
                                     "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
                                     "summed time; a step = forward + sampling + reading its tokens",
-                                    "pieces_built / pieces_from_cache: the attention launch state (a decode plan, a "
-                                    "kernel's bound launch, a layer's recorded launches) steps that did not inherit "
-                                    "the last step's built anew / took from the workspace's cache of recent steps' "
-                                    "(ops.launch_cache), over the timed run"])
+                                    "eager_steps: prefill-only and mixed steps (attention eager, between pieces); of "
+                                    "them steps_built built their attention launch state anew, steps_from_cache took "
+                                    "it from the workspace's cache of recent steps' (ops.launch_cache), steps_inherited "
+                                    "took it over from the last step's (AttentionMetadata.inherit); pieces_built / "
+                                    "pieces_from_cache: the plans, bound launches and step states built / taken, over "
+                                    "the timed run"])
     common.plot_stacked_bars(stem, [dict(r, decode=r["decode_steps"], prefill=r["prefill_steps"], mixed=r["mixed_steps"])
                                     for r in rows], label=["model", "tag"], parts=["decode", "prefill", "mixed"],
                              title="Steps of LLM.generate with chunked prefill, by kind", ylabel="steps", out_dir=a.out)

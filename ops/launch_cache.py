@@ -16,7 +16,7 @@ tensor can take an address while its entry lives. The least recently used entrie
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -25,7 +25,9 @@ __all__ = ["LaunchCache"]
 
 class LaunchCache:
     """A bounded map from build keys to built launch state (plans, bound launches, a layer's step call), least
-    recently used out first. ``hits`` and ``misses`` count :meth:`get_or_build`'s answers (benchmarks report them).
+    recently used out first. ``hits`` and ``misses`` count :meth:`get_or_build`'s answers by the kind of state, a key's
+    first element (``"plan"``, ``"write"``, ``"prefill"``, ``"call"``: a layer's whole step state; benchmarks report
+    them).
 
     Args:
         max_entries: the most entries kept (a positive int).
@@ -36,22 +38,22 @@ class LaunchCache:
             raise ValueError(f"LaunchCache: max_entries must be a positive int; got {max_entries!r}")
         self.max_entries = max_entries
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
+        self.hits: Counter[Hashable] = Counter()
+        self.misses: Counter[Hashable] = Counter()
 
-    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The entry under ``key``, or ``build()``'s result, stored under it."""
+    def get_or_build(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The entry under ``key`` (a tuple, its kind first), or ``build()``'s result, stored under it."""
         entries = self._entries
         try:
             value = entries[key]
         except KeyError:
-            self.misses += 1
+            self.misses[key[0]] += 1
             value = entries[key] = build()
             if len(entries) > self.max_entries:
                 entries.popitem(last=False)
             return value
         entries.move_to_end(key)
-        self.hits += 1
+        self.hits[key[0]] += 1
         return value
 
     def clear(self) -> None:
