@@ -12,7 +12,9 @@ model (built-in random weights, level 3) this runs ``LLM.generate`` on ``--promp
 - steps: all, decode-only, with a prompt chunk (prefill-only and mixed), mixed;
 - the share of the steps and of the summed step time that is mixed (or, on a tree whose statistics do not
   time the mixed steps apart, that holds a prompt chunk);
-- the median decode-only and mixed step, output tokens/s of the whole call.
+- the median decode-only and mixed step, output tokens/s of the whole call;
+- the eager attention calls' host time (mean, 90th percentile: the split graph's eager function timed around), and
+  how the steps that ran them got their launch state: built, from the workspace's cache of recent steps', inherited.
 
 A step's time is its forward, sampling and the read of its tokens (a mixed step is read when it ends; decode
 steps may overlap the next launch). ``--tag`` labels the rows: run the script against another checkout
@@ -25,8 +27,11 @@ runs tiny-llama on the CPU to check the harness.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,7 +40,8 @@ from benchmarks import common
 
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
-           "total_s", "tokens_per_s", "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
+           "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p90",
+           "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
            "pieces_built", "pieces_from_cache"]
 
 
@@ -68,12 +74,12 @@ def summarize(stats: Any, wall: float, num_tokens: int) -> dict[str, Any]:
                 median_mixed_ms=median_mixed, total_s=round(wall, 3), tokens_per_s=round(num_tokens / wall, 1))
 
 
-def launch_state(stats: Any, cache: Any, before: tuple[Any, Any] | None) -> dict[str, Any]:
-    """How the steps whose attention ran eagerly (prefill-only and mixed: the piecewise path) got their launch
-    state: built anew, taken from the workspace's cache of recent steps' (``ops.launch_cache``; a layer's whole step
-    state, ``"call"``), or inherited from the last step's; and the pieces (plans, bound launches, step states) built
-    and taken. Blank on a tree without the cache."""
-    eager = stats.num_steps - len(stats.decode_step_times_s)
+def launch_state(eager: int, cache: Any, before: tuple[Any, Any] | None) -> dict[str, Any]:
+    """How the ``eager`` steps whose attention ran eagerly (between the pieces: prefill-only and mixed steps on a
+    GPU, whose decode-only steps replay whole-step graphs) got their launch state: built anew, taken from the
+    workspace's cache of recent steps' (``ops.launch_cache``; a layer's whole step state, ``"call"``), or inherited
+    from the last step's; and the pieces (plans, bound launches, step states) built and taken. Blank on a tree
+    without the cache."""
     if cache is None:
         return dict(eager_steps=eager, steps_built="", steps_from_cache="", steps_inherited="", pieces_built="",
                     pieces_from_cache="")
@@ -83,21 +89,49 @@ def launch_state(stats: Any, cache: Any, before: tuple[Any, Any] | None) -> dict
                 pieces_from_cache=sum(taken.values()))
 
 
+@contextlib.contextmanager
+def timed_attention() -> Iterator[list[float]]:
+    """Host seconds of each eager ``dynamo_once::attention`` call between the pieces (the split graph's eager
+    function, wrapped for the block: set it before the model compiles), appended to the list yielded."""
+    from dispatcher import plugins
+
+    name = "dynamo_once::attention"
+    impl = plugins.get_splitting_op_eager_impl(name)
+    times: list[float] = []
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = impl(*args)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    plugins.set_splitting_op_eager_impl(name, timed)
+    try:
+        yield times
+    finally:
+        plugins.set_splitting_op_eager_impl(name, impl)
+
+
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from models import LLM
 
-    llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
-              device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32),
-              enable_prefix_caching=False)  # the warm-up's prompts are the timed run's first
-    rng = random.Random(0)
-    prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
-    run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
-    cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
-    before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
-    stats, wall = run(llm, prompts, a.max_tokens)
+    with timed_attention() as host:
+        llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
+                  device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32),
+                  enable_prefix_caching=False)  # the warm-up's prompts are the timed run's first
+        rng = random.Random(0)
+        prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+        run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
+        cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
+        before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
+        host.clear()
+        stats, wall = run(llm, prompts, a.max_tokens)
+    us = sorted(t * 1e6 for t in host)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens),
-             **launch_state(stats, cache, before))
+             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
+             attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
+             attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
+             **launch_state(len(us) // len(llm.layers), cache, before))
     print(r, flush=True)
     return r
 
@@ -138,7 +172,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "steps from LLM.stats: decode-only, prefill-only (prompt chunks alone), mixed "
                                     "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
                                     "summed time; a step = forward + sampling + reading its tokens",
-                                    "eager_steps: prefill-only and mixed steps (attention eager, between pieces); of "
+                                    "attention_calls: the eager dynamo_once::attention calls (one a layer a "
+                                    "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
+                                    "is split); attention_host_us_mean / _p90: their host time (perf_counter around "
+                                    "each call), mean and 90th percentile",
+                                    "eager_steps: the steps whose attention ran eagerly (attention_calls over the "
+                                    "model's layers: on a GPU the prefill-only and mixed steps); of "
                                     "them steps_built built their attention launch state anew, steps_from_cache took "
                                     "it from the workspace's cache of recent steps' (ops.launch_cache), steps_inherited "
                                     "took it over from the last step's (AttentionMetadata.inherit); pieces_built / "
