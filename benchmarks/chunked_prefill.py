@@ -40,7 +40,7 @@ from benchmarks import common
 
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
-           "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p90",
+           "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p50", "attention_host_us_p90",
            "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
            "pieces_built", "pieces_from_cache"]
 
@@ -121,7 +121,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
                   enable_prefix_caching=False)  # the warm-up's prompts are the timed run's first
         rng = random.Random(0)
         prompts = [[rng.randrange(llm.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
-        run(llm, prompts[: min(4, len(prompts))], a.max_tokens)  # warm-up: the step sizes' compiles and graphs
+        run(llm, prompts[: min(a.warmup_prompts, len(prompts))], a.max_tokens)  # the step sizes' compiles, graphs
         cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
         before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
         host.clear()
@@ -130,6 +130,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
              attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
+             attention_host_us_p50=round(statistics.median(us), 1) if us else "",
              attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
              **launch_state(len(us) // len(llm.layers), cache, before))
     print(r, flush=True)
@@ -145,11 +146,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens a step takes (the prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight")
     p.add_argument("--level", type=int, default=3)
+    p.add_argument("--warmup-prompts", type=int, default=4,
+                   help="prompts of an untimed run first (compiles, CUDA graphs); --prompts: every layout the timed "
+                        "run has, its kernels' specializations included")
     p.add_argument("--tag", default="", help="a label for the rows (e.g. after, before)")
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, a few short prompts")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    for flag in ("prompts", "prompt_len", "max_tokens", "max_num_tokens", "max_num_seqs"):
+    for flag in ("prompts", "prompt_len", "max_tokens", "max_num_tokens", "max_num_seqs", "warmup_prompts"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(a, flag)}")
     if a.quick:
@@ -174,8 +178,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "summed time; a step = forward + sampling + reading its tokens",
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
-                                    "is split); attention_host_us_mean / _p90: their host time (perf_counter around "
-                                    "each call), mean and 90th percentile",
+                                    "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "
+                                    "around each call: a kernel compiled at its first launch counts), mean, median "
+                                    f"and 90th percentile; untimed first: {a.warmup_prompts} of the prompts",
                                     "eager_steps: the steps whose attention ran eagerly (attention_calls over the "
                                     "model's layers: on a GPU the prefill-only and mixed steps); of "
                                     "them steps_built built their attention launch state anew, steps_from_cache took "

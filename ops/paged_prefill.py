@@ -233,7 +233,10 @@ def _decode_row(q_ptr, out_ptr, stride_q_t, stride_o_t, q_start, seq_len, ctx_le
              mask=io_mask)
 
 
-@triton.jit
+# The metadata pointers not specialized on 16-byte alignment: a mixed step binds them from its first prompt's row
+# (block_table[nd:], ...), aligned or not with the decode count; each of the 8 combinations would compile a kernel
+# of its own at serving time (~1 s each on a fresh machine), for loads of one int a program.
+@triton.jit(do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _prefill_kernel(
     q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, out_ptr, k_ptr, v_ptr,
     stride_q_t, stride_o_t, stride_k_t, stride_v_t, stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
