@@ -65,7 +65,8 @@ def _gated_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # ops.silu_and_mul's kernel without PDL, as Inductor launches the activation it replaces: launched early, it
     # let the down projection's small-M GEMM launch early too, and the H100's batch-8 step of Llama-3.2-1B took
     # 3.5% longer (results/gatedlin_kernel_profile_1b_h100.md; with DYNAMO_ONCE_PDL=0 no slower).
-    return launch_act_and_mul(h, SILU, pdl=False) if use_triton(h) else silu_and_mul_ref(h)
+    # Launched directly (this op runs eagerly, never traced: its fake kernel stands for it in a graph).
+    return launch_act_and_mul(h, SILU, pdl=False, direct=True) if use_triton(h) else silu_and_mul_ref(h)
 
 
 def _gated_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

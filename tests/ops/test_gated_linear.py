@@ -113,3 +113,15 @@ def test_errors_name_the_argument(change, exc, match):
     args = dict(x=torch.zeros(2, 8, dtype=BF16), weight=torch.zeros(4, 8, dtype=BF16)) | change
     with pytest.raises(exc, match=match):
         ops.gated_linear(**args)
+
+
+@pytest.mark.cuda
+def test_gated_linear_past_small_m_launches_its_activation_directly(monkeypatch):
+    """Past the small-M rows (a prefill's tokens) the op runs cuBLAS's GEMM, then SiLU-and-mul's kernel launched
+    directly, not through torch's Triton higher-order op (``wrap_triton``: its eager call costs ~0.3-0.9 ms of host
+    time, and the op runs eagerly in every mixed step's compiled pieces): the unfused ops' result, bit for bit."""
+    act_and_mul = importlib.import_module("ops.silu_and_mul")
+    x, w = _operands(512, 256, 2 * 384)
+    expected = ops.silu_and_mul(F.linear(x, w))
+    monkeypatch.setattr(act_and_mul, "wrap_triton", lambda kernel: pytest.fail("launched through wrap_triton"))
+    torch.testing.assert_close(torch.ops.dynamo_once.gated_linear(x, w), expected, rtol=0, atol=0)

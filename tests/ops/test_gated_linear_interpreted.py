@@ -51,3 +51,4 @@ def test_gated_mm_names_a_bad_weight():
         small_m_gated_mm(a, torch.randn(95, 64).bfloat16(), CONFIGS[0])
     with pytest.raises(TypeError, match="small_m_gated_mm: a and w"):
         small_m_gated_mm(a.float(), torch.randn(96, 64), CONFIGS[0])
+
