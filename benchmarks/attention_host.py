@@ -103,19 +103,20 @@ class MixedStep:
             workspace=DecodeWorkspace(batch))
         self.last: AttentionMetadata | None = None  # the last step's metadata
 
-    def step(self, plan: str = "cached", marks: list[float] | None = None) -> None:
+    def step(self, plan: str = "built", marks: list[float] | None = None) -> None:
         """One step's calls, one per layer, under a fresh metadata object, each as the piecewise path's split graph
         makes it: the op's eager function where one is set (``plugins.set_splitting_op_eager_impl``, as
         ``models.attention`` does), else the op. ``marks``: ``time.perf_counter()`` is appended after each call.
 
         ``plan`` (see :data:`PLANS`): ``built``, the first call builds the step's plans, bound launches and launch
         program anew (a layout never seen: the workspace's cache of recent steps' emptied before, by :meth:`forget`);
-        ``cached``, it takes them from that cache (a layout seen some steps ago, not the last); ``inherited``, the
-        metadata takes them over from the last step's (``AttentionMetadata.inherit``, the engine's consecutive steps
-        of one shape)."""
+        ``cached``, it takes them from that cache (``AttentionMetadata.inherit`` without the last step: a layout
+        seen some steps ago); ``inherited``, the metadata takes them over from the last step's
+        (``AttentionMetadata.inherit``, the engine's consecutive steps of one shape)."""
         md = dataclasses.replace(self.md)
-        if plan == "inherited" and not md.inherit(self.last):
-            raise RuntimeError("attention_host: the step did not take over the last one's plans")
+        taken = plan != "built" and md.inherit(self.last if plan == "inherited" else None)
+        if marks is not None and plan != "built" and not taken:  # a timed step (a warm-up one registers its layout)
+            raise RuntimeError(f"attention_host: the step did not take over the {plan} plans")
         self.last = md
         q, k, v = self.q, self.k, self.v
         op = plugins.get_splitting_op_eager_impl("dynamo_once::attention") or torch.ops.dynamo_once.attention
@@ -169,8 +170,8 @@ class StepTimes:
 def time_step(s: MixedStep, device: torch.device, steps: int, plan: str) -> StepTimes:
     """:class:`StepTimes` over ``steps`` steps (``plan``: see :meth:`MixedStep.step`)."""
     with torch.inference_mode():
-        for _ in range(3):  # compiles, plans, allocator warm
-            s.step()
+        for _ in range(3):  # compiles, plans, allocator warm; the layout in the cache of recent steps
+            s.step(plan)
         host, first, later, gpu = [], [], [], []
         for _ in range(steps):
             s.forget(plan)

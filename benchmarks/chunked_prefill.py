@@ -84,9 +84,12 @@ def launch_state(eager: int, cache: Any, before: tuple[Any, Any] | None) -> dict
         return dict(eager_steps=eager, steps_built="", steps_from_cache="", steps_inherited="", pieces_built="",
                     pieces_from_cache="")
     built, taken = cache.misses - before[0], cache.hits - before[1]
-    return dict(eager_steps=eager, steps_built=built["call"], steps_from_cache=taken["call"],
-                steps_inherited=eager - built["call"] - taken["call"], pieces_built=sum(built.values()),
-                pieces_from_cache=sum(taken.values()))
+    # a step takes a recent step's whole state ("step"), or builds its own from pieces: its layers' state ("call")
+    # taken from the cache or built
+    from_cache = taken["step"] + taken["call"]
+    return dict(eager_steps=eager, steps_built=built["call"], steps_from_cache=from_cache,
+                steps_inherited=eager - built["call"] - from_cache, pieces_built=sum(built.values()) - built["step"],
+                pieces_from_cache=sum(taken.values()) - taken["step"])
 
 
 @contextlib.contextmanager

@@ -98,27 +98,47 @@ class AttentionMetadata:
 
     def inherit(self, previous: AttentionMetadata | None) -> bool:
         """Take over ``previous``'s per-step state (decode plans, bound launches, the attention op's
-        :attr:`layer_calls` with their recorded launch programs) when this step's would be built the same; True if
-        it did. Call it on a new object, before its first use.
+        :attr:`layer_calls` with their recorded launch programs) when this step's would be built the same, else that
+        of a recent step of this layout from the workspace's cache (:meth:`launch_cache`); True if it took one. Call
+        it on a new object, before its first use.
 
-        That is the case when the two steps have the same device tensors (address, shape, strides, dtype: views
-        of the same persistent buffers at the same sizes), decode count, query layout (``query_start_loc_cpu``) and
-        workspace, and :meth:`decodes_fit_unified` gives this step the answers it gave ``previous``. Nothing else
-        the state holds is read on the host: the kernels read the tensors' contents (positions, lengths, blocks)
-        when they run. A serving engine's consecutive steps of one shape (a prompt's chunks beside the same
-        decodes) then pay the plan and the first layer's binding once, not once a step."""
-        if previous is None or previous is self or previous.workspace is not self.workspace \
-                or previous.num_decodes != self.num_decodes \
-                or previous.query_start_loc_cpu != self.query_start_loc_cpu:
+        A step's state is built the same when the two steps have the same device tensors (address, shape, strides,
+        dtype: views of the same persistent buffers at the same sizes), decode count, query layout
+        (``query_start_loc_cpu``) and workspace, and :meth:`decodes_fit_unified` gives this step the answers it gave
+        the other. Nothing else the state holds is read on the host: the kernels read the tensors' contents
+        (positions, lengths, blocks) when they run. A serving engine's consecutive steps of one shape (a prompt's
+        chunks beside the same decodes), and its steps whose layout a recent one had (chunked prefill's mixed steps
+        come back to a layout), then pay the plan and the first layer's binding once, not once a step. A step that
+        takes no state is kept in the cache for later steps of its layout."""
+        layouts = None
+        if previous is not None and previous is not self and previous.workspace is self.workspace \
+                and previous.num_decodes == self.num_decodes \
+                and previous.query_start_loc_cpu == self.query_start_loc_cpu:
+            layouts = self._layouts()
+            if layouts == previous._layouts() and self._take(previous):
+                return True
+        cache = self.launch_cache()
+        if cache is None:
             return False
-        tensors = ("slot_mapping", "query_start_loc", "seq_lens", "block_table")
-        if any(_layout(getattr(self, name)) != _layout(getattr(previous, name)) for name in tensors):
+        if layouts is None:
+            layouts = self._layouts()
+        recent = cache.get_or_build(("step", self.num_decodes, tuple(self.query_start_loc_cpu), layouts),
+                                    lambda: self)
+        return recent is not self and self._take(recent)
+
+    def _layouts(self) -> tuple:
+        """The device tensors' layouts (:func:`_layout`): what the step's state takes from them besides contents."""
+        return (_layout(self.slot_mapping), _layout(self.query_start_loc), _layout(self.seq_lens),
+                _layout(self.block_table))
+
+    def _take(self, other: AttentionMetadata) -> bool:
+        """Share ``other``'s step state (same tensors, decode count and query layout: the caller checked) when
+        :meth:`decodes_fit_unified` answers as it did there."""
+        if any(self.decodes_fit_unified(short) != fit for short, fit in other._fits.items()):
             return False
-        if any(self.decodes_fit_unified(short) != fit for short, fit in previous._fits.items()):
-            return False
-        self._plans, self._writes, self._prefills = previous._plans, previous._writes, previous._prefills
-        self.layer_calls = previous.layer_calls
-        self._fits = dict(previous._fits)
+        self._plans, self._writes, self._prefills = other._plans, other._writes, other._prefills
+        self.layer_calls = other.layer_calls
+        self._fits = dict(other._fits)
         return True
 
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,

@@ -361,10 +361,12 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     assert r["decode_steps"] + r["prefill_steps"] + r["mixed_steps"] == r["steps"]
     assert r["mixed_steps"] > 0 and r["median_mixed_ms"] > 0 and r["median_decode_ms"] > 0
     assert r["tokens_per_s"] > 0
-    # on the CPU every step runs its 2 layers' attention eagerly (no CUDA graph), natively: no launch state built
+    # on the CPU every step runs its 2 layers' attention eagerly (no CUDA graph), natively: no launch state built,
+    # a step's (empty) state taken over from the last step or a recent one of its layout
     assert r["attention_calls"] == 2 * r["steps"] and r["attention_host_us_mean"] > 0
-    assert r["eager_steps"] == r["steps"] == r["steps_inherited"]
-    assert r["steps_built"] == r["steps_from_cache"] == r["pieces_built"] == r["pieces_from_cache"] == 0
+    assert r["eager_steps"] == r["steps"] == r["steps_inherited"] + r["steps_from_cache"]
+    assert r["steps_from_cache"] > 0
+    assert r["steps_built"] == r["pieces_built"] == r["pieces_from_cache"] == 0
     assert len(read_csv(tmp_path / "chunked_prefill_quick.csv")) == 1
     assert_png(tmp_path / "chunked_prefill_quick.png")
 

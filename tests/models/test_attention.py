@@ -621,6 +621,29 @@ def test_a_step_of_the_last_ones_shape_takes_over_its_plans_and_bound_launches(c
     assert not _next_step(last).inherit(None)
 
 
+def test_a_step_of_a_recent_layout_takes_over_that_steps_state_from_the_workspace_cache():
+    """AttentionMetadata.inherit past the last step: a step whose layout (buffers, decode count, query layout) a recent
+    step had, not the last, takes over that step's state from the workspace's cache of recent steps'
+    (ops.launch_cache), as long as the unified launch's fit answers the same; the first of a layout takes none and is
+    kept for later ones."""
+    layer = new_layer()
+    _, _, _, md = make_batch(layer, UNIFIED_SPECS)
+    cpu = torch.device("cpu")
+    a = dataclasses.replace(md, workspace=DecodeWorkspace(max_num_seqs=8))
+    assert not a.inherit(None)  # the first of its layout
+    plan = a.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu)
+    assert a.decodes_fit_unified(4)
+    b = _next_step(a, num_decodes=2)  # another layout: not the last step's, none in the cache
+    assert not b.inherit(a) and b.layer_calls is not a.layer_calls
+    again = _next_step(a)
+    assert again.inherit(b) and again.layer_calls is a.layer_calls
+    assert again.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, cpu) is plan
+    longer = _next_step(a, seq_lens_cpu=[30, 1, 14, 6, 17, 11], max_seq_len=30)  # a decode past the threshold
+    assert not longer.inherit(b) and longer.layer_calls is not a.layer_calls
+    apart = _next_step(a, workspace=DecodeWorkspace(max_num_seqs=8))  # another workspace: another cache
+    assert not apart.inherit(b)
+
+
 def unified_and_split(layer, specs, kw, monkeypatch, device="cpu", dtype=torch.float32):
     """``attention_cuda`` on a step of ``specs``, unified then split, from the same cache (the step's slots NaN: a
     read of one before its write shows), k and v column slices of a qkv tensor: ``(outputs, caches, q, k, v, md,
