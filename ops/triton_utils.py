@@ -412,13 +412,20 @@ class Slot:
     def __init__(self, is_tensor: bool, index: int) -> None:
         self.is_tensor, self.index = is_tensor, index
 
-    @classmethod
-    def tensor(cls, index: int) -> Slot:
-        return cls(True, index)
+    @staticmethod
+    def tensor(index: int) -> Slot:
+        return _slot(True, index)
 
-    @classmethod
-    def scalar(cls, index: int) -> Slot:
-        return cls(False, index)
+    @staticmethod
+    def scalar(index: int) -> Slot:
+        return _slot(False, index)
+
+
+@functools.cache
+def _slot(is_tensor: bool, index: int) -> Slot:
+    """One :class:`Slot` per kind and index, made once (binders ask for a few dozen a step; a slot is never
+    changed)."""
+    return Slot(is_tensor, index)
 
 
 class _Recording(threading.local):
