@@ -8,7 +8,8 @@ H100's host. Yet a serving engine's layouts recur: the decode plan depends on th
 launch on it and the chunk's length. A :class:`LaunchCache`, owned with the persistent buffers the launches are bound
 to (``ops.paged_attention.DecodeWorkspace``), keeps each built piece under a key of everything it was built from (the
 bound tensors' address, shape, strides, dtype, device, and the sizes), so that a step takes every piece it shares
-with a recent step instead of building it.
+with a recent step instead of building it, and a step of a recent step's whole layout takes that step's state in
+one lookup (``models.AttentionMetadata.inherit``).
 
 A key holds tensors' addresses; the value holds those tensors (views of the persistent buffers), so that no other
 tensor can take an address while its entry lives. The least recently used entries go first past ``max_entries``.
@@ -26,8 +27,8 @@ __all__ = ["LaunchCache"]
 class LaunchCache:
     """A bounded map from build keys to built launch state (plans, bound launches, a layer's step call), least
     recently used out first. ``hits`` and ``misses`` count :meth:`get_or_build`'s answers by the kind of state, a key's
-    first element (``"plan"``, ``"write"``, ``"prefill"``, ``"call"``: a layer's whole step state; benchmarks report
-    them).
+    first element (``"plan"``, ``"write"``, ``"prefill"``; ``"call"``, a layer configuration's whole step state;
+    ``"step"``, a step's metadata whose state a later step of its layout takes over; benchmarks report them).
 
     Args:
         max_entries: the most entries kept (a positive int).
