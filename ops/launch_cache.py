@@ -31,10 +31,11 @@ class LaunchCache:
     ``"step"``, a step's metadata whose state a later step of its layout takes over; benchmarks report them).
 
     Args:
-        max_entries: the most entries kept (a positive int).
+        max_entries: the most entries kept (a positive int). Each is a few small Python objects (views, tuples, a
+            step's host lists); 1024 hold a serving engine's decode counts beside a few prompt layouts each.
     """
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 1024) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"LaunchCache: max_entries must be a positive int; got {max_entries!r}")
         self.max_entries = max_entries
