@@ -231,7 +231,10 @@ class AttentionMetadata:
         try:
             return self._prefills[key]
         except KeyError:
-            block_table, seq_lens, query_start_loc, max_query_len = self.all_seq_args if all_seqs else self.prefill_args
+            block_table, seq_lens, query_start_loc, longest = self.all_seq_args if all_seqs else self.prefill_args
+            # The grid is bound for a bucket of query lengths (programs past a sequence's queries return at once): a
+            # later step with another prompt chunk of the bucket takes this launch from the cache.
+            max_query_len = query_bucket(longest)
             build = functools.partial(bind_prefill, block_table, seq_lens, query_start_loc, max_query_len, num_heads,
                                       num_kv_heads, head_size, page, dtype, use_softcap, use_window, new_kv=new_kv,
                                       decode_rows=all_seqs)
@@ -271,6 +274,17 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == self.num_seqs
+
+
+def query_bucket(n: int) -> int:
+    """The longest query a prefill launch is bound for when a step's longest is ``n``: the next power of two up to
+    256, else the next multiple of 256 (at most 255 query rows of programs that return at once, against a launch of
+    256 rows or more; the kernel's tile config, by powers of two, is the same)."""
+    if n <= 0:
+        return 0
+    if n <= 256:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 256) * 256
 
 
 def _layout(t: torch.Tensor) -> tuple:

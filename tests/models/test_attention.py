@@ -565,6 +565,15 @@ def test_unified_attention_routes_a_step_with_a_prompt_to_one_launch(max_decodes
                 assert ("decode" in calls) == (nd > 0), specs
 
 
+def test_a_prefill_launch_is_bound_for_a_bucket_of_query_lengths():
+    """query_bucket: powers of two up to 256, then multiples of 256; no query, no launch (a step of another prompt
+    length in the bucket shares the launch: test_a_step_of_the_last_ones_shape_takes_over_its_plans_...)."""
+    from models.forward_context import query_bucket
+
+    assert [query_bucket(n) for n in (0, 1, 3, 16, 17, 256, 257, 448, 512, 513)] == [0, 1, 4, 16, 32, 256, 512, 512,
+                                                                                     512, 768]
+
+
 def test_decodes_fit_unified_compares_the_longest_decode_with_the_longest_prompt_or_a_threshold():
     md = make_batch(new_layer(), UNIFIED_SPECS)[3]
     assert md.decodes_fit_unified()
@@ -585,9 +594,12 @@ def _next_step(md, **changes):
 
 # Each change, and which of the last step's pieces the step still shares through the workspace's cache of recent
 # steps' (ops.launch_cache) when it does not inherit them: the decode plan (the decodes' rows of the table and
-# lengths), the unified prefill launch (every sequence's rows, and the longest query).
+# lengths), the unified prefill launch (every sequence's rows, and the longest query's bucket).
 NEXT_STEPS = {
     "another query layout": (lambda md: _next_step(md, query_start_loc_cpu=[0, 1, 2, 3, 8, 12, 20]), "plan"),
+    # the longest prompt 10 tokens, not 11: the prefill launch is bound for the bucket of both (query_bucket: 16)
+    "a shorter prompt, the same bucket": (lambda md: _next_step(md, query_start_loc_cpu=[0, 1, 2, 3, 9, 14, 24]),
+                                          "plan prefill"),
     "another decode count": (lambda md: _next_step(md, num_decodes=2), "prefill"),
     "another buffer": (lambda md: _next_step(md, slot_mapping=md.slot_mapping.clone()), "plan prefill"),
     "a longer view": (lambda md: _next_step(md, block_table=torch.zeros(6, 9, dtype=torch.int32)[:, :8]), ""),
