@@ -115,6 +115,34 @@ def timed_attention() -> Iterator[list[float]]:
         plugins.set_splitting_op_eager_impl(name, impl)
 
 
+@contextlib.contextmanager
+def profiled(on: bool, out_dir: str | None, filename: str) -> Iterator[None]:
+    """With ``on``: cProfile the block, and print its 45 functions of most own time, then of most cumulative time
+    (to ``filename`` under ``out_dir`` too, where given)."""
+    if not on:
+        yield
+        return
+    import cProfile
+    import io
+    import os
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    print(buf.getvalue())
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, filename), "w") as f:
+            f.write(buf.getvalue())
+
+
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from models import LLM
 
@@ -128,7 +156,8 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
         before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
         host.clear()
-        stats, wall = run(llm, prompts, a.max_tokens)
+        with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"):
+            stats, wall = run(llm, prompts, a.max_tokens)
     us = sorted(t * 1e6 for t in host)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
@@ -153,6 +182,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    help="prompts of an untimed run first (compiles, CUDA graphs); --prompts: every layout the timed "
                         "run has, its kernels' specializations included")
     p.add_argument("--tag", default="", help="a label for the rows (e.g. after, before)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="cProfile the timed run (its figures then include the profiler's cost); the functions by own "
+                        "and cumulative time, printed and under --out")
     p.add_argument("--quick", action="store_true", help="tiny-llama on the CPU, a few short prompts")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)

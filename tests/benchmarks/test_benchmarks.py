@@ -371,6 +371,14 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     assert_png(tmp_path / "chunked_prefill_quick.png")
 
 
+def test_chunked_prefill_cprofile_writes_the_timed_runs_profile(tmp_path):
+    from benchmarks import chunked_prefill
+
+    chunked_prefill.main(["--quick", "--cprofile", "--out", str(tmp_path)])
+    text = (tmp_path / "chunked_prefill_cprofile_tiny-llama.txt").read_text()
+    assert text.count("function calls") == 2 and "generate" in text  # by own time, then cumulative
+
+
 def test_prefix_caching_quick_computes_the_shared_prefix_once_and_writes_its_files(tmp_path):
     from benchmarks import prefix_caching
 
