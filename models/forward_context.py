@@ -110,24 +110,22 @@ class AttentionMetadata:
         chunks beside the same decodes), and its steps whose layout a recent one had (chunked prefill's mixed steps
         come back to a layout), then pay the plan and the first layer's binding once, not once a step. A step that
         takes no state is kept in the cache for later steps of its layout."""
-        layouts = None
         if previous is not None and previous is not self and previous.workspace is self.workspace \
                 and previous.num_decodes == self.num_decodes \
-                and previous.query_start_loc_cpu == self.query_start_loc_cpu:
-            layouts = self._layouts()
-            if layouts == previous._layouts() and self._take(previous):
-                return True
+                and previous.query_start_loc_cpu == self.query_start_loc_cpu \
+                and self._layouts == previous._layouts and self._take(previous):
+            return True
         cache = self.launch_cache()
         if cache is None:
             return False
-        if layouts is None:
-            layouts = self._layouts()
-        recent = cache.get_or_build(("step", self.num_decodes, tuple(self.query_start_loc_cpu), layouts),
+        recent = cache.get_or_build(("step", self.num_decodes, tuple(self.query_start_loc_cpu), self._layouts),
                                     lambda: self)
         return recent is not self and self._take(recent)
 
+    @functools.cached_property
     def _layouts(self) -> tuple:
-        """The device tensors' layouts (:func:`_layout`): what the step's state takes from them besides contents."""
+        """The device tensors' layouts (:func:`_layout`): what the step's state takes from them besides contents;
+        ``(slot_mapping, query_start_loc, seq_lens, block_table)``'s, read once a step."""
         return (_layout(self.slot_mapping), _layout(self.query_start_loc), _layout(self.seq_lens),
                 _layout(self.block_table))
 
@@ -157,8 +155,7 @@ class AttentionMetadata:
             if cache is None:
                 plan = build()
             else:  # the plan reads the decodes' rows of the table and lengths, and the workspace's scratch
-                plan = cache.get_or_build(("plan", key, self.num_decodes, self.num_seqs,
-                                           _layout(self.block_table), _layout(self.seq_lens)), build)
+                plan = cache.get_or_build(("plan", key, self.num_decodes, self.num_seqs, *self._layouts[2:]), build)
             self._plans[key] = plan
         return plan
 
@@ -215,7 +212,7 @@ class AttentionMetadata:
         except KeyError:
             build = functools.partial(bind_write_kv_cache, self.slot_mapping, num_tokens, row, first)
             cache = self.launch_cache()
-            launch = build() if cache is None else cache.get_or_build(("write", key, _layout(self.slot_mapping)), build)
+            launch = build() if cache is None else cache.get_or_build(("write", key, self._layouts[0]), build)
             self._writes[key] = launch
             return launch
 

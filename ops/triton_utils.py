@@ -321,13 +321,8 @@ class FastLaunch:
     def layout(self, key: tuple, shape: tuple | None) -> tuple | None:
         """The launch layout a :class:`BoundLaunch` of this ``shape`` (its bound values' specialization, argument
         order, constexprs and options) kept for the per-call specialization ``key`` (:meth:`keep_layout`); None: none
-        kept (or an unhashable constexpr)."""
-        if shape is None:
-            return None
-        try:
-            return self._layouts.get((key, shape))
-        except TypeError:
-            return None
+        kept, or no shape (an unhashable constexpr)."""
+        return None if shape is None else self._layouts.get((key, shape))
 
     def keep_layout(self, key: tuple, shape: tuple | None, layout: tuple) -> tuple:
         """Keep ``layout`` (``BoundLaunch._launch_layout`` of the entry the fast path served ``key`` with) for
@@ -335,10 +330,7 @@ class FastLaunch:
         if shape is not None:
             if len(self._layouts) >= self._MAX_LAYOUTS:
                 self._layouts.clear()
-            try:
-                self._layouts[(key, shape)] = layout
-            except TypeError:
-                pass
+            self._layouts[(key, shape)] = layout
         return layout
 
     def bind(self, grid: tuple[int, ...], args: Iterable[Any], **kwargs: Any) -> BoundLaunch:
@@ -481,6 +473,10 @@ class BoundLaunch:
         # launches of one kernel that share it (a step's, and the next step's of another grid or table) share the
         # layout FastLaunch.layouts keeps, instead of each working it out at its first call.
         self._shape = (found[0], self._order, n_tensors, tuple(kwargs.items())) if found is not None else None
+        try:
+            hash(self._shape)
+        except TypeError:  # an unhashable constexpr (the normal launch serves it): no layout to share
+            self._shape = None
         self._fast_path = fast._usable and self._fixed is not None
         n = len(grid)
         self._grid3 = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
@@ -514,13 +510,10 @@ class BoundLaunch:
             if len(self._entries) >= self._MAX_ENTRIES:
                 self._entries.clear()
             layout = fast.layout(key, self._shape)
-            if layout is None:
+            if layout is None:  # the whole launch (it launches); None: the normal launch serves this specialization
                 served = fast.launch_entry(self.grid, self.full_args(tensors, scalars), self.kwargs)
-                if served is None:  # the normal launch serves this specialization
-                    self._entries[key] = None
-                    return
-                layout = fast.keep_layout(key, self._shape, self._launch_layout(served))
-                self._entries[key] = self._launch_plan(layout)
+                self._entries[key] = None if served is None else self._launch_plan(
+                    fast.keep_layout(key, self._shape, self._launch_layout(served)))
                 return
             entry = self._entries[key] = self._launch_plan(layout)
         launch, const, order = entry[:3]
