@@ -25,8 +25,8 @@ demo: venv
 	$(VENV)/bin/dynamo-once diagnose --model tiny-llama
 
 test: venv
-	$(PY) -m pytest -n 2 -q tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m interpret tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -q tests
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q -m interpret tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -132,7 +132,7 @@ def bench_model(name: str, prefills: list[int], decodes: list[int], context: int
             diff = max((logits[:d] - decode_logits[d]).abs().max().item(), (logits[d:] - prefill_logits).abs().max().item())
             parts = prefill_us + decode_us[d]
             rows.append(dict(model=name, prefill=p, decodes=d, mixed_us=round(mixed, 1), prefill_us=round(prefill_us, 1),
-                             decode_us=round(decode_us[d], 1), ratio=round(mixed / parts, 2),
+                             decode_us=round(decode_us[d], 1), ratio=round(mixed / parts, 3),
                              logits_max_diff=round(diff, 3), compile_s=round(compile_s, 1)))
             print(rows[-1], flush=True)
     del m, graphs

@@ -413,7 +413,10 @@ def test_mixed_step_quick_matches_its_parts_and_writes_its_files(tmp_path):
     rows = mixed_step.main(["--quick", "--out", str(tmp_path)])
     assert [(r["prefill"], r["decodes"]) for r in rows] == [(8, 1), (8, 3)]
     # fp32 on the CPU: the mixed step's logits are its parts' (the same sequences, split differently)
-    assert all(r["mixed_us"] > 0 and r["ratio"] > 0 and r["logits_max_diff"] < 1e-3 for r in rows)
+    assert all(r["mixed_us"] > 0 and r["logits_max_diff"] < 1e-3 for r in rows)
+    # the ratio is the mixed step's time over its parts' (not a timing claim: CPU timings under load vary widely)
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["mixed_us"] / (r["prefill_us"] + r["decode_us"]), abs=6e-4, rel=0.01)
     assert len(read_csv(tmp_path / "mixed_step_quick.csv")) == 2
     assert_png(tmp_path / "mixed_step_quick.png")
 
