@@ -338,8 +338,11 @@ def _step_call(md: AttentionMetadata, key: tuple, num_heads: int, head_size: int
     if cache is None:
         return build()
     # The pieces by identity: the cache's entries, alive while an entry holding them is (no id is reused meanwhile).
-    return cache.get_or_build(("call", key, id(plan), id(write), id(prefill), fused_write, prefill_writes,
-                               slots.data_ptr(), slots.shape, slots.dtype), build)
+    # Not the token count (key[7]) or the slots' length: the launches take them through the pieces (the cache write's
+    # rows) or not at all (the kernels index the slots and q, k, v by the sequences' rows), so a step of another
+    # length over the same pieces takes this state.
+    return cache.get_or_build(("call", key[:7] + key[8:], id(plan), id(write), id(prefill), fused_write,
+                               prefill_writes, slots.data_ptr(), slots.stride(), slots.dtype), build)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

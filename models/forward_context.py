@@ -154,8 +154,9 @@ class AttentionMetadata:
             cache = self.launch_cache()
             if cache is None:
                 plan = build()
-            else:  # the plan reads the decodes' rows of the table and lengths, and the workspace's scratch
-                plan = cache.get_or_build(("plan", key, self.num_decodes, self.num_seqs, *self._layouts[2:]), build)
+            else:  # the plan reads the decodes' rows of the table and lengths (not how many rows follow them)
+                plan = cache.get_or_build(("plan", key, self.num_decodes, _rows_layout(self.seq_lens),
+                                           _rows_layout(self.block_table)), build)
             self._plans[key] = plan
         return plan
 
@@ -212,7 +213,8 @@ class AttentionMetadata:
         except KeyError:
             build = functools.partial(bind_write_kv_cache, self.slot_mapping, num_tokens, row, first)
             cache = self.launch_cache()
-            launch = build() if cache is None else cache.get_or_build(("write", key, self._layouts[0]), build)
+            launch = build() if cache is None else cache.get_or_build(("write", key, _rows_layout(self.slot_mapping)),
+                                                                       build)
             self._writes[key] = launch
             return launch
 
@@ -287,6 +289,11 @@ def query_bucket(n: int) -> int:
 def _layout(t: torch.Tensor) -> tuple:
     """What a bound launch takes from a tensor besides its contents."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+def _rows_layout(t: torch.Tensor) -> tuple:
+    """:func:`_layout` less the row count: what views of a tensor's leading rows share however many rows it has."""
+    return t.data_ptr(), t.shape[1:], t.stride(), t.dtype, t.device
 
 
 @dataclasses.dataclass

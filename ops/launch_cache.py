@@ -32,10 +32,12 @@ class LaunchCache:
 
     Args:
         max_entries: the most entries kept (a positive int). Each is a few small Python objects (views, tuples, a
-            step's host lists); 1024 hold a serving engine's decode counts beside a few prompt layouts each.
+            step's host lists). The default, 4096, holds a serving engine's decode counts beside a few prompt layouts
+            each, and the steps whose whole layout recurs: smaller, a run whose layouts cycle through more than it
+            holds would drop each entry just before its next use (the least recently used goes first).
     """
 
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(self, max_entries: int = 4096) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"LaunchCache: max_entries must be a positive int; got {max_entries!r}")
         self.max_entries = max_entries

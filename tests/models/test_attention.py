@@ -603,6 +603,11 @@ NEXT_STEPS = {
     "another decode count": (lambda md: _next_step(md, num_decodes=2), "prefill"),
     "another buffer": (lambda md: _next_step(md, slot_mapping=md.slot_mapping.clone()), "plan prefill"),
     "a longer view": (lambda md: _next_step(md, block_table=torch.zeros(6, 9, dtype=torch.int32)[:, :8]), ""),
+    # the same buffers' first rows: the decodes' plan does not depend on how many sequences follow them
+    "a prompt fewer": (lambda md: _next_step(
+        md, slot_mapping=md.slot_mapping[:md.query_start_loc_cpu[5]], query_start_loc=md.query_start_loc[:6],
+        seq_lens=md.seq_lens[:5], block_table=md.block_table[:5], query_start_loc_cpu=md.query_start_loc_cpu[:6],
+        seq_lens_cpu=[n + 1 for n in md.seq_lens_cpu[:5]], max_seq_len=max(md.seq_lens_cpu[:5]) + 1), "plan"),
     "another workspace": (lambda md: _next_step(md, workspace=DecodeWorkspace(max_num_seqs=8)), ""),
     "a decode past the unified threshold": (lambda md: _next_step(
         md, seq_lens_cpu=[30, 1, 14, 6, 17, 11], max_seq_len=30), "plan prefill"),
@@ -721,3 +726,35 @@ def test_a_step_of_a_recent_layout_takes_its_launches_from_the_workspace_cache(d
         states.append(list(step.layer_calls.values()))
     assert len(states[0]) == 1 and states[2] == states[0] and states[1] != states[0]
     assert ws.launches.hits["call"] == 1 and ws.launches.misses["call"] == 2 and ws.launches.hits["plan"] == 1
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
+                                    pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_step_of_another_token_count_over_the_same_pieces_takes_their_state(device, monkeypatch):
+    """A step whose last prompt chunk is a token shorter (fewer tokens, the same sequences, the longest query in the
+    same bucket; the persistent buffers rewritten in place, as an engine does) after a step of the full chunk: its
+    state (plan, bound launches, recorded launches) is the first step's, from the workspace's cache (the token count
+    is no part of it), and its output and cache are the native path's."""
+    import models.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form: plan, write and prefill
+    layer = new_layer(device=device, num_blocks=len(SPECS) * 20)
+    _, _, _, md = make_batch(layer, SPECS, device=device)
+    ws = DecodeWorkspace(max_num_seqs=8)
+    starts, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    shorter = dict(slot_mapping=md.slot_mapping[:-1], query_start_loc_cpu=starts[:-1] + [starts[-1] - 1],
+                   seq_lens_cpu=lens[:-1] + [lens[-1] - 1])
+    g = torch.Generator().manual_seed(2)
+    states = []
+    for changes in ({}, shorter):
+        step = dataclasses.replace(md, workspace=ws, **changes)
+        md.query_start_loc[-1], md.seq_lens[-1] = step.query_start_loc_cpu[-1], step.seq_lens_cpu[-1]
+        q, k, v = (torch.randn(step.num_tokens, n * HEAD, generator=g).to(device) for n in (HEADS, KV_HEADS, KV_HEADS))
+        cache = layer.kv_cache.clone()
+        for _ in range(2):  # two layers' calls
+            out = attention_module.attention_cuda(q, k, v, layer.kv_cache, step, HEADS, HEAD, HEAD**-0.5)
+        ref = attention_native(q, k, v, cache, step, HEADS, HEAD, HEAD**-0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+        states.append(list(step.layer_calls.values()))
+    assert states[1] == states[0] and ws.launches.hits["call"] == 1 and ws.launches.misses["call"] == 1
