@@ -13,7 +13,8 @@ model (built-in random weights, level 3) this runs ``LLM.generate`` on ``--promp
 - the share of the steps and of the summed step time that is mixed (or, on a tree whose statistics do not
   time the mixed steps apart, that holds a prompt chunk);
 - the median decode-only and mixed step, output tokens/s of the whole call;
-- the eager attention calls' host time (mean, 90th percentile: the split graph's eager function timed around), and
+- the eager attention calls' host time (mean, median, 90th percentile: the split graph's eager function timed
+  around; the median of a step's first call and of its later ones apart), and
   how the steps that ran them got their launch state: built, from the workspace's cache of recent steps', inherited.
 
 A step's time is its forward, sampling and the read of its tokens (a mixed step is read when it ends; decode
@@ -41,6 +42,7 @@ from benchmarks import common
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
            "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p50", "attention_host_us_p90",
+           "attention_first_us_p50", "attention_later_us_p50",
            "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
            "pieces_built", "pieces_from_cache"]
 
@@ -93,19 +95,24 @@ def launch_state(eager: int, cache: Any, before: tuple[Any, Any] | None) -> dict
 
 
 @contextlib.contextmanager
-def timed_attention() -> Iterator[list[float]]:
+def timed_attention() -> Iterator[list[tuple[float, bool]]]:
     """Host seconds of each eager ``dynamo_once::attention`` call between the pieces (the split graph's eager
-    function, wrapped for the block: set it before the model compiles), appended to the list yielded."""
+    function, wrapped for the block: set it before the model compiles), and whether it was its step's first call (the
+    one that builds or takes the step's launch state; the others replay it), appended to the list yielded."""
     from dispatcher import plugins
+    from models.forward_context import get_forward_context
 
     name = "dynamo_once::attention"
     impl = plugins.get_splitting_op_eager_impl(name)
-    times: list[float] = []
+    times: list[tuple[float, bool]] = []
+    last: list[Any] = [None]  # the last call's step metadata
 
     def timed(*args: Any) -> Any:
+        md = get_forward_context().attn_metadata
         t0 = time.perf_counter()
         out = impl(*args)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, md is not last[0]))
+        last[0] = md
         return out
 
     plugins.set_splitting_op_eager_impl(name, timed)
@@ -158,12 +165,15 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         host.clear()
         with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"):
             stats, wall = run(llm, prompts, a.max_tokens)
-    us = sorted(t * 1e6 for t in host)
+    us = sorted(t * 1e6 for t, _ in host)
+    first, later = ([t * 1e6 for t, f in host if f == want] for want in (True, False))
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
              attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
              attention_host_us_p50=round(statistics.median(us), 1) if us else "",
              attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
+             attention_first_us_p50=round(statistics.median(first), 1) if first else "",
+             attention_later_us_p50=round(statistics.median(later), 1) if later else "",
              **launch_state(len(us) // len(llm.layers), cache, before))
     print(r, flush=True)
     return r
@@ -215,7 +225,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "
                                     "around each call: a kernel compiled at its first launch counts), mean, median "
-                                    f"and 90th percentile; untimed first: {a.warmup_prompts} of the prompts",
+                                    f"and 90th percentile; untimed first: {a.warmup_prompts} of the prompts; "
+                                    "attention_first_us_p50 / attention_later_us_p50: the median of a step's first "
+                                    "call (which builds or takes the step's launch state) and of its later ones (which "
+                                    "replay it)",
                                     "eager_steps: the steps whose attention ran eagerly (attention_calls over the "
                                     "model's layers: on a GPU the prefill-only and mixed steps); of "
                                     "them steps_built built their attention launch state anew, steps_from_cache took "
