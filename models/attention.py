@@ -187,11 +187,13 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     launch a layer with ``fused_merge``), and the cache-write launch takes the other tokens only; else it takes
     them all, as one launch.
 
-    Launches a layer with a prompt in the step (host time on the piecewise path is mostly these): cache write,
-    decode (plus its merge unless ``fused_merge``) and prefill, 3 (2 with no decode). With :data:`PREFILL_WRITES_KV`
-    (off by default) the prefill kernel writes the prompts' keys and values itself (reading its own chunk's from
-    k and v, so no program reads a slot the launch writes) and the cache write takes the decodes' rows only, none
-    under ``fused_write``: 2 then (decode, prefill), 1 with no decode, still 3 with decodes but no ``fused_write``.
+    Launches a layer with a prompt in the step (host time on the piecewise path is mostly these): the decode kernel
+    (plus its merge unless ``fused_merge``), which in such a step always writes the decodes' new keys and values
+    itself (``AttentionMetadata.decode_plan``: the step runs eagerly, where a launch costs host time, whatever the
+    config's ``fused_write``, which decides for decode-only steps), and the prefill kernel, which with
+    :data:`PREFILL_WRITES_KV` (on by default) writes the prompts' itself (reading its own chunk's from k and v, so no
+    program reads a slot the launch writes): 2 (1 with no decode). With it off, a cache-write launch takes the
+    prompts' rows before them: 3.
     Under :data:`UNIFIED_ATTENTION` a step with a prompt that fits it (see there) is one launch a layer: the prefill
     kernel, bound to every sequence of the step, writes every new key and value and attends for the decodes too.
     Padding tokens of no sequence (after the last one's rows) are then not written: their slots are the pad

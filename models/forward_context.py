@@ -142,7 +142,8 @@ class AttentionMetadata:
     def decode_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
                     device: torch.device, kv_fp8: bool = False) -> DecodePlan:
         """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape (``kv_fp8``: over an
-        fp8 cache), built at its first call in this step (one dict lookup after)."""
+        fp8 cache), built at its first call in this step (one dict lookup after). In a step with a prompt its decode
+        kernel writes the decodes' new keys and values (``fused_write``) whatever the config says."""
         key = (num_heads, num_kv_heads, head_size, page, device, kv_fp8)
         if self.workspace is None and device.type == "cuda":
             # Scratch of its own, which a CUDA graph must not capture from outside it: this object may die
@@ -154,9 +155,9 @@ class AttentionMetadata:
             cache = self.launch_cache()
             if cache is None:
                 plan = build()
-            else:  # the plan reads the decodes' rows of the table and lengths (not how many rows follow them)
-                plan = cache.get_or_build(("plan", key, self.num_decodes, _rows_layout(self.seq_lens),
-                                           _rows_layout(self.block_table)), build)
+            else:  # the decodes' rows of the table and lengths (not how many rows follow them), and whether any do
+                plan = cache.get_or_build(("plan", key, self.num_decodes, self.is_decode_only,
+                                           _rows_layout(self.seq_lens), _rows_layout(self.block_table)), build)
             self._plans[key] = plan
         return plan
 
@@ -178,10 +179,14 @@ class AttentionMetadata:
         ws = self.workspace
         buf = ws.get(num_heads, num_kv_heads, head_size, device) if ws is not None else None
         counters = ws.counters(num_kv_heads, device) if ws is not None else None
+        # A step with a prompt never replays a whole-step CUDA graph (those are decode-only): its attention runs
+        # eagerly, between the pieces, where each launch costs host time. Its decode kernel then writes the decodes'
+        # keys and values itself, one launch a layer fewer, whatever the config's fused_write (chosen by GPU time,
+        # for the whole-step graphs, which keep it).
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters,
-                          kv_fp8=kv_fp8)
+                          kv_fp8=kv_fp8, fused_write=None if whole else True)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -499,12 +499,14 @@ class DecodePlan:
             where the plan then merges with the merge kernel (``fused_merge`` False).
         kv_fp8: the cache is fp8 (``ops.kv_quant``): with ``config`` None, the fp8 table's config
             (:data:`~ops.paged_decode_config.DECODE_TABLE_FP8`).
+        fused_write: whether the decode kernel writes the new keys and values :func:`paged_decode_launch` is given
+            (else a cache-write launch before it); None: the config's ``fused_write``.
     """
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_size: int, page: int, device: torch.device, num_splits: int | None = None,
                  workspace: torch.Tensor | None = None, config: DecodeConfig | None = None,
-                 counters: torch.Tensor | None = None, kv_fp8: bool = False) -> None:
+                 counters: torch.Tensor | None = None, kv_fp8: bool = False, fused_write: bool | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
                              f"them in one block) or None; got {num_splits}")
@@ -530,7 +532,8 @@ class DecodePlan:
                 counters = _new_counters(b * num_kv_heads, device)
             self.counters = counters
         self.fused_merge = self.counters is not None  # one launch: no merge kernel
-        self.fused_write = cfg.fused_write  # paged_decode_launch's new_kv are written by the decode kernel
+        # paged_decode_launch's new_kv are written by the decode kernel
+        self.fused_write = cfg.fused_write if fused_write is None else fused_write
         # PDL only where every program is resident at once: the next kernel's early programs then take no SM slot
         # one of this launch's still waits for.
         self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)

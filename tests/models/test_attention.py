@@ -13,6 +13,7 @@ from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, se
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
 from models.attention import attention_native, write_kv_cache
 from ops.paged_attention import DecodeWorkspace
+from ops.paged_decode_config import decode_config
 
 HEADS, KV_HEADS, HEAD = 4, 2, 16  # Llama 3 8B: 32, 8, 128
 BLOCK = 4  # small blocks: sequences span several, with a partial last one
@@ -396,7 +397,8 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
 def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
     """attention_cuda's launches, recorded (no kernel runs): off, the cache write takes every token (the prompts' at
     least); with models.attention.PREFILL_WRITES_KV (the default) the decodes' only (none under fused_write) and the
-    prefill launch, bound in its NEW_KV form, gets k and v; a decode-only step is the same either way."""
+    prefill launch, bound in its NEW_KV form, gets k and v; a decode-only step is the same either way. A step with a
+    prompt writes its decodes' rows in the decode kernel whatever the config's fused_write (an eager step)."""
     import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
@@ -421,11 +423,12 @@ def test_prefill_writes_kv_switch_routes_the_rows(on, fused_write, monkeypatch):
         nd, t = md.num_decodes, q.shape[0]
         calls.clear()
         attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
-        first = nd if fused_write else 0
+        fused = fused_write or nd < md.num_seqs
+        first = nd if fused else 0
         end = nd if on and nd < md.num_seqs else t
         expected = [("write", end - first, k.data_ptr(), v.data_ptr(), first)] if end > first else []
         if nd:
-            expected.append(("decode", fused_write))
+            expected.append(("decode", fused))
         if nd < md.num_seqs:
             expected.append(("prefill", on, (k, v) if on else None))
         assert calls == expected, specs
@@ -758,3 +761,54 @@ def test_a_step_of_another_token_count_over_the_same_pieces_takes_their_state(de
         torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
         states.append(list(step.layer_calls.values()))
     assert states[1] == states[0] and ws.launches.hits["call"] == 1 and ws.launches.misses["call"] == 1
+
+
+MANY_DECODES = [(9, 1), (0, 1), (13, 1)] * 11  # 33 decodes: past the decode counts whose config fuses the write
+
+
+def _recorded_launches(monkeypatch) -> list:
+    """attention_cuda's launch helpers, recorded instead of run: ``"write"``, ``("decode", the plan's fused_write,
+    given new keys and values)``, ``("prefill", writes the new keys and values)``."""
+    import models.attention as attention_module
+
+    calls = []
+    monkeypatch.setattr(attention_module, "write_kv_cache_launch", lambda launch, *a, **_: calls.append("write"))
+    monkeypatch.setattr(attention_module, "paged_decode_launch", lambda plan, *a, new_kv, **_: calls.append(
+        ("decode", plan.fused_write, new_kv is not None)))
+    monkeypatch.setattr(attention_module, "prefill_launch", lambda launch, *a, new_kv, **_: calls.append(
+        ("prefill", new_kv is not None)))
+    return calls
+
+
+def test_a_step_with_a_prompt_writes_its_decodes_keys_in_the_decode_kernel(monkeypatch):
+    """Past the decode counts whose config fuses the cache write into the decode kernel, a step with a prompt (the
+    split form) still has the decode kernel write the decodes' keys and values, and the prefill kernel the prompt's:
+    two launches, no cache write (its attention runs eagerly, where each launch costs host time). A decode-only step
+    of as many decodes keeps the config's separate write (what a whole-step CUDA graph replays)."""
+    import models.attention as attention_module
+
+    assert not decode_config(len(MANY_DECODES), HEAD).fused_write
+    calls = _recorded_launches(monkeypatch)
+    for specs, expected in ((MANY_DECODES + [(0, 6)], [("decode", True, True), ("prefill", True)]),
+                            (MANY_DECODES, ["write", ("decode", False, False)])):
+        layer = new_layer(num_blocks=len(specs) * 5)
+        q, k, v, md = make_batch(layer, specs)
+        calls.clear()
+        attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
+        assert calls == expected, specs
+
+
+@pytest.mark.interpret
+def test_a_step_with_a_prompt_and_many_decodes_matches_the_native_path():
+    """The form above run (Triton's interpreter): 33 decodes whose decode kernel writes their keys and values, beside a
+    prompt the prefill kernel writes: the native path's output and cache."""
+    import models.attention as attention_module
+
+    specs = MANY_DECODES + [(0, 6)]
+    layer = new_layer(num_blocks=len(specs) * 5)
+    q, k, v, md = make_batch(layer, specs)
+    cache = layer.kv_cache.clone()
+    out = attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
+    ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
