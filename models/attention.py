@@ -187,10 +187,10 @@ def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: 
     launch a layer with ``fused_merge``), and the cache-write launch takes the other tokens only; else it takes
     them all, as one launch.
 
-    Launches a layer with a prompt in the step (host time on the piecewise path is mostly these): the decode kernel
-    (plus its merge unless ``fused_merge``), which in such a step always writes the decodes' new keys and values
-    itself (``AttentionMetadata.decode_plan``: the step runs eagerly, where a launch costs host time, whatever the
-    config's ``fused_write``, which decides for decode-only steps), and the prefill kernel, which with
+    Launches a layer with a prompt in the step (host time on the piecewise path is mostly these): the decode kernel,
+    which in such a step always writes the decodes' new keys and values and merges its splits itself
+    (``AttentionMetadata.decode_plan``: the step runs eagerly, where a launch costs host time, whatever the config's
+    ``fused_write`` and ``fused_merge``, which decide for decode-only steps), and the prefill kernel, which with
     :data:`PREFILL_WRITES_KV` (on by default) writes the prompts' itself (reading its own chunk's from k and v, so no
     program reads a slot the launch writes): 2 (1 with no decode). With it off, a cache-write launch takes the
     prompts' rows before them: 3.

@@ -143,7 +143,8 @@ class AttentionMetadata:
                     device: torch.device, kv_fp8: bool = False) -> DecodePlan:
         """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape (``kv_fp8``: over an
         fp8 cache), built at its first call in this step (one dict lookup after). In a step with a prompt its decode
-        kernel writes the decodes' new keys and values (``fused_write``) whatever the config says."""
+        kernel writes the decodes' new keys and values and merges its splits (``fused_write``, ``fused_merge``)
+        whatever the config says."""
         key = (num_heads, num_kv_heads, head_size, page, device, kv_fp8)
         if self.workspace is None and device.type == "cuda":
             # Scratch of its own, which a CUDA graph must not capture from outside it: this object may die
@@ -181,12 +182,13 @@ class AttentionMetadata:
         counters = ws.counters(num_kv_heads, device) if ws is not None else None
         # A step with a prompt never replays a whole-step CUDA graph (those are decode-only): its attention runs
         # eagerly, between the pieces, where each launch costs host time. Its decode kernel then writes the decodes'
-        # keys and values itself, one launch a layer fewer, whatever the config's fused_write (chosen by GPU time,
-        # for the whole-step graphs, which keep it).
+        # keys and values and merges its splits itself, a launch a layer fewer each, whatever the config's
+        # fused_write and fused_merge (chosen by GPU time, for the whole-step graphs, which keep them).
+        eager = None if whole else True
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters,
-                          kv_fp8=kv_fp8, fused_write=None if whole else True)
+                          kv_fp8=kv_fp8, fused_write=eager, fused_merge=eager)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

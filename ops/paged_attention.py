@@ -501,12 +501,15 @@ class DecodePlan:
             (:data:`~ops.paged_decode_config.DECODE_TABLE_FP8`).
         fused_write: whether the decode kernel writes the new keys and values :func:`paged_decode_launch` is given
             (else a cache-write launch before it); None: the config's ``fused_write``.
+        fused_merge: whether, with more than one split, the decode kernel merges them itself (else a merge launch
+            after it); None: the config's ``fused_merge``.
     """
 
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_size: int, page: int, device: torch.device, num_splits: int | None = None,
                  workspace: torch.Tensor | None = None, config: DecodeConfig | None = None,
-                 counters: torch.Tensor | None = None, kv_fp8: bool = False, fused_write: bool | None = None) -> None:
+                 counters: torch.Tensor | None = None, kv_fp8: bool = False, fused_write: bool | None = None,
+                 fused_merge: bool | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"paged_decode_triton: num_splits must be a power of two (the merge kernel reduces over "
                              f"them in one block) or None; got {num_splits}")
@@ -527,7 +530,7 @@ class DecodePlan:
                                      CONVERT_V=cfg.convert_v and kv_fp8 and device.type == "cuda")
         self.merge_constexprs = dict(HEAD_D=head_size, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=cfg.merge_warps)
         self.counters: torch.Tensor | None = None
-        if cfg.fused_merge and splits > 1:
+        if (cfg.fused_merge if fused_merge is None else fused_merge) and splits > 1:
             if counters is None or counters.numel() < b * num_kv_heads:
                 counters = _new_counters(b * num_kv_heads, device)
             self.counters = counters

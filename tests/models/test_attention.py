@@ -812,3 +812,28 @@ def test_a_step_with_a_prompt_and_many_decodes_matches_the_native_path():
     ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("run", [False, pytest.param(True, marks=pytest.mark.interpret)], ids=["plan", "run"])
+def test_a_step_with_a_prompt_merges_its_decodes_splits_in_the_decode_kernel(run, monkeypatch):
+    """A decode config of two splits that fuses neither the write nor the merge: a step with a prompt (the split form)
+    still has its decode kernel write and merge (no merge launch), a decode-only step keeps the config's merge launch;
+    run (Triton's interpreter), the mixed step gives the native path's output and cache."""
+    import models.attention as attention_module
+    import ops.paged_attention as pa
+    from ops.paged_decode_config import DecodeConfig
+
+    monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16))
+    for specs, fused in ((SPECS, True), (SPECS[:3], False)):
+        layer = new_layer(num_blocks=len(specs) * 20)
+        q, k, v, md = make_batch(layer, specs)
+        plan = md.decode_plan(HEADS, KV_HEADS, HEAD, BLOCK, torch.device("cpu"))
+        assert plan.num_splits == 2 and plan.fused_merge == plan.fused_write == fused, specs
+        assert (plan.launches(False, False, True, fused)[1] is None) == fused, specs  # the merge kernel's launch
+        if run and fused:
+            cache = layer.kv_cache.clone()
+            out = attention_module.attention_cuda(q, k, v, layer.kv_cache, md, HEADS, HEAD, HEAD**-0.5)
+            ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
