@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from benchmarks import common
+from dispatcher import CompilationConfig
 
-COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "steps", "decode_steps", "prefill_steps",
+COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "steps", "decode_steps", "prefill_steps",
            "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
            "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p50", "attention_host_us_p90",
            "attention_first_us_p50", "attention_later_us_p50",
@@ -150,11 +151,22 @@ def profiled(on: bool, out_dir: str | None, filename: str) -> Iterator[None]:
             f.write(buf.getvalue())
 
 
+def capture_sizes(capture_to: int | None) -> list[int] | None:
+    """The default capture sizes, then every 16 tokens from 272 to ``capture_to`` (as vLLM spaces them past 256), so
+    that steps of that many tokens replay their pieces' graphs instead of running the pieces' code; None: the
+    defaults."""
+    if not capture_to:
+        return None
+    return CompilationConfig().cudagraph_capture_sizes + list(range(272, capture_to + 1, 16))
+
+
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     from models import LLM
 
+    sizes = capture_sizes(a.capture_to)
     with timed_attention() as host:
         llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
+                  compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes) if sizes else None,
                   device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32),
                   enable_prefix_caching=False)  # the warm-up's prompts are the timed run's first
         rng = random.Random(0)
@@ -168,7 +180,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     us = sorted(t * 1e6 for t, _ in host)
     first, later = ([t * 1e6 for t, f in host if f == want] for want in (True, False))
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-             chunk=a.max_num_tokens, **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
+             chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0), **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
              attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
              attention_host_us_p50=round(statistics.median(us), 1) if us else "",
              attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
@@ -188,6 +200,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens a step takes (the prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight")
     p.add_argument("--level", type=int, default=3)
+    p.add_argument("--capture-to", type=int, default=0,
+                   help="CUDA graphs for steps of up to this many tokens (the defaults stop at 256; every 16 tokens "
+                        "past 256); 0: the default sizes")
     p.add_argument("--warmup-prompts", type=int, default=4,
                    help="prompts of an untimed run first (compiles, CUDA graphs); --prompts: every layout the timed "
                         "run has, its kernels' specializations included")
@@ -201,6 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for flag in ("prompts", "prompt_len", "max_tokens", "max_num_tokens", "max_num_seqs", "warmup_prompts"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(a, flag)}")
+    if a.capture_to and a.capture_to < 272:
+        p.error(f"--capture-to: expected 0 (the default sizes) or an integer >= 272, got {a.capture_to}")
     if a.quick:
         device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]
         a.prompts, a.prompt_len, a.max_tokens, a.max_num_tokens, a.max_num_seqs = 6, 40, 6, 32, 4
@@ -221,6 +238,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "steps from LLM.stats: decode-only, prefill-only (prompt chunks alone), mixed "
                                     "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
                                     "summed time; a step = forward + sampling + reading its tokens",
+                                    "largest_graph: the largest step whose pieces replay CUDA graphs (--capture-to; "
+                                    "a larger step runs their code; 0: no graphs, as on the CPU)",
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "

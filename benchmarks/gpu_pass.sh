@@ -188,7 +188,8 @@ for step in $steps; do
                   cp -r benchmarks/. $d/benchmarks/; cp models/reporting.py $d/models/reporting.py
                 fi
                 PYTHONPATH=/tmp/site:$d timeout ${CHUNKED_TIMEOUT:-240} python3 benchmarks/chunked_prefill.py \
-                  --models ${CHUNKED_MODELS:-llama-3.2-1b,llama-3-8b} --tag $v --out "$R/chunked" 2>&1 | tee "$R/chunked_$v.log" | grep -E "^\{|Error"
+                  --models ${CHUNKED_MODELS:-llama-3.2-1b,llama-3-8b} --tag $v ${CHUNKED_ARGS:-} --out "$R/chunked" 2>&1 \
+                  | tee "$R/chunked_$v.log" | grep -E "^\{|Error"
               done ;;
     attnprof) # issue 18: where one attention call's host µs go (cProfile, fast path): 8B, 1 decode + a 512-token prompt, and 32 decodes
               for shape in "1 512" "32 0"; do set -- $shape

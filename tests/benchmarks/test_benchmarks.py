@@ -365,6 +365,7 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     # a step's (empty) state taken over from the last step or a recent one of its layout
     assert r["attention_calls"] == 2 * r["steps"] and r["attention_host_us_mean"] > 0
     assert r["attention_first_us_p50"] > 0 and r["attention_later_us_p50"] > 0  # a step's first call, its second
+    assert r["largest_graph"] == 0  # no CUDA graphs on the CPU
     assert r["eager_steps"] == r["steps"] == r["steps_inherited"] + r["steps_from_cache"]
     assert r["steps_from_cache"] > 0
     assert r["steps_built"] == r["pieces_built"] == r["pieces_from_cache"] == 0
@@ -378,6 +379,18 @@ def test_chunked_prefill_cprofile_writes_the_timed_runs_profile(tmp_path):
     chunked_prefill.main(["--quick", "--cprofile", "--out", str(tmp_path)])
     text = (tmp_path / "chunked_prefill_cprofile_tiny-llama.txt").read_text()
     assert text.count("function calls") == 2 and "generate" in text  # by own time, then cumulative
+
+
+def test_chunked_prefill_capture_to_extends_the_default_sizes_and_refuses_a_small_one(capsys):
+    from benchmarks import chunked_prefill
+    from dispatcher import CompilationConfig
+
+    default = CompilationConfig().cudagraph_capture_sizes
+    assert chunked_prefill.capture_sizes(0) is None
+    assert chunked_prefill.capture_sizes(512) == default + list(range(272, 513, 16))
+    with pytest.raises(SystemExit):
+        chunked_prefill.main(["--quick", "--capture-to", "100"])
+    assert "--capture-to: expected 0 (the default sizes) or an integer >= 272, got 100" in capsys.readouterr().err
 
 
 def test_prefix_caching_quick_computes_the_shared_prefix_once_and_writes_its_files(tmp_path):
