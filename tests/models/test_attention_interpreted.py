@@ -180,21 +180,21 @@ def test_fused_forms_in_the_op_match_native(kw, splits, monkeypatch):
         assert plan.fused_write and plan.fused_merge == (splits > 1)
 
 
-@pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
-def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monkeypatch):
+@pytest.mark.parametrize("specs", [SPECS, SPECS[:3]], ids=["mixed", "decodes"])
+def test_layers_of_a_step_with_their_own_tensors_match_native(specs, monkeypatch):
     """Layers of one step share its ``_StepCall`` (plan, bound launches; strides are read per call): two layers
     with caches of different shapes, q, k, v as column slices of one qkv tensor (strided rows) and an output with
-    another row stride, alternating, each the native path's output and cache. Under fused_write the cache-write
-    launch starts at the prompts' first row (bound, no slice of k, v)."""
+    another row stride, alternating, each the native path's output and cache. A decode config that fuses neither the
+    write nor the merge: a mixed step's decode kernel writes and merges anyway (the prompts' rows written by the
+    prefill kernel); a decode-only step takes the cache-write launch and the merge kernel."""
     import models.attention as attention_module
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
 
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", False)  # the split form's launches
-    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16, fused_merge=False,
-                                                                        fused_write=fused_write))
-    layers = [new_layer("l0", num_blocks=len(SPECS) * 20), new_layer("l1", num_blocks=len(SPECS) * 20 + 3)]
-    q, k, v, md = make_batch(layers[0], SPECS)
+    monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16))
+    layers = [new_layer("l0", num_blocks=len(specs) * 20), new_layer("l1", num_blocks=len(specs) * 20 + 3)]
+    q, k, v, md = make_batch(layers[0], specs)
     layers[1].kv_cache.copy_(torch.randn(layers[1].kv_cache.shape))
     qkv = torch.cat([q, k, v], 1)
     sq, sk, sv = qkv.split([q.shape[1], k.shape[1], v.shape[1]], 1)
@@ -208,19 +208,22 @@ def test_layers_of_a_step_with_their_own_tensors_match_native(fused_write, monke
         torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert len(md.layer_calls) == 2  # one a cache shape
+    plan = next(iter(md.layer_calls.values())).plan
+    assert plan.fused_write == plan.fused_merge == (len(specs) > 3)
 
 
-@pytest.mark.parametrize("fused_write", [False, True], ids=["write", "fused_write"])
+@pytest.mark.parametrize("two_splits", [False, True], ids=["table", "two_splits"])
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"logits_soft_cap": 5.0}], ids=["plain", "window", "softcap"])
-def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, fused_write, monkeypatch):
+def test_prefill_writes_kv_in_the_op_equals_the_separate_write(kw, two_splits, monkeypatch):
     """models.attention.PREFILL_WRITES_KV on: the prompts' keys and values written by the prefill kernel (the
-    decodes' by the cache-write kernel, or by the decode kernel under fused_write): the output and the cache bit for
-    bit those of the switch off, on a mixed step (decodes, whole prompts, a chunk after cached context), a
-    prompts-only one, with k, v column slices of a qkv tensor as the models pass them; GQA 2:1."""
+    decodes' by the decode kernel, as in every step with a prompt; the table's config or two fused splits): the
+    output and the cache bit for bit those of the switch off (a cache-write launch for the prompts' rows), on a mixed
+    step (decodes, whole prompts, a chunk after cached context), a prompts-only one, with k, v column slices of a qkv
+    tensor as the models pass them; GQA 2:1."""
     import ops.paged_attention as pa
     from ops.paged_decode_config import DecodeConfig
 
-    if fused_write:
+    if two_splits:
         monkeypatch.setattr(pa, "decode_config", lambda b, d, *_: DecodeConfig(num_splits=2, BLOCK_N=16,
                                                                             fused_merge=True, fused_write=True))
     for specs in (SPECS, [(0, 6), (BLOCK * 3 + 1, 9), (0, 11)]):
