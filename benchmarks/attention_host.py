@@ -40,6 +40,7 @@ import torch
 
 from benchmarks import common
 import models.attention as attention_module
+import models.forward_context as forward_context
 from dispatcher import plugins
 from dispatcher.cuda_graph import thread_state
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
@@ -51,7 +52,8 @@ BLOCK = 16
 #: How a timed step gets its plans and launches (:meth:`MixedStep.step`).
 PLANS = ("built", "cached", "inherited")
 UNIFIED_DEFAULT = attention_module.UNIFIED_ATTENTION  # restored after each measurement
-FORMS = ("unified", "split")
+MIXED_FUSED_DEFAULT = forward_context.MIXED_DECODE_FUSED
+FORMS = ("unified", "split", "split_config")
 
 
 def attention_shape(name: str) -> tuple[int, int, int, int]:
@@ -235,11 +237,13 @@ def measure(names: list[str], batches: list[int], prefills: list[int], context: 
                                            for pl in plans):
                     FastLaunch.enabled = launch == "fast"
                     attention_module.UNIFIED_ATTENTION = form == "unified"
+                    forward_context.MIXED_DECODE_FUSED = form != "split_config"
                     try:
                         t = time_step(s, device, steps, plan)
                     finally:
                         FastLaunch.enabled = True
                         attention_module.UNIFIED_ATTENTION = UNIFIED_DEFAULT
+                        forward_context.MIXED_DECODE_FUSED = MIXED_FUSED_DEFAULT
                     rows.append(dict(model=name, decodes=b, prefill=prefill, form=form if prefill else "",
                                      launch=launch, plan=plan, host_us=round(t.host, 1),
                                      first_call_us=round(t.first, 1), later_call_us=round(t.later, 1),
@@ -273,7 +277,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--launches", default="fast", help="fast (FastLaunch) and/or triton (kernel[grid])")
     p.add_argument("--forms", default="unified,split",
                    help="with a prompt: unified (models.attention.UNIFIED_ATTENTION on: one launch a layer where the "
-                        "step fits it) and/or split (off); decode-only steps take the first")
+                        "step fits it), split (off) and/or split_config (off, and the decode kernel's write and merge "
+                        "as its config: models.forward_context.MIXED_DECODE_FUSED off); decode-only steps take the "
+                        "first")
     p.add_argument("--plans", default=",".join(PLANS),
                    help="built (each step builds its plans and launches: a layout never seen), cached (taken from the "
                         "workspace's cache of recent steps': a layout seen before, not the last step's) and/or "
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         context, steps, launches = a.context, a.steps, a.launches.split(",")
     forms, plans = a.forms.split(","), a.plans.split(",")
     if not forms or not set(forms) <= set(FORMS) or not set(launches) <= {"fast", "triton"}:
-        p.error(f"--forms: expected unified and/or split, --launches: fast and/or triton; got {a.forms!r}, "
+        p.error(f"--forms: expected some of {', '.join(FORMS)}, --launches: fast and/or triton; got {a.forms!r}, "
                 f"{a.launches!r}")
     if not plans or not set(plans) <= set(PLANS):
         p.error(f"--plans: expected some of {', '.join(PLANS)}; got {a.plans!r}")
@@ -332,7 +338,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                 "where the step fits it: at most UNIFIED_MAX_DECODES decodes); split = split-KV "
                                 "decode and prefill of the prompt, the new keys and values written by one of them "
                                 f"(models.attention.PREFILL_WRITES_KV={attention_module.PREFILL_WRITES_KV}; off: "
-                                "a cache-write launch too)",
+                                "a cache-write launch too), the decode kernel writing and merging itself "
+                                "(models.forward_context.MIXED_DECODE_FUSED); split_config = split with the decode "
+                                "kernel's write and merge as its config says (a cache-write or merge launch too where "
+                                "it fuses neither)",
                                 "calls as in a piecewise step: the output into the layer's persistent buffer; after "
                                 "a step's first call, the others replay its launches (ops.launch_program)"])
     plot(stem, rows, a.out)

@@ -25,6 +25,7 @@ __all__ = [
     "small_m_gemm",
     "prefill_writes_kv",
     "unified_attention",
+    "mixed_decode_fused",
     "passes",
     "cache_dir",
     "compile_cache_disabled",
@@ -52,6 +53,9 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_UNIFIED_ATTENTION": "1 (default): a step with a prompt (at most 8 decodes, none longer than 1024 tokens or it) "
                                      "attends in one launch a layer, the prefill kernel over every sequence; 0: "
                                      "split-KV decode and prefill launched apart",
+    "DYNAMO_ONCE_MIXED_DECODE_FUSED": "1 (default): in a step with a prompt, the split-KV decode kernel writes the decodes' "
+                                      "keys and values and merges its splits itself, whatever its config; 0: as its "
+                                      "config (chosen for the whole-step graphs)",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
     "DYNAMO_ONCE_AOT": "1 (default): a warm start rebuilds the traced forward from the compile cache, no Dynamo trace; 0: it traces",
@@ -138,6 +142,12 @@ def unified_attention() -> bool:
     """``DYNAMO_ONCE_UNIFIED_ATTENTION``: the default of ``models.attention.UNIFIED_ATTENTION`` (read when that
     module is imported): a step with a prompt attends in one launch a layer. On by default."""
     return _bool("DYNAMO_ONCE_UNIFIED_ATTENTION", True)
+
+
+def mixed_decode_fused() -> bool:
+    """``DYNAMO_ONCE_MIXED_DECODE_FUSED``: the default of ``models.forward_context.MIXED_DECODE_FUSED`` (read when
+    that module is imported): a step with a prompt has its decode kernel write and merge itself. On by default."""
+    return _bool("DYNAMO_ONCE_MIXED_DECODE_FUSED", True)
 
 
 def api_key() -> str | None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dispatcher import envs
 from ops.launch_cache import LaunchCache
 from ops.paged_attention import DecodePlan, DecodeWorkspace, bind_write_kv_cache
 from ops.paged_prefill import bind_prefill
@@ -41,6 +42,14 @@ if TYPE_CHECKING:
     from .attention import Attention
 
 __all__ = ["AttentionMetadata", "ForwardContext", "get_forward_context", "set_forward_context"]
+
+#: On by default: a step with a prompt, which never replays a whole-step CUDA graph (those are decode-only) and so runs
+#: its attention eagerly, between the pieces, where each launch costs host time, has its split-KV decode kernel write
+#: the decodes' new keys and values and merge its splits itself, a launch a layer fewer each, whatever the decode
+#: config's ``fused_write`` and ``fused_merge`` (``ops.paged_decode_config``, chosen by GPU time for the whole-step
+#: graphs, which keep them). Off: the config's, as a decode-only step. Read at every plan; its default comes from
+#: ``DYNAMO_ONCE_MIXED_DECODE_FUSED`` (1/0) at import.
+MIXED_DECODE_FUSED = envs.mixed_decode_fused()
 
 
 @dataclasses.dataclass
@@ -144,15 +153,16 @@ class AttentionMetadata:
         """The decode sequences' :class:`~ops.paged_attention.DecodePlan` for a layer shape (``kv_fp8``: over an
         fp8 cache), built at its first call in this step (one dict lookup after). In a step with a prompt its decode
         kernel writes the decodes' new keys and values and merges its splits (``fused_write``, ``fused_merge``)
-        whatever the config says."""
-        key = (num_heads, num_kv_heads, head_size, page, device, kv_fp8)
+        whatever the config says, under :data:`MIXED_DECODE_FUSED`."""
+        key = (num_heads, num_kv_heads, head_size, page, device, kv_fp8, MIXED_DECODE_FUSED)
         if self.workspace is None and device.type == "cuda":
             # Scratch of its own, which a CUDA graph must not capture from outside it: this object may die
             # before the graph. Under capture, a plan allocated there (in the graph's pool), as before plans.
             key += (torch.cuda.is_current_stream_capturing(),)
         plan = self._plans.get(key)
         if plan is None:
-            build = functools.partial(self._new_plan, num_heads, num_kv_heads, head_size, page, device, kv_fp8)
+            build = functools.partial(self._new_plan, num_heads, num_kv_heads, head_size, page, device, kv_fp8,
+                                      MIXED_DECODE_FUSED and not self.is_decode_only)
             cache = self.launch_cache()
             if cache is None:
                 plan = build()
@@ -174,21 +184,17 @@ class AttentionMetadata:
         return cache
 
     def _new_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
-                  device: torch.device, kv_fp8: bool) -> DecodePlan:
+                  device: torch.device, kv_fp8: bool, fused: bool) -> DecodePlan:
         nd = self.num_decodes
         whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
         ws = self.workspace
         buf = ws.get(num_heads, num_kv_heads, head_size, device) if ws is not None else None
         counters = ws.counters(num_kv_heads, device) if ws is not None else None
-        # A step with a prompt never replays a whole-step CUDA graph (those are decode-only): its attention runs
-        # eagerly, between the pieces, where each launch costs host time. Its decode kernel then writes the decodes'
-        # keys and values and merges its splits itself, a launch a layer fewer each, whatever the config's
-        # fused_write and fused_merge (chosen by GPU time, for the whole-step graphs, which keep them).
-        eager = None if whole else True
+        # fused (MIXED_DECODE_FUSED, a step with a prompt): the kernel writes and merges itself; else the config's
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters,
-                          kv_fp8=kv_fp8, fused_write=eager, fused_merge=eager)
+                          kv_fp8=kv_fp8, fused_write=fused or None, fused_merge=fused or None)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -405,6 +405,21 @@ def test_prefix_caching_quick_computes_the_shared_prefix_once_and_writes_its_fil
     assert_png(tmp_path / "prefix_caching_quick.png")
 
 
+def test_attention_host_split_config_form_restores_the_switches(tmp_path):
+    """--forms split_config: the split form with the decode kernel's write and merge as its config says
+    (models.forward_context.MIXED_DECODE_FUSED off while timed, on again after); a bad form is refused by name."""
+    from benchmarks import attention_host
+    import models.attention as attention_module
+    import models.forward_context as forward_context
+
+    rows = attention_host.main(["--quick", "--forms", "split_config", "--plans", "inherited"])
+    assert sorted((r["decodes"], r["prefill"], r["form"]) for r in rows) == [
+        (1, 0, ""), (1, 32, "split_config"), (4, 0, ""), (4, 32, "split_config")]
+    assert forward_context.MIXED_DECODE_FUSED is True and attention_module.UNIFIED_ATTENTION is True
+    with pytest.raises(SystemExit):
+        attention_host.main(["--quick", "--forms", "fused"])
+
+
 def test_attention_host_cprofile_writes_where_the_calls_time_goes(tmp_path):
     from benchmarks import attention_host
 

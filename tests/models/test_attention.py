@@ -473,18 +473,20 @@ def test_layers_of_a_step_share_one_step_call_and_pass_their_own_strides(monkeyp
     assert fresh.layer_calls == {}
 
 
-@pytest.mark.parametrize("var, attr", [("DYNAMO_ONCE_PREFILL_WRITES_KV", "PREFILL_WRITES_KV"),
-                                       ("DYNAMO_ONCE_UNIFIED_ATTENTION", "UNIFIED_ATTENTION")])
+@pytest.mark.parametrize("var, module, attr", [
+    ("DYNAMO_ONCE_PREFILL_WRITES_KV", "attention", "PREFILL_WRITES_KV"),
+    ("DYNAMO_ONCE_UNIFIED_ATTENTION", "attention", "UNIFIED_ATTENTION"),
+    ("DYNAMO_ONCE_MIXED_DECODE_FUSED", "forward_context", "MIXED_DECODE_FUSED")])
 @pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "False"), ("maybe", None)])
-def test_attention_switch_defaults_come_from_the_environment(var, attr, value, expected):
-    """``DYNAMO_ONCE_PREFILL_WRITES_KV`` and ``DYNAMO_ONCE_UNIFIED_ATTENTION`` set ``models.attention``'s switches at
-    import; a bad value is an error naming the variable."""
+def test_attention_switch_defaults_come_from_the_environment(var, module, attr, value, expected):
+    """``DYNAMO_ONCE_PREFILL_WRITES_KV``, ``DYNAMO_ONCE_UNIFIED_ATTENTION`` and ``DYNAMO_ONCE_MIXED_DECODE_FUSED`` set
+    the attention switches at import; a bad value is an error naming the variable."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, **{var: value})
-    proc = subprocess.run([sys.executable, "-c", f"import models.attention as a; print(a.{attr})"],
+    proc = subprocess.run([sys.executable, "-c", f"import models.{module} as a; print(a.{attr})"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert (expected or var) in (proc.stdout if proc.returncode == 0 else proc.stderr)
     assert (proc.returncode == 0) == (value != "maybe")
@@ -780,17 +782,22 @@ def _recorded_launches(monkeypatch) -> list:
     return calls
 
 
-def test_a_step_with_a_prompt_writes_its_decodes_keys_in_the_decode_kernel(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["default", "switched_off"])
+def test_a_step_with_a_prompt_writes_its_decodes_keys_in_the_decode_kernel(fused, monkeypatch):
     """Past the decode counts whose config fuses the cache write into the decode kernel, a step with a prompt (the
     split form) still has the decode kernel write the decodes' keys and values, and the prefill kernel the prompt's:
     two launches, no cache write (its attention runs eagerly, where each launch costs host time). A decode-only step
-    of as many decodes keeps the config's separate write (what a whole-step CUDA graph replays)."""
+    of as many decodes keeps the config's separate write (what a whole-step CUDA graph replays); so does the step with
+    a prompt with models.forward_context.MIXED_DECODE_FUSED off."""
     import models.attention as attention_module
+    import models.forward_context as forward_context
 
+    monkeypatch.setattr(forward_context, "MIXED_DECODE_FUSED", fused)
     assert not decode_config(len(MANY_DECODES), HEAD).fused_write
     calls = _recorded_launches(monkeypatch)
-    for specs, expected in ((MANY_DECODES + [(0, 6)], [("decode", True, True), ("prefill", True)]),
-                            (MANY_DECODES, ["write", ("decode", False, False)])):
+    mixed = [("decode", True, True), ("prefill", True)] if fused else ["write", ("decode", False, False),
+                                                                       ("prefill", True)]
+    for specs, expected in ((MANY_DECODES + [(0, 6)], mixed), (MANY_DECODES, ["write", ("decode", False, False)])):
         layer = new_layer(num_blocks=len(specs) * 5)
         q, k, v, md = make_batch(layer, specs)
         calls.clear()
