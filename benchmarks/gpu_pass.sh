@@ -171,7 +171,8 @@ for step in $steps; do
                 grep -E "\| total \||Error" "$R/kvar_$tag.log" | tail -4
               done ;;
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), the unified launch against the split form
-              timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host --out "$R/attention_host" 2>&1 \
+              # (ATTNHOST_ARGS, e.g. --forms unified,split,split_config: the mixed steps' fused decode on and off)
+              timeout ${ATTNHOST_TIMEOUT:-150} python3 -m benchmarks.attention_host ${ATTNHOST_ARGS:-} --out "$R/attention_host" 2>&1 \
                 | tee "$R/attention_host.log" | grep -E "^\{|Error" ;;
     tptests)  # issue 17 (two GPUs): the tensor-parallel CUDA tests
               # -x -v: the first failure's traceback is printed at once (a timeout would cut the summary)
