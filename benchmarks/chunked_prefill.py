@@ -40,12 +40,11 @@ import torch
 from benchmarks import common
 from dispatcher import CompilationConfig
 
-COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "steps", "decode_steps", "prefill_steps",
-           "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms", "median_mixed_ms",
-           "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean", "attention_host_us_p50", "attention_host_us_p90",
-           "attention_first_us_p50", "attention_later_us_p50",
-           "eager_steps", "steps_built", "steps_from_cache", "steps_inherited",
-           "pieces_built", "pieces_from_cache"]
+COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "steps", "decode_steps",
+           "prefill_steps", "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms",
+           "median_mixed_ms", "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean",
+           "attention_host_us_p50", "attention_host_us_p90", "attention_first_us_p50", "attention_later_us_p50",
+           "eager_steps", "steps_built", "steps_from_cache", "steps_inherited", "pieces_built", "pieces_from_cache"]
 
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
@@ -123,6 +122,21 @@ def timed_attention() -> Iterator[list[tuple[float, bool]]]:
         plugins.set_splitting_op_eager_impl(name, impl)
 
 
+def attention_times(host: list[tuple[float, bool]]) -> dict[str, Any]:
+    """The attention columns of :func:`timed_attention`'s calls, µs: how many, mean, median and 90th percentile, and
+    the median of the steps' first calls and of their later ones (blank without calls)."""
+    us = sorted(t * 1e6 for t, _ in host)
+    first, later = ([t * 1e6 for t, f in host if f == want] for want in (True, False))
+
+    def median(xs: list[float]) -> float | str:
+        return round(statistics.median(xs), 1) if xs else ""
+
+    return dict(attention_calls=len(us), attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
+                attention_host_us_p50=median(us),
+                attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
+                attention_first_us_p50=median(first), attention_later_us_p50=median(later))
+
+
 @contextlib.contextmanager
 def profiled(on: bool, out_dir: str | None, filename: str) -> Iterator[None]:
     """With ``on``: cProfile the block, and print its 45 functions of most own time, then of most cumulative time
@@ -177,16 +191,10 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         host.clear()
         with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"):
             stats, wall = run(llm, prompts, a.max_tokens)
-    us = sorted(t * 1e6 for t, _ in host)
-    first, later = ([t * 1e6 for t, f in host if f == want] for want in (True, False))
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-             chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0), **summarize(stats, wall, a.prompts * a.max_tokens), attention_calls=len(us),
-             attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
-             attention_host_us_p50=round(statistics.median(us), 1) if us else "",
-             attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
-             attention_first_us_p50=round(statistics.median(first), 1) if first else "",
-             attention_later_us_p50=round(statistics.median(later), 1) if later else "",
-             **launch_state(len(us) // len(llm.layers), cache, before))
+             chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0),
+             **summarize(stats, wall, a.prompts * a.max_tokens), **attention_times(host),
+             **launch_state(len(host) // len(llm.layers), cache, before))
     print(r, flush=True)
     return r
 

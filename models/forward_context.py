@@ -161,8 +161,7 @@ class AttentionMetadata:
             key += (torch.cuda.is_current_stream_capturing(),)
         plan = self._plans.get(key)
         if plan is None:
-            build = functools.partial(self._new_plan, num_heads, num_kv_heads, head_size, page, device, kv_fp8,
-                                      MIXED_DECODE_FUSED and not self.is_decode_only)
+            build = functools.partial(self._new_plan, num_heads, num_kv_heads, head_size, page, device, kv_fp8)
             cache = self.launch_cache()
             if cache is None:
                 plan = build()
@@ -184,17 +183,18 @@ class AttentionMetadata:
         return cache
 
     def _new_plan(self, num_heads: int, num_kv_heads: int, head_size: int, page: int,
-                  device: torch.device, kv_fp8: bool, fused: bool) -> DecodePlan:
+                  device: torch.device, kv_fp8: bool) -> DecodePlan:
         nd = self.num_decodes
         whole = nd == self.num_seqs  # the tensors hold exactly the decodes: no slicing
         ws = self.workspace
         buf = ws.get(num_heads, num_kv_heads, head_size, device) if ws is not None else None
         counters = ws.counters(num_kv_heads, device) if ws is not None else None
-        # fused (MIXED_DECODE_FUSED, a step with a prompt): the kernel writes and merges itself; else the config's
+        # A step with a prompt under MIXED_DECODE_FUSED: the kernel writes and merges itself; else (None) the config's
+        fused = True if MIXED_DECODE_FUSED and not whole else None
         return DecodePlan(self.block_table if whole else self.block_table[:nd],
                           self.seq_lens if whole else self.seq_lens[:nd],
                           num_heads, num_kv_heads, head_size, page, device, workspace=buf, counters=counters,
-                          kv_fp8=kv_fp8, fused_write=fused or None, fused_merge=fused or None)
+                          kv_fp8=kv_fp8, fused_write=fused, fused_merge=fused)
 
     @functools.cached_property
     def prefill_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
