@@ -28,6 +28,7 @@ runs tiny-llama on the CPU to check the harness.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import random
 import statistics
@@ -43,8 +44,9 @@ from dispatcher import CompilationConfig
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "steps", "decode_steps",
            "prefill_steps", "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms",
            "median_mixed_ms", "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean",
-           "attention_host_us_p50", "attention_host_us_p90", "attention_first_us_p50", "attention_later_us_p50",
-           "eager_steps", "steps_built", "steps_from_cache", "steps_inherited", "pieces_built", "pieces_from_cache"]
+           "attention_host_us_p50", "attention_host_us_p90", "attention_host_us_p99", "attention_host_us_max",
+           "attention_slow_calls", "attention_slow_ms", "attention_first_us_p50", "attention_later_us_p50",
+           "jit_compiles", "eager_steps", "steps_built", "steps_from_cache", "steps_inherited", "pieces_built", "pieces_from_cache"]
 
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
@@ -122,19 +124,49 @@ def timed_attention() -> Iterator[list[tuple[float, bool]]]:
         plugins.set_splitting_op_eager_impl(name, impl)
 
 
+SLOW_CALL_S = 1e-3  # an attention call over this much host time is counted apart (a compile, a wait on the GPU)
+
+
 def attention_times(host: list[tuple[float, bool]]) -> dict[str, Any]:
-    """The attention columns of :func:`timed_attention`'s calls, µs: how many, mean, median and 90th percentile, and
-    the median of the steps' first calls and of their later ones (blank without calls)."""
+    """The attention columns of :func:`timed_attention`'s calls, µs: how many, mean, median, 90th and 99th percentile
+    and the largest; the calls over :data:`SLOW_CALL_S` and their summed ms; the median of the steps' first calls and
+    of their later ones (blank without calls)."""
     us = sorted(t * 1e6 for t, _ in host)
     first, later = ([t * 1e6 for t, f in host if f == want] for want in (True, False))
+    slow = [t for t in us if t > SLOW_CALL_S * 1e6]
 
     def median(xs: list[float]) -> float | str:
         return round(statistics.median(xs), 1) if xs else ""
 
+    def pct(q: float) -> float | str:
+        return round(us[int(q * (len(us) - 1))], 1) if us else ""
+
     return dict(attention_calls=len(us), attention_host_us_mean=round(statistics.fmean(us), 1) if us else "",
-                attention_host_us_p50=median(us),
-                attention_host_us_p90=round(us[int(0.9 * (len(us) - 1))], 1) if us else "",
-                attention_first_us_p50=median(first), attention_later_us_p50=median(later))
+                attention_host_us_p50=median(us), attention_host_us_p90=pct(0.9), attention_host_us_p99=pct(0.99),
+                attention_host_us_max=pct(1.0), attention_slow_calls=len(slow),
+                attention_slow_ms=round(sum(slow) / 1e3, 1), attention_first_us_p50=median(first),
+                attention_later_us_p50=median(later))
+
+
+@contextlib.contextmanager
+def jit_compiles() -> Iterator[collections.Counter]:
+    """The Triton kernels the block compiled or loaded from Triton's disk cache (a miss of a kernel's in-memory cache
+    of specializations: ``triton.knobs.runtime.jit_cache_hook``, called before each), counted by kernel and
+    specialization (the hook's ``repr``: name, options and argument types); a hook already set is still called."""
+    from triton import knobs
+
+    seen: collections.Counter = collections.Counter()
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> Any:
+        seen[kwargs["repr"]] += 1
+        return previous(**kwargs) if previous else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield seen
+    finally:
+        knobs.runtime.jit_cache_hook = previous
 
 
 @contextlib.contextmanager
@@ -189,11 +221,14 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
         before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
         host.clear()
-        with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"):
+        with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"), jit_compiles() as compiled:
             stats, wall = run(llm, prompts, a.max_tokens)
+    for spec, n in compiled.most_common():
+        print(f"compiled in the timed run ({n}x): {spec}", flush=True)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0),
              **summarize(stats, wall, a.prompts * a.max_tokens), **attention_times(host),
+             jit_compiles=sum(compiled.values()),
              **launch_state(len(host) // len(llm.layers), cache, before))
     print(r, flush=True)
     return r
@@ -251,8 +286,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "
-                                    "around each call: a kernel compiled at its first launch counts), mean, median "
-                                    f"and 90th percentile; untimed first: {a.warmup_prompts} of the prompts; "
+                                    "around each call: a kernel compiled at its first launch counts), mean, median, "
+                                    "90th and 99th percentile, largest; attention_slow_calls / _ms: the calls over "
+                                    f"{SLOW_CALL_S * 1e3:g} ms and their sum; untimed first: {a.warmup_prompts} of "
+                                    "the prompts; jit_compiles: the Triton kernel specializations compiled (or loaded "
+                                    "from Triton's disk cache) in the timed run, each printed; "
                                     "attention_first_us_p50 / attention_later_us_p50: the median of a step's first "
                                     "call (which builds or takes the step's launch state) and of its later ones (which "
                                     "replay it)",

@@ -365,6 +365,12 @@ def test_chunked_prefill_quick_counts_the_mixed_steps_and_writes_its_files(tmp_p
     # a step's (empty) state taken over from the last step or a recent one of its layout
     assert r["attention_calls"] == 2 * r["steps"] and r["attention_host_us_mean"] > 0
     assert r["attention_first_us_p50"] > 0 and r["attention_later_us_p50"] > 0  # a step's first call, its second
+    p50, p90, p99, top = (r[f"attention_host_us_{k}"] for k in ("p50", "p90", "p99", "max"))
+    assert 0 < p50 <= p90 <= p99 <= top
+    assert 0 <= r["attention_slow_calls"] <= r["attention_calls"]
+    assert r["attention_slow_ms"] >= r["attention_slow_calls"] * chunked_prefill.SLOW_CALL_S * 1e3
+    assert (r["attention_slow_calls"] > 0) == (top > chunked_prefill.SLOW_CALL_S * 1e6)
+    assert r["jit_compiles"] == 0  # the CPU's attention is native code: no Triton kernel
     assert r["largest_graph"] == 0  # no CUDA graphs on the CPU
     assert r["eager_steps"] == r["steps"] == r["steps_inherited"] + r["steps_from_cache"]
     assert r["steps_from_cache"] > 0

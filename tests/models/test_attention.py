@@ -360,32 +360,35 @@ def test_cuda_later_layers_of_a_step_replay_the_first_layers_launches_with_their
     monkeypatch.setattr(attention_module, "UNIFIED_ATTENTION", unified)
     layers = [new_layer(f"l{i}", device="cuda", num_blocks=128) for i in range(4)]
     batches = [make_batch(layer, specs, device="cuda", seed=i) for i, layer in enumerate(layers)]
-    md = dataclasses.replace(batches[0][3], workspace=DecodeWorkspace(max_num_seqs=4))
+    md = batches[0][3]
+    starts = [layer.kv_cache.clone() for layer in layers]
     wide = torch.randn(batches[0][0].shape[0], 2 * HEADS * HEAD, device="cuda")
     wide[:, :HEADS * HEAD] = batches[3][0]
     batches[3] = (wide[:, :HEADS * HEAD], *batches[3][1:])  # the last layer's q: another row stride
-    starts = [layer.kv_cache.clone() for layer in layers]
 
-    def step(fast, previous=None):
+    def step(fast, workspace, previous=None):
         monkeypatch.setattr(triton_utils.FastLaunch, "enabled", fast)
         for layer, start in zip(layers, starts):
             layer.kv_cache.copy_(start)
-        step_md = dataclasses.replace(md)
-        assert step_md.inherit(previous) == (previous is not None)
+        step_md = dataclasses.replace(md, workspace=workspace)
+        taken = step_md.inherit(previous)
         with set_forward_context(ForwardContext({layer.layer_name: layer for layer in layers}, step_md)):
             outs = [torch.ops.dynamo_once.attention(q, k, v, layer.layer_name)
                     for layer, (q, k, v, _) in zip(layers, batches)]
-        return outs, [layer.kv_cache.clone() for layer in layers], step_md
+        return outs, [layer.kv_cache.clone() for layer in layers], step_md, taken
 
-    expected = step(False)
-    step(True)  # compiles whatever the fast path needs
+    expected = step(False, DecodeWorkspace(max_num_seqs=4))  # Triton's normal path, its own workspace (no cache)
+    workspace = DecodeWorkspace(max_num_seqs=4)
+    assert not step(True, workspace)[3]  # the first step of its layout builds (and compiles what the fast path needs)
     counters = [_decode_split_launch, _prefill_launch]
     before = sum(c.fast_launches for c in counters)
-    got = step(True)
-    # The next step of this shape (AttentionMetadata.inherit, as the engine's steps): every layer, the first too,
-    # replays the last step's recorded launches.
-    again = step(True, previous=got[2])
+    got = step(True, workspace)
+    # A fresh metadata object of a layout seen before takes that step's state from the workspace's cache
+    # (ops.launch_cache); the next step of this shape takes the last step's (AttentionMetadata.inherit, as the
+    # engine's steps): every layer, the first too, replays the recorded launches.
+    again = step(True, workspace, previous=got[2])
     torch.cuda.synchronize()
+    assert got[3] and again[3]
     assert sum(c.fast_launches for c in counters) >= before + len(layers)
     for a, b, c in zip(got[0] + got[1], expected[0] + expected[1], again[0] + again[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
