@@ -41,12 +41,13 @@ import torch
 from benchmarks import common
 from dispatcher import CompilationConfig
 
-COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "steps", "decode_steps",
-           "prefill_steps", "mixed_steps", "mixed_share_steps", "mixed_share_time", "median_decode_ms",
-           "median_mixed_ms", "total_s", "tokens_per_s", "attention_calls", "attention_host_us_mean",
-           "attention_host_us_p50", "attention_host_us_p90", "attention_host_us_p99", "attention_host_us_max",
-           "attention_slow_calls", "attention_slow_ms", "attention_first_us_p50", "attention_later_us_p50",
-           "jit_compiles", "eager_steps", "steps_built", "steps_from_cache", "steps_inherited", "pieces_built", "pieces_from_cache"]
+COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "capture_s",
+           "eager_warm_s", "steps", "decode_steps", "prefill_steps", "mixed_steps", "mixed_share_steps",
+           "mixed_share_time", "median_decode_ms", "median_mixed_ms", "total_s", "tokens_per_s", "attention_calls",
+           "attention_host_us_mean", "attention_host_us_p50", "attention_host_us_p90", "attention_host_us_p99",
+           "attention_host_us_max", "attention_slow_calls", "attention_slow_ms", "attention_first_us_p50",
+           "attention_later_us_p50", "jit_compiles", "eager_steps", "steps_built", "steps_from_cache",
+           "steps_inherited", "pieces_built", "pieces_from_cache"]
 
 
 def run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[Any, float]:
@@ -227,6 +228,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         print(f"compiled in the timed run ({n}x): {spec}", flush=True)
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0),
+             capture_s=round(llm.capture_time_s, 2), eager_warm_s=round(getattr(llm.graphs, "eager_warm_s", 0.0), 2),
              **summarize(stats, wall, a.prompts * a.max_tokens), **attention_times(host),
              jit_compiles=sum(compiled.values()),
              **launch_state(len(host) // len(llm.layers), cache, before))
@@ -282,7 +284,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "(prompt chunk + decodes: the piecewise path); share of the steps and of their "
                                     "summed time; a step = forward + sampling + reading its tokens",
                                     "largest_graph: the largest step whose pieces replay CUDA graphs (--capture-to; "
-                                    "a larger step runs their code; 0: no graphs, as on the CPU)",
+                                    "a larger step runs their code; 0: no graphs, as on the CPU); capture_s: the "
+                                    "start-up's CUDA-graph captures with eager_warm_s, its eager attention launches "
+                                    "over every step layout (their Triton kernels compiled or loaded)",
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "

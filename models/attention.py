@@ -61,7 +61,7 @@ from .forward_context import AttentionMetadata, get_forward_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Attention", "attention", "attention_native", "write_kv_cache", "write_kv_cache_triton"]
+__all__ = ["Attention", "attention", "attention_native", "eager_layouts", "write_kv_cache", "write_kv_cache_triton"]
 
 
 # ----------------------------------------------------------------- native
@@ -171,6 +171,34 @@ UNIFIED_MAX_DECODES = 8
 #: as above: at decodes of 2000 tokens the unified launch's GPU time exceeds the split form's host time at 1 and 8
 #: decodes (results/attention_host_ctx2000.md); at 512 it is below.
 UNIFIED_DECODE_TOKENS = 1024
+
+
+def eager_layouts(max_seqs: int, max_tokens: int, max_len: int) -> list[tuple[int, int, int]]:
+    """Step layouts ``(decodes, decode length, prompt tokens)`` (one new prompt; 0 tokens: a decode-only step)
+    that between them give :func:`attention_cuda` every launch specialization a step of at most ``max_seqs``
+    sequences and ``max_tokens`` tokens, no sequence over ``max_len`` tokens, can take: what the engine launches at
+    start-up so that no Triton kernel compiles in the middle of serving.
+
+    What decides a specialization, and the layouts that cover it: the decode plan (split count, config row, fused
+    forms) by the decode count, with or without a prompt beside (every count from 0 beside a 16-token prompt, and
+    alone); the unified launch or the split form by the decode count and whether a decode outlasts the prompt and
+    :data:`UNIFIED_DECODE_TOKENS` (decodes of one token, and past both where ``max_len`` allows); the prefill
+    kernel's tile by the longest query's power of two (every power of two to ``max_tokens``, with no decode, one,
+    and one past :data:`UNIFIED_MAX_DECODES`)."""
+    def decode_lens(prompt: int) -> list[int]:
+        longer = max(UNIFIED_DECODE_TOKENS, prompt) + 1
+        return [1, longer] if longer <= max_len else [1]
+
+    layouts = {(d, 1, 0) for d in range(1, max_seqs + 1) if d <= max_tokens}
+    for d in range(min(max_seqs, max_tokens - 15)):
+        layouts.update((d, n, 16) for n in (decode_lens(16) if d else [1]))
+    prompt = 1
+    while prompt <= max_tokens:
+        for d in {0, 1, UNIFIED_MAX_DECODES + 1}:
+            if d < max_seqs and d + prompt <= max_tokens:
+                layouts.update((d, n, prompt) for n in (decode_lens(prompt) if d else [1]))
+        prompt *= 2
+    return sorted(layouts)
 
 
 def attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

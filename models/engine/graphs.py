@@ -15,6 +15,7 @@ whole-step graph) or :meth:`StepGraphs.forward` (the model, its pieces on their 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,7 @@ from dispatcher import (
     TorchCompileWrapperWithCustomDispatcher,
 )
 
-from ..attention import Attention
+from ..attention import Attention, eager_layouts
 from ..forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from .kv_cache import KVCache
 from .input_batch import InputBatch
@@ -63,6 +64,8 @@ class StepGraphs:
 
     Attributes:
         piece_sizes: token counts with piecewise graphs (empty: no graphs, no padding).
+        eager_warm_s: seconds :meth:`setup` took to launch the eager attention of every step layout (its kernels
+            compiled or loaded), part of what it returns.
         full_sizes: decode batch sizes with whole-step graphs.
         cuda_graphs: every graph of the model (piecewise and whole-step), None without.
     """
@@ -76,6 +79,7 @@ class StepGraphs:
         self.cuda_graphs: CUDAGraphs | None = None
         self._captured_pieces: frozenset[int] = frozenset()  # token counts with piecewise graphs
         self._full_md: dict[int, AttentionMetadata] = {}
+        self.eager_warm_s = 0.0  # seconds of setup's eager attention launches (_warm_eager_attention)
 
     @staticmethod
     def captures(device: torch.device, level: CompilationLevel, config: CompilationConfig) -> bool:
@@ -87,7 +91,8 @@ class StepGraphs:
     def setup(self, model: nn.Module, layers: dict[str, Attention], kv_cache: KVCache,
               level: CompilationLevel, config: CompilationConfig) -> float:
         """Levels 3-4 on CUDA: capture every capture size of ``config`` at start-up (padding writes to
-        ``kv_cache``'s pad block, outside the sequences' budget); returns seconds taken."""
+        ``kv_cache``'s pad block, outside the sequences' budget), then compile what the eager attention of the
+        other steps launches (:meth:`_warm_eager_attention`); returns seconds taken, both together."""
         inputs = self.inputs
         if not self.captures(inputs.device, level, config):
             return 0.0
@@ -112,7 +117,59 @@ class StepGraphs:
                                  prepare=lambda n: self._full_md.__setitem__(n, self._dummy_decodes(n)))
         logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
                     len(self.piece_sizes), len(self.full_sizes), dt)
+        return dt + self._warm_eager_attention(model, layers)
+
+    def _warm_eager_attention(self, model: nn.Module, layers: dict[str, Attention]) -> float:
+        """Launch the attention op eagerly, as a piecewise step does, once for each of :func:`eager_layouts`' step
+        layouts that no whole-step graph serves, on every distinct layer configuration: each Triton kernel
+        specialization such a step can take is then compiled (or loaded from Triton's cache) here, not in the middle
+        of serving, where on an H100 each new one held its step 0.3-1 s. Dummy steps: every new key and value goes
+        to the pad block, every block read is the pad block, the outputs are dropped. Returns seconds taken."""
+        t0 = time.perf_counter()
+        kinds: dict[tuple, Attention] = {}
+        for layer in layers.values():
+            kinds.setdefault((layer.num_heads, layer.num_kv_heads, layer.head_size, layer.sliding_window is None,
+                              layer.logits_soft_cap is None, layer.kv_cache.dtype), layer)
+        inputs = self.inputs
+        max_len = inputs.block_table.shape[1] * inputs.block_size
+        dtype = next(model.parameters()).dtype  # q's, the layers' outputs'
+        layouts = [(d, n, p) for d, n, p in eager_layouts(self.max_num_seqs, self.max_num_tokens, max_len)
+                   if p or not self.padding(d, d, d, False)[0]]
+        with torch.inference_mode():
+            for d, n, p in layouts:
+                md = self._dummy_step(d, n, p)
+                for layer in kinds.values():
+                    width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_size
+                    qkv = torch.zeros(d + p, width, dtype=dtype, device=inputs.device)
+                    kv_width = layer.num_kv_heads * layer.head_size
+                    q, k, v = qkv.split([width - 2 * kv_width, kv_width, kv_width], dim=-1)
+                    # a step of up to the largest piecewise size writes into the layer's buffer, a larger one anew
+                    fits = layer.piecewise_out is not None and d + p <= layer.piecewise_out.shape[0]
+                    layer.forward_impl(q, k, v, md, out=layer.piecewise_rows(d + p) if fits else None)
+        torch.cuda.synchronize(inputs.device)
+        dt = self.eager_warm_s = time.perf_counter() - t0
+        logger.info("LLM: launched attention eagerly on %d step layouts x %d layer configurations (their kernels "
+                    "compiled) in %.1fs", len(layouts), len(kinds), dt)
         return dt
+
+    def _dummy_step(self, decodes: int, decode_len: int, prompt: int) -> AttentionMetadata:
+        """A dummy step in the persistent buffers and its metadata: ``decodes`` sequences of ``decode_len`` tokens
+        decoding one, then a new prompt of ``prompt`` tokens (none: 0), every block of every sequence the pad block
+        (which no sequence reads); no workspace, so that nothing of it enters the launch cache."""
+        inputs = self.inputs
+        t = decodes + prompt
+        starts = list(range(decodes + 1)) + ([t] if prompt else [])
+        lens = [decode_len] * decodes + ([prompt] if prompt else [])
+        slots = [inputs.pad_block * inputs.block_size] * t
+        blocks = -(-max(lens) // inputs.block_size)
+        inputs.stage([0] * t, [0] * t, slots, starts, lens,
+                     torch.full((len(lens), blocks), inputs.pad_block, dtype=torch.int32))
+        inputs.forget_table()
+        n = len(lens)
+        return AttentionMetadata(
+            slot_mapping=inputs.slot_mapping[:t], query_start_loc=inputs.query_start_loc[:n + 1],
+            seq_lens=inputs.seq_lens[:n], block_table=inputs.block_table[:n], num_decodes=decodes,
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens), workspace=None)
 
     def _piecewise_outputs(self, layers: dict[str, Attention], graphs: CUDAGraphs, dtype: torch.dtype) -> None:
         """Give each attention layer a persistent output buffer for PIECEWISE steps, marked static: the piece

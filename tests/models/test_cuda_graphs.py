@@ -73,3 +73,29 @@ def test_prompt_of_the_whole_cache_budget_runs_beside_the_pad_block():
     assert m.pad_block == m.kv_cache.num_blocks == 3
     assert len(m.generate([[3] * 47], 1)[0]) == 1
     assert m.kv_cache.num_free_blocks == 3
+
+
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_serving_compiles_no_triton_kernel_after_start_up(mode):
+    """Start-up launches the eager attention once for every step layout it can take (models.attention.eager_layouts),
+    so that steps of any decode count beside prompts and prompt chunks compile no Triton kernel while serving (a
+    compile holds its step 0.3-1 s): none of the steps of a generate with every such mix compiles one."""
+    from triton import knobs
+
+    m = llm(mode)
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kw):
+        compiled.append(kw["repr"].split("(")[0])  # the kernel and its options
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        # 19 prompts of 2-58 tokens (the longest in two chunks of at most 32), 8 in flight: steps of 0-7 decodes
+        # beside a prompt or chunk, and decode-only steps of 1-8
+        prompts = [[(7 * i + j) % 97 + 1 for j in range(2 + 3 * i)] for i in range(19)]
+        outs = m.generate(prompts, 9)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert len(outs) == len(prompts) and m.stats.num_mixed_steps > 0
+    assert compiled == []
