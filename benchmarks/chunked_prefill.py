@@ -211,7 +211,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     from models import LLM
 
     sizes = capture_sizes(a.capture_to)
-    with timed_attention() as host:
+    with timed_attention() as host, jit_compiles() as at_start:
         llm = LLM(name, level=a.level, max_num_tokens=a.max_num_tokens, max_num_seqs=a.max_num_seqs, dtype=dtype,
                   compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes) if sizes else None,
                   device=device, num_cache_tokens=a.max_num_seqs * (a.prompt_len + a.max_tokens + 32),
@@ -222,6 +222,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
         cache = getattr(llm.input_batch.decode_workspace, "launches", None)  # None: a tree without ops.launch_cache
         before = (cache.misses.copy(), cache.hits.copy()) if cache is not None else None
         host.clear()
+        startup_compiles = sum(at_start.values())  # before the timed run (whose compiles the hook counts too)
         with profiled(a.cprofile, a.out, f"chunked_prefill_cprofile_{name}.txt"), jit_compiles() as compiled:
             stats, wall = run(llm, prompts, a.max_tokens)
     for spec, n in compiled.most_common():
@@ -229,6 +230,7 @@ def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: t
     r = dict(model=name, tag=a.tag, prompts=a.prompts, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
              chunk=a.max_num_tokens, largest_graph=max(llm.graphs.piece_sizes, default=0),
              capture_s=round(llm.capture_time_s, 2), eager_warm_s=round(getattr(llm.graphs, "eager_warm_s", 0.0), 2),
+             startup_jit_compiles=startup_compiles,
              **summarize(stats, wall, a.prompts * a.max_tokens), **attention_times(host),
              jit_compiles=sum(compiled.values()),
              **launch_state(len(host) // len(llm.layers), cache, before))
@@ -286,7 +288,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "largest_graph: the largest step whose pieces replay CUDA graphs (--capture-to; "
                                     "a larger step runs their code; 0: no graphs, as on the CPU); capture_s: the "
                                     "start-up's CUDA-graph captures with eager_warm_s, its eager attention launches "
-                                    "over every step layout (their Triton kernels compiled or loaded)",
+                                    "over every step layout (their Triton kernels compiled or loaded); startup_jit_compiles: the Triton "
+                                    "kernel specializations compiled or loaded from Triton's disk cache from LLM() to "
+                                    "the timed run (the warm-up prompts' included)",
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "
