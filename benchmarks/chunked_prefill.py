@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
-from dispatcher import CompilationConfig
+from dispatcher import CompilationConfig, default_capture_sizes
 
 COLUMNS = ["model", "tag", "prompts", "prompt_len", "max_tokens", "chunk", "largest_graph", "capture_s",
            "eager_warm_s", "steps", "decode_steps", "prefill_steps", "mixed_steps", "mixed_share_steps",
@@ -199,12 +199,12 @@ def profiled(on: bool, out_dir: str | None, filename: str) -> Iterator[None]:
 
 
 def capture_sizes(capture_to: int | None) -> list[int] | None:
-    """The default capture sizes, then every 16 tokens from 272 to ``capture_to`` (as vLLM spaces them past 256), so
-    that steps of that many tokens replay their pieces' graphs instead of running the pieces' code; None: the
-    defaults."""
+    """The default schedule of capture sizes (``dispatcher.default_capture_sizes``: every 16 tokens past 256) up to
+    ``capture_to`` tokens, so that steps of up to that many replay their pieces' graphs and larger ones run the
+    pieces' code (256: the default before 2026-12-06); None: the defaults (to 512)."""
     if not capture_to:
         return None
-    return CompilationConfig().cudagraph_capture_sizes + list(range(272, capture_to + 1, 16))
+    return default_capture_sizes(capture_to)
 
 
 def bench_model(name: str, a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight")
     p.add_argument("--level", type=int, default=3)
     p.add_argument("--capture-to", type=int, default=0,
-                   help="CUDA graphs for steps of up to this many tokens (the defaults stop at 256; every 16 tokens "
-                        "past 256); 0: the default sizes")
+                   help="CUDA graphs for steps of up to this many tokens (the default schedule cut there: 256 is "
+                        "the default before 2026-12-06); 0: the default sizes (to 512)")
     p.add_argument("--warmup-prompts", type=int, default=4,
                    help="prompts of an untimed run first (compiles, CUDA graphs); --prompts: every layout the timed "
                         "run has, its kernels' specializations included")
@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for flag in ("prompts", "prompt_len", "max_tokens", "max_num_tokens", "max_num_seqs", "warmup_prompts"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(a, flag)}")
-    if a.capture_to and a.capture_to < 272:
-        p.error(f"--capture-to: expected 0 (the default sizes) or an integer >= 272, got {a.capture_to}")
+    if a.capture_to and a.capture_to < 8:
+        p.error(f"--capture-to: expected 0 (the default sizes) or an integer >= 8, got {a.capture_to}")
     if a.quick:
         device, dtype, names = torch.device("cpu"), torch.float32, ["tiny-llama"]
         a.prompts, a.prompt_len, a.max_tokens, a.max_num_tokens, a.max_num_seqs = 6, 40, 6, 32, 4

@@ -4,6 +4,7 @@ from .config import (
     CompilationConfig,
     CompilationLevel,
     PassConfig,
+    default_capture_sizes,
     get_compilation_config,
     set_compilation_config,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "GraphBreakError",
     "InputMismatchError",
     "PassConfig",
+    "default_capture_sizes",
     "RecompileError",
     "ShapeGuardError",
     "TorchCompileWrapperWithCustomDispatcher",

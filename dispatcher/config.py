@@ -15,9 +15,18 @@ __all__ = [
     "CompilationLevel",
     "CompilationConfig",
     "PassConfig",
+    "default_capture_sizes",
     "get_compilation_config",
     "set_compilation_config",
 ]
+
+
+def default_capture_sizes(largest: int = 512) -> list[int]:
+    """CUDA-graph capture sizes up to ``largest`` tokens: 1, 2, 4, every 8 to 256, then every 16. A ``models.LLM``
+    step of at most ``max_num_tokens`` (512 by default) then replays its pieces' graphs at every size: a chunked
+    prefill's steps of a 512-token chunk ran their pieces' code past 256, 18% slower a mixed step on an H100
+    (``benchmarks/results/chunked_prefill_eager_warm_after_1b_cap512_h100.md``: 4.18 ms against 5.104)."""
+    return [n for n in [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, largest + 1, 16)) if n <= largest]
 
 
 @dataclasses.dataclass
@@ -47,7 +56,8 @@ class CompilationConfig:
         compile_sizes: levels 3-4 also compile each piece for these exact token counts.
         cudagraph_capture_sizes: the token counts a caller (``models.LLM``) captures with
             ``dispatcher.CUDAGraphs.capture`` (one graph per piece per size, or one per whole step).
-            Nothing is captured unless a caller asks: graphs are explicit.
+            Nothing is captured unless a caller asks: graphs are explicit. Default:
+            :func:`default_capture_sizes` (1, 2, 4, every 8 to 256, every 16 to 512).
         use_cudagraph: allow CUDA graphs of the pieces at levels 3-4 (default: when CUDA is available).
         cudagraph_mode: ``"none"``, ``"piecewise"`` or ``"full_and_piecewise"``: which modes the
             runner captures (the latter also whole decode steps, attention included; default on CUDA).
@@ -67,8 +77,7 @@ class CompilationConfig:
     fullgraph: bool = True
     splitting_ops: list[str] = dataclasses.field(default_factory=lambda: ["dynamo_once::attention"])
     compile_sizes: list[int] = dataclasses.field(default_factory=list)
-    cudagraph_capture_sizes: list[int] = dataclasses.field(
-        default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+    cudagraph_capture_sizes: list[int] = dataclasses.field(default_factory=lambda: default_capture_sizes())
     use_cudagraph: bool | None = None
     cudagraph_mode: str | None = None
     pass_config: PassConfig = dataclasses.field(default_factory=PassConfig)

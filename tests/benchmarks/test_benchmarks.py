@@ -387,16 +387,18 @@ def test_chunked_prefill_cprofile_writes_the_timed_runs_profile(tmp_path):
     assert text.count("function calls") == 2 and "generate" in text  # by own time, then cumulative
 
 
-def test_chunked_prefill_capture_to_extends_the_default_sizes_and_refuses_a_small_one(capsys):
+def test_chunked_prefill_capture_to_cuts_the_default_sizes_and_refuses_a_small_one(capsys):
     from benchmarks import chunked_prefill
     from dispatcher import CompilationConfig
 
     default = CompilationConfig().cudagraph_capture_sizes
     assert chunked_prefill.capture_sizes(0) is None
-    assert chunked_prefill.capture_sizes(512) == default + list(range(272, 513, 16))
+    assert chunked_prefill.capture_sizes(512) == default
+    assert chunked_prefill.capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))  # the default before 2026-12-06
+    assert chunked_prefill.capture_sizes(300) == [1, 2, 4] + list(range(8, 257, 8)) + [272, 288]
     with pytest.raises(SystemExit):
-        chunked_prefill.main(["--quick", "--capture-to", "100"])
-    assert "--capture-to: expected 0 (the default sizes) or an integer >= 272, got 100" in capsys.readouterr().err
+        chunked_prefill.main(["--quick", "--capture-to", "4"])
+    assert "--capture-to: expected 0 (the default sizes) or an integer >= 8, got 4" in capsys.readouterr().err
 
 
 def test_prefix_caching_quick_computes_the_shared_prefix_once_and_writes_its_files(tmp_path):

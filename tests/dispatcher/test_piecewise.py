@@ -15,6 +15,7 @@ from dispatcher import (
     CUDAGraphNotCapturedError,
     CUDAGraphs,
     compilation_counter,
+    default_capture_sizes,
     set_compilation_config,
     support_torch_compile,
 )
@@ -161,7 +162,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="cudagraph_mode"):
         CompilationConfig(cudagraph_mode="full")
     assert CompilationConfig(compile_sizes=[8, 2, 8]).compile_sizes == [2, 8]
-    assert CompilationConfig().cudagraph_capture_sizes == [1, 2, 4] + list(range(8, 257, 8))
+    # 1, 2, 4, every 8 to 256, every 16 to 512 (vLLM's spacing): a default LLM's 512-token steps replay graphs
+    assert CompilationConfig().cudagraph_capture_sizes == [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    assert default_capture_sizes(24) == [1, 2, 4, 8, 16, 24]
 
 
 SIZES = [1, 2, 4, 8]
