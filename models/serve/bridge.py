@@ -80,7 +80,10 @@ class AsyncLLM:
                 done = request.done  # read before the text: once ended, the text read after it is final
                 _raise_failed(request, follow)
                 if done:
-                    yield self._ended(request.output(), arrival)
+                    out = request.output()
+                    if not shown and out.text and self.metrics is not None:  # its first text comes with its end
+                        self.metrics.first_output(time.perf_counter() - arrival)
+                    yield self._ended(out, arrival)
                     return
                 text = request.visible_text
                 if len(text) > shown:
