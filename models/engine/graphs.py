@@ -27,6 +27,7 @@ from dispatcher import (
     CUDAGraphMode,
     CUDAGraphs,
     TorchCompileWrapperWithCustomDispatcher,
+    envs,
 )
 
 from ..attention import Attention, eager_layouts
@@ -117,7 +118,7 @@ class StepGraphs:
                                  prepare=lambda n: self._full_md.__setitem__(n, self._dummy_decodes(n)))
         logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
                     len(self.piece_sizes), len(self.full_sizes), dt)
-        return dt + self._warm_eager_attention(model, layers)
+        return dt + (self._warm_eager_attention(model, layers) if envs.warm_attention() else 0.0)
 
     def _warm_eager_attention(self, model: nn.Module, layers: dict[str, Attention]) -> float:
         """Launch the attention op eagerly, as a piecewise step does, once for each of :func:`eager_layouts`' step

@@ -99,3 +99,13 @@ def test_serving_compiles_no_triton_kernel_after_start_up(mode):
         knobs.runtime.jit_cache_hook = previous
     assert len(outs) == len(prompts) and m.stats.num_mixed_steps > 0
     assert compiled == []
+
+
+def test_warm_attention_switch_skips_the_start_up_launches(monkeypatch):
+    """``DYNAMO_ONCE_WARM_ATTENTION=0``: no eager attention launches at start-up (their kernels compile at first use);
+    the tokens are the same."""
+    on = llm("full_and_piecewise")
+    monkeypatch.setenv("DYNAMO_ONCE_WARM_ATTENTION", "0")
+    off = llm("full_and_piecewise")
+    assert on.graphs.eager_warm_s > 0 and off.graphs.eager_warm_s == 0
+    assert off.generate(PROMPTS, 6) == on.generate(PROMPTS, 6)
