@@ -11,7 +11,7 @@ import torch
 import ops
 from dispatcher import CompilationConfig, compilation_counter, dispatcher_of, set_compilation_config, support_torch_compile
 from models import Attention, AttentionMetadata, ForwardContext, KVCache, set_forward_context
-from models.attention import attention_native, write_kv_cache
+from models.attention import UNIFIED_DECODE_TOKENS, attention_native, eager_layouts, write_kv_cache
 from ops.paged_attention import DecodeWorkspace
 from ops.paged_decode_config import decode_config
 
@@ -847,3 +847,19 @@ def test_a_step_with_a_prompt_merges_its_decodes_splits_in_the_decode_kernel(run
             ref = attention_native(q, k, v, cache, md, HEADS, HEAD, HEAD**-0.5)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(layer.kv_cache, cache, rtol=0, atol=0)
+
+
+def test_eager_layouts_cover_every_decode_count_and_prompt_tile_within_the_budgets():
+    """The start-up's step layouts (``eager_layouts``, launched by the engine so that no kernel compiles while it
+    serves): every decode count beside a prompt and alone, every power of two of prompt tokens, decodes past the
+    unified launch's length where the model's length allows, and nothing over the step's budgets."""
+    layouts = eager_layouts(8, 64, 2048)
+    assert len(set(layouts)) == len(layouts)
+    assert all(d + p <= 64 and d + (p > 0) <= 8 and 1 <= n <= 2048 for d, n, p in layouts)
+    assert {d for d, _, p in layouts if p} == set(range(8))  # beside a prompt: 0-7 decodes
+    assert {d for d, _, p in layouts if not p} == set(range(1, 9))  # decode-only: 1-8
+    assert {p for _, _, p in layouts if p} == {1, 2, 4, 8, 16, 32, 64}
+    longer = [(d, n, p) for d, n, p in layouts if n > 1]
+    assert longer and all(d and n > max(UNIFIED_DECODE_TOKENS, p) for d, n, p in longer)
+    assert all(n == 1 for _, n, _ in eager_layouts(8, 64, UNIFIED_DECODE_TOKENS))  # the model allows none longer
+    assert eager_layouts(1, 4, 64) == [(0, 1, 1), (0, 1, 2), (0, 1, 4), (1, 1, 0)]
