@@ -57,9 +57,9 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_MIXED_DECODE_FUSED": "1 (default): in a step with a prompt, the split-KV decode kernel writes the decodes' "
                                       "keys and values and merges its splits itself, whatever its config; 0: as its "
                                       "config (chosen for the whole-step graphs)",
-    "DYNAMO_ONCE_WARM_ATTENTION": "1 (default): at start-up, with CUDA graphs, the engine launches the eager attention over "
-                                  "every step layout, so that its Triton kernels compile then, not while serving; 0: "
-                                  "they compile at first use",
+    "DYNAMO_ONCE_WARM_ATTENTION": "1 (default): at start-up, with CUDA graphs, the engine launches the eager "
+                                  "attention over every step layout, so that its Triton kernels compile then, not "
+                                  "while serving; 0: they compile at first use",
     "DYNAMO_ONCE_CACHE_DIR": "the library's cache directory (default ~/.cache/dynamo_once); the compile cache is in compile/",
     "DYNAMO_ONCE_DISABLE_COMPILE_CACHE": "1: levels 3-4 neither read nor write the compile cache; 0 (default): they do",
     "DYNAMO_ONCE_AOT": "1 (default): a warm start rebuilds the traced forward from the compile cache, no Dynamo trace; 0: it traces",
