@@ -288,9 +288,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                     "largest_graph: the largest step whose pieces replay CUDA graphs (--capture-to; "
                                     "a larger step runs their code; 0: no graphs, as on the CPU); capture_s: the "
                                     "start-up's CUDA-graph captures with eager_warm_s, its eager attention launches "
-                                    "over every step layout (their Triton kernels compiled or loaded); startup_jit_compiles: "
-                                    "the Triton kernel specializations compiled or loaded from Triton's disk cache from "
-                                    "LLM() to the timed run (the warm-up prompts' included)",
+                                    "over every step layout (their Triton kernels compiled or loaded); "
+                                    "startup_jit_compiles: the Triton kernel specializations compiled or loaded "
+                                    "from Triton's disk cache from LLM() to the timed run (the warm-up prompts' "
+                                    "included)",
                                     "attention_calls: the eager dynamo_once::attention calls (one a layer a "
                                     "prefill-only or mixed step, between the pieces; none at level 0, where no graph "
                                     "is split); attention_host_us_mean / _p50 / _p90: their host time (perf_counter "
