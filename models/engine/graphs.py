@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,6 +35,9 @@ from ..attention import Attention, eager_layouts
 from ..forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from .kv_cache import KVCache
 from .input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from ops.paged_attention import DecodeWorkspace
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +108,8 @@ class StepGraphs:
         graphs = self.cuda_graphs = CUDAGraphs()
         inputs.pad_block = kv_cache.pad_block  # padding tokens write here, never read by a sequence
         graphs.mark_static(inputs.input_ids, inputs.positions)  # read in place by the graphs: no copy per step
-        self._piecewise_outputs(layers, graphs, next(model.parameters()).dtype)
+        dtype = next(model.parameters()).dtype  # the activations', q's and the attention outputs'
+        self._piecewise_outputs(layers, graphs, dtype)
 
         def piece_step(n: int) -> torch.Tensor:  # attention, eager between the pieces, gets no metadata
             with set_forward_context(ForwardContext(layers, None)), torch.inference_mode():
@@ -115,12 +120,13 @@ class StepGraphs:
         if config.cudagraph_mode == "full_and_piecewise":
             self.full_sizes = [n for n in sizes if n <= self.max_num_seqs]
             dt += graphs.capture(self.full_sizes, CUDAGraphMode.FULL, lambda n: self._decode_step(model, layers, n),
-                                 prepare=lambda n: self._full_md.__setitem__(n, self._dummy_decodes(n)))
+                                 prepare=lambda n: self._full_md.__setitem__(
+                                     n, self._dummy_step(n, 1, 0, workspace=inputs.decode_workspace)))
         logger.info("LLM: captured CUDA graphs for %d piecewise and %d full sizes in %.1fs",
                     len(self.piece_sizes), len(self.full_sizes), dt)
-        return dt + (self._warm_eager_attention(model, layers) if envs.warm_attention() else 0.0)
+        return dt + (self._warm_eager_attention(layers, dtype) if envs.warm_attention() else 0.0)
 
-    def _warm_eager_attention(self, model: nn.Module, layers: dict[str, Attention]) -> float:
+    def _warm_eager_attention(self, layers: dict[str, Attention], dtype: torch.dtype) -> float:
         """Launch the attention op eagerly, as a piecewise step does, once for each of :func:`eager_layouts`' step
         layouts that no whole-step graph serves, on every distinct layer configuration: each Triton kernel
         specialization such a step can take is then compiled (or loaded from Triton's cache) here, not in the middle
@@ -133,30 +139,35 @@ class StepGraphs:
                               layer.logits_soft_cap is None, layer.kv_cache.dtype), layer)
         inputs = self.inputs
         max_len = inputs.block_table.shape[1] * inputs.block_size
-        dtype = next(model.parameters()).dtype  # q's, the layers' outputs'
         layouts = [(d, n, p) for d, n, p in eager_layouts(self.max_num_seqs, self.max_num_tokens, max_len)
                    if p or not self.padding(d, d, d, False)[0]]
+        # q, k and v as the model's are: column blocks of one [tokens, (Hq + 2 Hkv) x D] projection, a step's rows of it
+        qkvs = []
+        for layer in kinds.values():
+            kv_width = layer.num_kv_heads * layer.head_size
+            qkv = torch.zeros(self.max_num_tokens, layer.num_heads * layer.head_size + 2 * kv_width, dtype=dtype,
+                              device=inputs.device)
+            qkvs.append((layer, qkv.split([qkv.shape[1] - 2 * kv_width, kv_width, kv_width], dim=-1)))
         with torch.inference_mode():
             for d, n, p in layouts:
                 md = self._dummy_step(d, n, p)
-                for layer in kinds.values():
-                    width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_size
-                    qkv = torch.zeros(d + p, width, dtype=dtype, device=inputs.device)
-                    kv_width = layer.num_kv_heads * layer.head_size
-                    q, k, v = qkv.split([width - 2 * kv_width, kv_width, kv_width], dim=-1)
+                for layer, (q, k, v) in qkvs:
+                    t = d + p
                     # a step of up to the largest piecewise size writes into the layer's buffer, a larger one anew
-                    fits = layer.piecewise_out is not None and d + p <= layer.piecewise_out.shape[0]
-                    layer.forward_impl(q, k, v, md, out=layer.piecewise_rows(d + p) if fits else None)
+                    fits = layer.piecewise_out is not None and t <= layer.piecewise_out.shape[0]
+                    layer.forward_impl(q[:t], k[:t], v[:t], md, out=layer.piecewise_rows(t) if fits else None)
         torch.cuda.synchronize(inputs.device)
         dt = self.eager_warm_s = time.perf_counter() - t0
         logger.info("LLM: launched attention eagerly on %d step layouts x %d layer configurations (their kernels "
                     "compiled) in %.1fs", len(layouts), len(kinds), dt)
         return dt
 
-    def _dummy_step(self, decodes: int, decode_len: int, prompt: int) -> AttentionMetadata:
+    def _dummy_step(self, decodes: int, decode_len: int, prompt: int,
+                    workspace: DecodeWorkspace | None = None) -> AttentionMetadata:
         """A dummy step in the persistent buffers and its metadata: ``decodes`` sequences of ``decode_len`` tokens
         decoding one, then a new prompt of ``prompt`` tokens (none: 0), every block of every sequence the pad block
-        (which no sequence reads); no workspace, so that nothing of it enters the launch cache."""
+        (which no sequence reads). ``decodes`` sequences of one token alone are what a whole-step graph is captured
+        on (with the persistent ``workspace``); without one, nothing of the step enters the launch cache."""
         inputs = self.inputs
         t = decodes + prompt
         starts = list(range(decodes + 1)) + ([t] if prompt else [])
@@ -170,7 +181,7 @@ class StepGraphs:
         return AttentionMetadata(
             slot_mapping=inputs.slot_mapping[:t], query_start_loc=inputs.query_start_loc[:n + 1],
             seq_lens=inputs.seq_lens[:n], block_table=inputs.block_table[:n], num_decodes=decodes,
-            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens), workspace=None)
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, max_seq_len=max(lens), workspace=workspace)
 
     def _piecewise_outputs(self, layers: dict[str, Attention], graphs: CUDAGraphs, dtype: torch.dtype) -> None:
         """Give each attention layer a persistent output buffer for PIECEWISE steps, marked static: the piece
@@ -220,20 +231,6 @@ class StepGraphs:
         """Replay the whole-step graph of ``num_seqs`` (padded) decodes on the staged inputs: logits
         ``[num_seqs, vocab]``, in the graph's output buffer (overwritten by the next step with graphs)."""
         return self.cuda_graphs.run(CUDAGraphMode.FULL, num_seqs, None)
-
-    def _dummy_decodes(self, n: int) -> AttentionMetadata:
-        """``n`` dummy decode sequences in the persistent buffers and their metadata: what a whole-step
-        graph is captured on."""
-        inputs = self.inputs
-        ids, pos, slots, starts, lens = [], [], [], [0], []
-        inputs.add_padding(ids, pos, slots, starts, lens, n, 0)
-        inputs.stage(ids, pos, slots, starts, lens, torch.full((n, 1), inputs.pad_block, dtype=torch.int32))
-        inputs.forget_table()
-        return AttentionMetadata(
-            slot_mapping=inputs.slot_mapping[:n], query_start_loc=inputs.query_start_loc[:n + 1],
-            seq_lens=inputs.seq_lens[:n], block_table=inputs.block_table[:n], num_decodes=n,
-            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, max_seq_len=1,
-            workspace=inputs.decode_workspace)
 
     def _decode_step(self, model: nn.Module, layers: dict[str, Attention], n: int) -> torch.Tensor:
         """A decode-only step of ``n`` sequences over the persistent buffers: logits ``[n, vocab]``."""
