@@ -237,6 +237,11 @@ _GEMV_1 = [(1, b_n, b_k, 1, False, warps, 1, 1, False, False, True)
 _SWAP_16 = [(16, 64, 128, 1, True, 4, 4, 1, False, True), (16, 64, 256, 1, True, 4, 3, 1, False, True),
             (16, 128, 128, 1, True, 4, 4, 1, False, True), (16, 128, 256, 1, True, 8, 3, 1, False, True),
             (16, 64, 256, 2, True, 4, 3, 1, False, True)]
+# The unrolled GEMV over 2-8 rows of a a program (each weight tile loaded once for all of them), at M = 2-16: the
+# one-row tiles that won at M = 1 (8-bit: 4-16 weight rows a program, bf16: 2) and neighbours, at each row count
+# up to M's (``sweep_grid``).
+_GEMV_ROW_TILES = ((2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
+                   (16, 512, 8))
 _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 128, 1, False, 8, 3),
            (4, 16, 128, 2, False, 4, 3)]
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
@@ -273,9 +278,14 @@ _SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, Tru
 
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
-    GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1)."""
+    GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
+    over 1-8 rows of a a program (at most M's, rounded up to a power of 2)."""
     if forms in ("unroll", "m1"):
         return [SmallMConfig(*r) for r in _GEMV_1 + (_SWAP_16 if forms == "m1" else [])] if m == 1 else []
+    if forms == "rows":  # the unrolled GEMV over 2, 4, 8 rows a program (those up to M's), and a row a program
+        rows = [r for r in (1, 2, 4, 8) if r < 2 * m]
+        return [SmallMConfig(r, b_n, b_k, DOT=False, num_warps=warps, num_stages=1, UNROLL=True)
+                for r in rows for b_n, b_k, warps in _GEMV_ROW_TILES]
     rows = (_GEMV_1 if m == 1 else _GEMV_4 if m <= 4 else []) + _DOT_16 + _SPLIT_16
     if m > 16:  # past the small-M range: dot tiles as tall as M, up to 64 rows; wider and taller ones at M > 64
         bm = min(64, 1 << (m - 1).bit_length())
@@ -410,9 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1"), help="sweep: every family "
-                   "of candidates, the unrolled GEMV's alone (M = 1), or those and swapped 16-row dot tiles (m1: "
-                   "M = 1), beside cuBLAS and the table's pick")
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows"), help="sweep: every "
+                   "family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row dot tiles (m1: "
+                   "M = 1), or the unrolled GEMV over 1-8 rows a program (rows: M >= 1), beside cuBLAS and the "
+                   "table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
@@ -447,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     label = "tiny" if a.quick else a.model
     if a.sweep:
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
-              + {"all": "", "unroll": "_unroll", "m1": "_m1"}[a.sweep_forms], a.separated, a.sweep_forms)
+              + {"all": "", "unroll": "_unroll", "m1": "_m1", "rows": "_rows"}[a.sweep_forms], a.separated, a.sweep_forms)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls, dtypes)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

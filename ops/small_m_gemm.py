@@ -55,6 +55,7 @@ __all__ = [
     "SmallMConfig",
     "SmallMRule",
     "SMALL_M_MAX",
+    "UNROLL_MAX_ROWS",
     "INT8_TRITON_MAX_M",
     "TRITON_MAX_M",
     "SMALL_M_TABLE",
@@ -325,6 +326,104 @@ def _small_m_gemv_kernel(
                  mask=n_ok[None, :])
 
 
+# The unrolled GEMV over ROWS (2, 4 or 8) rows of a a program (SmallMConfig.UNROLL with BLOCK_M > 1): each weight tile
+# is loaded and converted once and multiplied into ROWS accumulators, each [BLOCK_N, BLOCK_K] in the tile's layout,
+# where one row a program reads each weight once from HBM and ROWS - 1 times from L2, each read with its own load
+# and conversion instructions. A product is one instruction: dp4a for four int8 ones (BYTES: a read in w's layout,
+# as the one-row form does), an fma for fp8 and bf16 / fp16 (their products are exact in fp32), with a's row
+# converted to fp32 once and broadcast over the tile's rows through shared memory. In the sm_90 SASS of the 8B's
+# 8 x 512 fp8 tile that is 6.7 instructions a weight element at 2 rows against 8.3 with a read in w's layout (each
+# thread converting its own copy of a), and 11.3 at 4 rows; bf16's 2 x 1024 tile 9.5 and 15.6 (what an SM can issue
+# at the H200's HBM speed: ~7 for 8-bit weights, ~14 for 16-bit).
+# Explicit accumulators, not one [ROWS, BLOCK_N, BLOCK_K] tensor: with the 3D form Triton converted the weights
+# once a row and moved the tile through shared memory (its sm_90 SASS: 2x-4x the instructions an element).
+@triton.jit(do_not_specialize=["M"])
+def _small_m_gemv_rows_kernel(
+    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, ROWS)
+    row = (pid % num_m) * ROWS
+    offs_n = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        row = row.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    n_ok = offs_n < N
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32 if INTEGER else tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+    for k in tl.static_range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0, eviction_policy="evict_first")
+        if not DP4A:
+            w = w.to(tl.int32 if INTEGER else tl.float32)  # once for every row
+        a_ptrs = a_ptr + row * stride_am + offs_k
+        if BYTES:  # a's rows in w's layout (each tile row the same addresses, from L1)
+            a_ptrs = a_ptrs[None, :] + 0 * offs_n[:, None]
+        acc0 = _gemv_row(acc0, w, a_ptrs, row < M, offs_k < K, BYTES, DP4A)
+        if ROWS > 1:
+            acc1 = _gemv_row(acc1, w, a_ptrs + stride_am, row + 1 < M, offs_k < K, BYTES, DP4A)
+        if ROWS > 2:
+            acc2 = _gemv_row(acc2, w, a_ptrs + 2 * stride_am, row + 2 < M, offs_k < K, BYTES, DP4A)
+            acc3 = _gemv_row(acc3, w, a_ptrs + 3 * stride_am, row + 3 < M, offs_k < K, BYTES, DP4A)
+        if ROWS > 4:
+            acc4 = _gemv_row(acc4, w, a_ptrs + 4 * stride_am, row + 4 < M, offs_k < K, BYTES, DP4A)
+            acc5 = _gemv_row(acc5, w, a_ptrs + 5 * stride_am, row + 5 < M, offs_k < K, BYTES, DP4A)
+            acc6 = _gemv_row(acc6, w, a_ptrs + 6 * stride_am, row + 6 < M, offs_k < K, BYTES, DP4A)
+            acc7 = _gemv_row(acc7, w, a_ptrs + 7 * stride_am, row + 7 < M, offs_k < K, BYTES, DP4A)
+    flags = (SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+    _store_row(acc0, row, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+    if ROWS > 1:
+        _store_row(acc1, row + 1, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+    if ROWS > 2:
+        _store_row(acc2, row + 2, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc3, row + 3, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+    if ROWS > 4:
+        _store_row(acc4, row + 4, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc5, row + 5, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc6, row + 6, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc7, row + 7, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+
+
+@triton.jit
+def _gemv_row(acc, w, a_ptrs, row_ok, k_ok, BYTES: tl.constexpr, DP4A: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_K]`` plus one row of a (at ``a_ptrs``: ``[BLOCK_N, BLOCK_K]`` in ``w``'s layout with
+    BYTES, else ``[BLOCK_K]``) times the tile ``w``, already in the accumulator's type (int8 as loaded with DP4A)."""
+    if BYTES:
+        a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0, eviction_policy="evict_last")
+    else:
+        a = tl.load(a_ptrs, mask=row_ok & k_ok, other=0.0, eviction_policy="evict_last")
+    if DP4A:
+        acc = _dp4a(w, a, acc)
+    elif BYTES:
+        acc = tl.fma(w, a.to(acc.dtype), acc)
+    elif acc.dtype == tl.int32:
+        acc += w * a.to(acc.dtype)[None, :]
+    else:  # the products of 8- and 16-bit floats are exact in fp32: an fma sums as a multiply and an add would
+        acc = tl.fma(w, tl.broadcast_to(a.to(acc.dtype)[None, :], acc.shape), acc)
+    return acc
+
+
+@triton.jit
+def _store_row(acc, row, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, SCALED: tl.constexpr,
+               A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row ``row``'s outputs of a program: ``acc``'s sum over K, the epilogue, the store (none past ``M``)."""
+    offs_m = tl.zeros((1,), dtype=offs_n.dtype) + row
+    y = _epilogue(tl.sum(acc, axis=1).to(tl.float32)[None, :], offs_m, offs_n, offs_m < M, n_ok, a_scale_ptr,
+                  w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
 @triton.jit
 def _gemv_step(acc, w, a, INTEGER: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_K]`` plus ``w * a`` (``a`` in ``w``'s layout with BYTES, else one row broadcast)."""
@@ -386,6 +485,11 @@ def _small_m_split_k_epilogue_kernel(
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+#: The most rows of a a program of the unrolled GEMV takes (``SmallMConfig.UNROLL``): its accumulators are
+#: ``BLOCK_M x BLOCK_N x BLOCK_K`` registers over the program's threads.
+UNROLL_MAX_ROWS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class SmallMConfig:
     """One launch configuration of the small-M GEMM.
@@ -412,9 +516,11 @@ class SmallMConfig:
             the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
             M = 1 6% slower with the table's split-K rows then (2765 against 2602 µs); the int8 down_proj rows at
             M = 32 and 128 take it (0.3-0.7% off those decode steps).
-        UNROLL: the unrolled GEMV form (``DOT=False``, ``BLOCK_M=1``, ``SPLIT_K=1``): one compile a K, every loop
-            step unrolled so that all of a program's weight loads are in flight at once, and one reduction a
-            program instead of one a loop step (the rolled GEMV form's). ``num_stages`` does not apply.
+        UNROLL: the unrolled GEMV form (``DOT=False``, ``SPLIT_K=1``): one compile a K, every loop step unrolled
+            so that all of a program's weight loads are in flight at once, and one reduction a program instead of
+            one a loop step (the rolled GEMV form's). ``num_stages`` does not apply. ``BLOCK_M`` rows of a a
+            program (at most ``UNROLL_MAX_ROWS``): 1 (a row a program: the only form the gated, quantizing and
+            rotary GEMVs have) or more, each weight tile loaded once for all of them.
     """
 
     BLOCK_M: int
@@ -438,9 +544,9 @@ class SmallMConfig:
             raise ValueError(f"SmallMConfig: tl.dot (DOT=True) needs BLOCK_M, BLOCK_N, BLOCK_K >= 16; got {self}")
         if self.SWAP and not self.DOT:
             raise ValueError(f"SmallMConfig: SWAP (w @ a.T) is a tl.dot form: it needs DOT=True; got {self}")
-        if self.UNROLL and (self.DOT or self.BLOCK_M != 1 or self.SPLIT_K != 1):
-            raise ValueError(f"SmallMConfig: UNROLL (the unrolled GEMV) needs DOT=False, BLOCK_M=1 and SPLIT_K=1; "
-                             f"got {self}")
+        if self.UNROLL and (self.DOT or self.BLOCK_M > UNROLL_MAX_ROWS or self.SPLIT_K != 1):
+            raise ValueError(f"SmallMConfig: UNROLL (the unrolled GEMV) needs DOT=False, BLOCK_M <= {UNROLL_MAX_ROWS} "
+                             f"and SPLIT_K=1; got {self}")
         if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0:
             raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH >= 0; got {self}")
 
@@ -708,6 +814,15 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     quant_a = a.element_size() != w.element_size()
+    if c.UNROLL and c.BLOCK_M > 1:
+        assert not gated and not quant_a, "the gated and quantizing GEMVs take a row a program (BLOCK_M = 1)"
+        even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
+        _small_m_gemv_rows_kernel[(cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N),)](
+            a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, ROWS=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
+            BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.dtype == torch.int8,
+            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+        )
+        return out
     if c.UNROLL:
         even = cols % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_kernel[(m * cdiv(cols, c.BLOCK_N),)](

@@ -213,9 +213,33 @@ def test_gemv_forms_on_8b_shapes(dtype, config, k, n):
         _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
 
 
+# The unrolled GEMV over several rows of a a program: 2, 4 and 8 rows on 8-bit (4-16 weight rows) and bf16 tiles
+ROWS_CASES = [SmallMConfig(rows, b_n, b_k, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
+              for rows in (2, 4, 8) for b_n, b_k in ((8, 512), (2, 1024))]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [c for d, c in GEMV_CASES if d == INT8],
-                         ids=lambda c: f"{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}")
+@pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("config", ROWS_CASES, ids=lambda c: f"rows{c.BLOCK_M}-{c.BLOCK_N}x{c.BLOCK_K}")
+def test_gemv_rows_on_8b_shapes(config, dtype, k, n):
+    """Each weight tile into 2-8 rows' sums: at M = 1, 3, 8 and 11 (rows past M masked, several row blocks), on
+    every 8B shape, per-token and per-channel scales with a bias; int8 (dp4a) bit for bit, fp8 / bf16 within their
+    fp32-sum bounds."""
+    _needs_fp8(dtype)
+    for m in (1, 3, 8, 11):
+        if dtype == BF16:
+            a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").to(BF16)
+            w, b = _weight(BF16, n, k), torch.randn(n, device="cuda").to(BF16)
+            _assert_mm_within_bound(ops.small_m_mm(a, w, b, config=config), a, w, b)
+            continue
+        args = _args(dtype, m, k, n, "token", "channel", torch.bfloat16, True)
+        _assert_matches_reference(dtype, ops.small_m_scaled_mm(*args, config=config), args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [c for d, c in GEMV_CASES if d == INT8] + ROWS_CASES[::2],
+                         ids=lambda c: f"rows{c.BLOCK_M}-{c.BLOCK_N}x{c.BLOCK_K}w{c.num_warps}")
 def test_int8_gemv_on_unaligned_rows(config):
     """Rows 16-byte aligned or not (K = 4100: a row stride of 4100 bytes), in a masked tail or not, and an activation
     that starts 1 byte into its storage: bit for bit."""
@@ -263,8 +287,8 @@ def test_config_checks():
         SmallMConfig(1, 16, 64, SPLIT_K=0, DOT=False)
     with pytest.raises(ValueError, match="SWAP .* needs DOT=True"):
         SmallMConfig(4, 16, 64, DOT=False, SWAP=True)
-    for bad in (dict(DOT=True, BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=4), dict(SPLIT_K=2)):
-        with pytest.raises(ValueError, match="UNROLL .* needs DOT=False, BLOCK_M=1 and SPLIT_K=1"):
+    for bad in (dict(DOT=True, BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=16), dict(SPLIT_K=2)):
+        with pytest.raises(ValueError, match="UNROLL .* needs DOT=False, BLOCK_M <= 8 and SPLIT_K=1"):
             SmallMConfig(**{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "DOT": False, **bad}, UNROLL=True)
 
 
