@@ -380,43 +380,44 @@ def _small_m_gemv_rows_kernel(
             acc5 = _gemv_row(acc5, w, a_ptrs + 5 * stride_am, row + 5 < M, offs_k < K, BYTES, DP4A)
             acc6 = _gemv_row(acc6, w, a_ptrs + 6 * stride_am, row + 6 < M, offs_k < K, BYTES, DP4A)
             acc7 = _gemv_row(acc7, w, a_ptrs + 7 * stride_am, row + 7 < M, offs_k < K, BYTES, DP4A)
-    flags = (SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-    _store_row(acc0, row, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+    pointers = (a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr)
+    _store_row(acc0, row, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
     if ROWS > 1:
-        _store_row(acc1, row + 1, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc1, row + 1, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
     if ROWS > 2:
-        _store_row(acc2, row + 2, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
-        _store_row(acc3, row + 3, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc2, row + 2, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+        _store_row(acc3, row + 3, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
     if ROWS > 4:
-        _store_row(acc4, row + 4, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
-        _store_row(acc5, row + 5, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
-        _store_row(acc6, row + 6, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
-        _store_row(acc7, row + 7, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, *flags)
+        _store_row(acc4, row + 4, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+        _store_row(acc5, row + 5, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+        _store_row(acc6, row + 6, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
+        _store_row(acc7, row + 7, M, N, offs_n, n_ok, pointers, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_row(acc, w, a_ptrs, row_ok, k_ok, BYTES: tl.constexpr, DP4A: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_K]`` plus one row of a (at ``a_ptrs``: ``[BLOCK_N, BLOCK_K]`` in ``w``'s layout with
-    BYTES, else ``[BLOCK_K]``) times the tile ``w``, already in the accumulator's type (int8 as loaded with DP4A)."""
+    BYTES, int8's form, else ``[BLOCK_K]``, fp8's and bf16's) times the tile ``w``, already in the accumulator's type
+    (int8 as loaded with DP4A)."""
     if BYTES:
         a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0, eviction_policy="evict_last")
     else:
         a = tl.load(a_ptrs, mask=row_ok & k_ok, other=0.0, eviction_policy="evict_last")
     if DP4A:
         acc = _dp4a(w, a, acc)
-    elif BYTES:
-        acc = tl.fma(w, a.to(acc.dtype), acc)
-    elif acc.dtype == tl.int32:
-        acc += w * a.to(acc.dtype)[None, :]
+    elif BYTES:  # int8 where dp4a does not fit (unaligned rows, masked tiles): widened products, exact
+        acc += w * a.to(tl.int32)
     else:  # the products of 8- and 16-bit floats are exact in fp32: an fma sums as a multiply and an add would
         acc = tl.fma(w, tl.broadcast_to(a.to(acc.dtype)[None, :], acc.shape), acc)
     return acc
 
 
 @triton.jit
-def _store_row(acc, row, M, N, offs_n, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, SCALED: tl.constexpr,
-               A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Row ``row``'s outputs of a program: ``acc``'s sum over K, the epilogue, the store (none past ``M``)."""
+def _store_row(acc, row, M, N, offs_n, n_ok, pointers, SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+               W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row ``row``'s outputs of a program: ``acc``'s sum over K, the epilogue, the store (none past ``M``);
+    ``pointers``: the kernel's a_scale, w_scale, bias (None where it has none) and out pointers."""
+    a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr = pointers
     offs_m = tl.zeros((1,), dtype=offs_n.dtype) + row
     y = _epilogue(tl.sum(acc, axis=1).to(tl.float32)[None, :], offs_m, offs_n, offs_m < M, n_ok, a_scale_ptr,
                   w_scale_ptr, bias_ptr, SCALED, A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
