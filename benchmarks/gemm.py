@@ -237,11 +237,12 @@ _GEMV_1 = [(1, b_n, b_k, 1, False, warps, 1, 1, False, False, True)
 _SWAP_16 = [(16, 64, 128, 1, True, 4, 4, 1, False, True), (16, 64, 256, 1, True, 4, 3, 1, False, True),
             (16, 128, 128, 1, True, 4, 4, 1, False, True), (16, 128, 256, 1, True, 8, 3, 1, False, True),
             (16, 64, 256, 2, True, 4, 3, 1, False, True)]
-# The unrolled GEMV over 2-8 rows of a a program (each weight tile loaded once for all of them), at M = 2-16: the
-# one-row tiles that won at M = 1 (8-bit: 4-16 weight rows a program, bf16: 2) and neighbours, at each row count
-# up to M's (``sweep_grid``).
-_GEMV_ROW_TILES = ((2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4),
-                   (16, 512, 8))
+# The unrolled GEMV over 2-8 rows of a a program (each weight tile loaded once for all of them), at M = 2-16: int8's
+# one-row tiles that won at M = 1 and a neighbour, at each row count up to M's (``sweep_grid``). The first sweep
+# (results/gemm_sweep_separated_rows_bf16_h100.md) also had (2, 512, 4), (2, 1024, 4), (4, 1024, 4), (16, 256, 4)
+# and (16, 512, 8); its bf16 GEMVs lost to cuBLAS or the dot tiles from M = 4 at every shape (each row's products
+# are a multiply-add a weight element: instruction-bound), and their compiles took most of its 400 s.
+_GEMV_ROW_TILES = ((4, 512, 4), (8, 256, 4), (8, 512, 4))
 _GEMV_4 = [(4, 16, 128, 1, False, 4, 3), (4, 16, 256, 1, False, 8, 3), (4, 32, 128, 1, False, 8, 3),
            (4, 16, 128, 2, False, 4, 3)]
 _DOT_16 = [(16, 16, 256, 1, True, 4, 4), (16, 32, 128, 1, True, 4, 4), (16, 32, 256, 1, True, 4, 4),
