@@ -593,6 +593,14 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(1, _F8, 0.0, 16384, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 29.3 / 30.6
     _R(1, _F8, 0.0, 6144, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 8.5 / 10.2
     _R(1, _F8, 0.0, 0, _C(1, 16, 1024, DOT=False, num_warps=8, num_stages=1, UNROLL=True)),  # o 6.5 / 7.5
+    # M = 2, Llama-3-8B's shapes (N >= 4096): the unrolled GEMV, a row a program, or over both rows for qkv, from the
+    # sweep of it on an H100 (results/gemm_sweep_separated_rows_int8_h100.md, µs ours / the M <= 16 row below) and the
+    # 8B int8 step at batch 2 (results/gemm_step_ab_rows_int8_h100.md: 3628.3-3672.2 µs against 3685.5-3696.6 in four
+    # alternating runs; at batch 3 and 4 the same rows on 2 and 4 rows were as fast as the dot tiles, at 8 slower).
+    _R(2, _I8, 2.0, 4096, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 22.2 / 23.8
+    _R(2, _I8, 0.0, 16384, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 40.4 / 42.5
+    _R(2, _I8, 0.0, 6144, _C(2, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 10.5 / 11.7
+    _R(2, _I8, 0.0, 4096, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 7.6 / 9.2
     # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
     _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
     _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
@@ -604,6 +612,16 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # 10.1 / 13.5
     _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 14.6 / 16.0,
     # 5.1 / 6.7; o 10.7 / 13.5, 4.1 / 6.1; gate-up 55.3 / 62.3, 17.5 / 18.6; lm_head 231.3 / 252.4, 117.9 / 129.4
+    # M = 2, bf16 / fp16, Llama-3-8B's shapes (N >= 4096), as int8's above: µs ours / the M <= 16 row (cuBLAS for qkv)
+    # in the H100 sweep (results/gemm_sweep_separated_rows_bf16_h100.md); the 8B step at batch 2 5777.8 / 5780.5 µs
+    # against 5930.9 / 5891.1 (results/gemm_step_ab_rows_bf16_h100.md). On the 1B's shapes the same rows made its
+    # batch-2 step slower (1258.0 / 1281.2 against 1252.9 / 1254.3), hence N >= 4096; gate-up stays on cuBLAS (78.3
+    # against 78.5), the lm_head on the M <= 16 dot tile.
+    _R(2, _F16, 2.0, 4096, _C(1, 4, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 41.7 / 42.3
+    _R(2, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head, the M <= 16 row's tile
+    _R(2, _F16, 0.0, 16384, None),  # gate-up
+    _R(2, _F16, 0.0, 6144, _C(2, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 19.0 / 20.9
+    _R(2, _F16, 0.0, 4096, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 13.4 / 14.9
     # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
     _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4)),  # down: 18.2 / 19.6
     _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
