@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     label = "tiny" if a.quick else a.model
     if a.sweep:
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
-              + {"all": "", "unroll": "_unroll", "m1": "_m1", "rows": "_rows"}[a.sweep_forms], a.separated, a.sweep_forms)
+              + {"all": "", "unroll": "_unroll", "m1": "_m1", "rows": "_rows"}[a.sweep_forms], a.separated,
+              a.sweep_forms)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls, dtypes)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

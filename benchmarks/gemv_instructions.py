@@ -8,9 +8,10 @@ handles: K x BLOCK_N / (32 x num_warps). Per tile of ``SMALL_M_TABLE``'s M = 1 r
 forms: the kernel's (``BYTES``: fp8 an fma a product, int8 dp4a where each thread holds 16 adjacent bytes of a row,
 a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a broadcast from shared memory); with
 ``--gated``, also the gated form the fused gate-up + SiLU op runs (``ops.gated_quant``); with ``--quant``, the form
-quantizing a bf16 activation as loaded (``ops.static_quant_scaled_mm``); and for each its registers.
+quantizing a bf16 activation as loaded (``ops.static_quant_scaled_mm``); with ``--rows``, the GEMV over 2-8 rows of a
+a program (``SmallMConfig.UNROLL`` with ``BLOCK_M > 1``); and for each its registers.
 
-    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--quant] [--out benchmarks/results]
+    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--quant] [--rows 2,4] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -77,6 +78,31 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    return compiled.asm["cubin"]
+
+
+def compile_rows_cubin(dtype: torch.dtype, rows: int, block_n: int, block_k: int, num_warps: int, k: int) -> bytes:
+    """The GEMV over ``rows`` rows of a a program (``ops.small_m_gemm``'s ``_small_m_gemv_rows_kernel``, as the
+    launcher runs a ``SmallMConfig(rows, ...)``: int8 with dp4a and a read in w's layout, fp8 and bf16 an fma a
+    product with a's rows broadcast) compiled for sm_90: per-tensor scales, no bias, every load unmasked."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ops import small_m_gemm
+
+    kernel = small_m_gemm._small_m_gemv_rows_kernel
+    tile = small_m_gemm.SmallMConfig(rows, block_n, block_k, DOT=False, num_warps=num_warps, num_stages=1,
+                                     UNROLL=True)
+    int8 = dtype == torch.int8
+    consts = dict(K=k, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=int8, SCALED=dtype != torch.bfloat16,
+                  A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
+                  BYTES=int8, DP4A=int8 and small_m_gemm._dp4a_tile(tile))
+    sig = {name: v.format(t=_TRITON_TYPES[dtype]) for name, v in _SIG.items() if name != "amax_ptr"} \
+        | {name: "constexpr" for name in consts}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
     return compiled.asm["cubin"]
 
 
@@ -154,6 +180,8 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
         n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
     if form == "rope":
         cubin = compile_rope_cubin(block_n, block_k, warps, k)
+    elif form.startswith("rows "):
+        cubin = compile_rows_cubin(dtype, int(form.split()[1]), block_n, block_k, warps, k)
     else:
         cubin = compile_cubin(dtype, n, block_k, w, k, form.startswith("8-bit"), gated, form == "8-bit quantizing")
     ops_count = count(read_cubin(cubin, "-sass"))
@@ -164,7 +192,7 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
             "registers": registers(cubin), "top": ", ".join(f"{op} {c}" for op, c in ops_count.most_common(4))}
 
 
-def measure(k: int, gated: bool = False, quant: bool = False) -> list[dict[str, Any]]:
+def measure(k: int, gated: bool = False, quant: bool = False, row_counts: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     rows = []
     for dtype, block_n, block_k, warps in m1_tiles():
         forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
@@ -173,6 +201,7 @@ def measure(k: int, gated: bool = False, quant: bool = False) -> list[dict[str, 
         if gated and block_n >= 2:
             forms.insert(1, "8-bit gated" if dtype.itemsize == 1 else "gated")
             forms += ["rope"] if dtype == torch.bfloat16 else []
+        forms += [f"rows {r}" for r in row_counts]
         for form in forms:
             rows.append(_row(dtype, block_n, block_k, warps, k, form))
             print(rows[-1], flush=True)
@@ -185,8 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gated", action="store_true", help="also the gated (gate-up + SiLU) form of each tile, and bf16's rope form")
     p.add_argument("--quant", action="store_true", help="also the quantizing form of each 8-bit tile (a bf16 a "
                                                          "quantized as loaded: ops.static_quant_scaled_mm)")
+    p.add_argument("--rows", default="", help="also the GEMV over these rows of a a program (e.g. 2,4: a "
+                                                "SmallMConfig's BLOCK_M with UNROLL), per tile; instructions an "
+                                                "element count every row's products")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
+    row_counts = tuple(common.int_list(p, "--rows", a.rows)) if a.rows else ()
+    if any(r not in (2, 4, 8) for r in row_counts):
+        p.error(f"--rows: expected rows a program of 2, 4 or 8; got {a.rows}")
     if a.k < 1 or a.k % 1024:
         p.error(f"--k: expected a positive multiple of 1024 (every table tile's BLOCK_K divides it); got {a.k}")
     try:
@@ -197,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"Triton's package has no cuobjdump at {cuobjdump()}")
     import triton
 
-    rows = measure(a.k, a.gated, a.quant)
+    rows = measure(a.k, a.gated, a.quant, row_counts)
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
               f"{common.utc_now()}{common.switches()}")
@@ -211,8 +246,12 @@ def main(argv: list[str] | None = None) -> None:
              "in its epilogue, head size 128), the tile's rows the two halves of a head's columns",
              "8-bit quantizing (--quant): the 8-bit form with a bf16 a quantized as loaded with a per-tensor scale "
              "(QUANT_A: ops.static_quant_scaled_mm at one token), a's row read flat and broadcast",
+             "rows R (--rows): the GEMV over R rows of a a program (int8 dp4a with a read in w's layout, fp8 / bf16 "
+             "an fma a product, a's rows broadcast), every weight tile loaded and converted once for the R rows; "
+             "per_element counts the R rows' products of an element",
              "registers: a thread's (cuobjdump -res-usage)"]
-    stem = "gemv_instructions" + ("_gated" if a.gated else "") + ("_quant" if a.quant else "")
+    stem = "gemv_instructions" + ("_gated" if a.gated else "") + ("_quant" if a.quant else "") \
+        + ("_rows" if row_counts else "")
     common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
                          notes=notes, out_dir=a.out, header=header)
     common.plot_stacked_bars(stem, rows, label=["dtype", "tile", "form"], parts=["per_element"],

@@ -331,10 +331,11 @@ def _small_m_gemv_kernel(
 # where one row a program reads each weight once from HBM and ROWS - 1 times from L2, each read with its own load
 # and conversion instructions. A product is one instruction: dp4a for four int8 ones (BYTES: a read in w's layout,
 # as the one-row form does), an fma for fp8 and bf16 / fp16 (their products are exact in fp32), with a's row
-# converted to fp32 once and broadcast over the tile's rows through shared memory. In the sm_90 SASS of the 8B's
-# 8 x 512 fp8 tile that is 6.7 instructions a weight element at 2 rows against 8.3 with a read in w's layout (each
-# thread converting its own copy of a), and 11.3 at 4 rows; bf16's 2 x 1024 tile 9.5 and 15.6 (what an SM can issue
-# at the H200's HBM speed: ~7 for 8-bit weights, ~14 for 16-bit).
+# converted to fp32 once and broadcast over the tile's rows through shared memory (read in w's layout, each thread
+# converted its own copy of a row: more instructions). In the sm_90 SASS (results/gemv_instructions_rows.md) the 8B's
+# 8 x 512 fp8 tile takes 6.69 instructions a weight element at 2 rows and 11.28 at 4, bf16's 2 x 1024 tile 9.5 and
+# 15.62, int8's 8 x 512 2.0 and 3.44: what an SM can issue at the H200's HBM speed is ~7 an element for 8-bit
+# weights, ~14 for 16-bit, so the form pays at few rows (the table takes it at M = 2).
 # Explicit accumulators, not one [ROWS, BLOCK_N, BLOCK_K] tensor: with the 3D form Triton converted the weights
 # once a row and moved the tile through shared memory (its sm_90 SASS: 2x-4x the instructions an element).
 @triton.jit(do_not_specialize=["M"])
@@ -595,8 +596,10 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(1, _F8, 0.0, 0, _C(1, 16, 1024, DOT=False, num_warps=8, num_stages=1, UNROLL=True)),  # o 6.5 / 7.5
     # M = 2, Llama-3-8B's shapes (N >= 4096): the unrolled GEMV, a row a program, or over both rows for qkv, from the
     # sweep of it on an H100 (results/gemm_sweep_separated_rows_int8_h100.md, µs ours / the M <= 16 row below) and the
-    # 8B int8 step at batch 2 (results/gemm_step_ab_rows_int8_h100.md: 3628.3-3672.2 µs against 3685.5-3696.6 in four
-    # alternating runs; at batch 3 and 4 the same rows on 2 and 4 rows were as fast as the dot tiles, at 8 slower).
+    # 8B int8 step at batch 2 (results/gemm_step_ab_rows{,_r1}_int8_h100.md, four alternating runs: 3628.3-3672.2 µs
+    # against 3685.5-3696.6; qkv on a row a program too: 3660.2 / 3667.3). At batch 3 and 4 the sweep's picks on 2 and
+    # 4 rows a program were no faster in the step than the dot tiles; at 8 the GEMV over 8 rows was 26% slower
+    # (results/gemm_step_ab_rows_first_int8_h100.md).
     _R(2, _I8, 2.0, 4096, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 22.2 / 23.8
     _R(2, _I8, 0.0, 16384, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 40.4 / 42.5
     _R(2, _I8, 0.0, 6144, _C(2, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 10.5 / 11.7
@@ -614,9 +617,10 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # 5.1 / 6.7; o 10.7 / 13.5, 4.1 / 6.1; gate-up 55.3 / 62.3, 17.5 / 18.6; lm_head 231.3 / 252.4, 117.9 / 129.4
     # M = 2, bf16 / fp16, Llama-3-8B's shapes (N >= 4096), as int8's above: µs ours / the M <= 16 row (cuBLAS for qkv)
     # in the H100 sweep (results/gemm_sweep_separated_rows_bf16_h100.md); the 8B step at batch 2 5777.8 / 5780.5 µs
-    # against 5930.9 / 5891.1 (results/gemm_step_ab_rows_bf16_h100.md). On the 1B's shapes the same rows made its
-    # batch-2 step slower (1258.0 / 1281.2 against 1252.9 / 1254.3), hence N >= 4096; gate-up stays on cuBLAS (78.3
-    # against 78.5), the lm_head on the M <= 16 dot tile.
+    # against 5930.9 / 5891.1 (results/gemm_step_ab_rows_bf16_h100.md; this table against the one before on another
+    # machine: 5850.2 against 5929.6, gemm_step_ab_rows_bf16_final_h100.md). On the 1B's shapes the same rows made its
+    # batch-2 step slower (1258.0 / 1281.2 against 1252.9 / 1254.3, gemm_step_ab_rows_bf16_1b_h100.md), hence
+    # N >= 4096; gate-up stays on cuBLAS (78.3 against 78.5), the lm_head on the M <= 16 dot tile.
     _R(2, _F16, 2.0, 4096, _C(1, 4, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 41.7 / 42.3
     _R(2, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head, the M <= 16 row's tile
     _R(2, _F16, 0.0, 16384, None),  # gate-up

@@ -651,6 +651,14 @@ def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
     # the quantizing form (--quant: a bf16 row quantized as loaded): no dp4a, and more instructions than either
     quant = gi.count(gi.compile_sass(torch.int8, 8, 512, 4, 1024, True, quant_a=True))
     assert "IDP.4A.S8.S8" not in quant and sum(quant.values()) > sum(counts[torch.int8, False].values())
-    with pytest.raises(SystemExit) as e:
-        gi.main(["--k", "1000"])
-    assert e.value.code == 2
+    # over 2 rows a program: each weight tile converted once, so fp8's two rows take fewer than twice one row's
+    # conversions; int8 still sums with dp4a, two rows' worth
+    two = {d: gi.count(gi.read_cubin(gi.compile_rows_cubin(d, 2, 8, 512, 4, 1024), "-sass"))
+           for d in (torch.int8, torch.float8_e4m3fn)}
+    assert two[torch.int8]["IDP.4A.S8.S8"] == 2 * elements // 4
+    assert two[torch.float8_e4m3fn]["FFMA"] == 2 * elements
+    assert two[torch.float8_e4m3fn]["F2FP.F16.E4M3.UNPACK_B"] < 2 * fp8["F2FP.F16.E4M3.UNPACK_B"]
+    for argv in (["--k", "1000"], ["--rows", "3"]):
+        with pytest.raises(SystemExit) as e:
+            gi.main(argv)
+        assert e.value.code == 2
