@@ -922,8 +922,9 @@ def small_m_quant_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tenso
     if x.dtype not in _FLOAT_DTYPES + (torch.float32,) or w.dtype not in _SCALED_DTYPES:
         raise TypeError(f"small_m_quant_scaled_mm: x must be bf16, fp16 or fp32 and w int8 or float8_e4m3fn; got "
                         f"{x.dtype} and {w.dtype}")
-    if not config.UNROLL:
-        raise ValueError(f"small_m_quant_scaled_mm: the quantizing form is the unrolled GEMV's (UNROLL); got {config}")
+    if not config.UNROLL or config.BLOCK_M != 1:
+        raise ValueError(f"small_m_quant_scaled_mm: the quantizing form is the unrolled GEMV's on a row a program "
+                         f"(UNROLL, BLOCK_M=1); got {config}")
     if scale.dtype != torch.float32 or scale.numel() != 1 or w_scale.dtype != torch.float32:
         raise ValueError(f"small_m_quant_scaled_mm: scale must be one fp32 element and w_scale fp32; got "
                          f"{scale.dtype} {list(scale.shape)} and {w_scale.dtype}")
@@ -956,6 +957,8 @@ def gated_config(config: SmallMConfig, dtype: torch.dtype) -> SmallMConfig:
     takes: ``_dp4a_tile``). fp8's GEMV keeps its warps (no dp4a): with half of them a thread held twice the
     elements, 128 registers against 72 (``benchmarks.gemv_instructions --gated``), and the gated GEMV ran 11%
     slower than the plain one and the activation kernel (``results/gated_gemm_fp8_static.md``, M = 1)."""
+    if config.UNROLL and config.BLOCK_M != 1:
+        raise ValueError(f"the gated form's unrolled GEMV takes a row of a a program (BLOCK_M=1); got {config}")
     c = dataclasses.replace(config, SPLIT_K=1, SERIAL=False, BLOCK_N=max(config.BLOCK_N, 2))
     halve = c.UNROLL and c.num_warps > 1 and dtype == torch.int8
     return dataclasses.replace(c, num_warps=c.num_warps // 2) if halve else c

@@ -51,4 +51,6 @@ def test_gated_mm_names_a_bad_weight():
         small_m_gated_mm(a, torch.randn(95, 64).bfloat16(), CONFIGS[0])
     with pytest.raises(TypeError, match="small_m_gated_mm: a and w"):
         small_m_gated_mm(a.float(), torch.randn(96, 64), CONFIGS[0])
+    with pytest.raises(ValueError, match=r"gated form's unrolled GEMV takes a row of a a program \(BLOCK_M=1\)"):
+        small_m_gated_mm(a, torch.randn(96, 64).bfloat16(), SmallMConfig(2, 8, 64, DOT=False, UNROLL=True))
 

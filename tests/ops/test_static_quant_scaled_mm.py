@@ -92,6 +92,9 @@ def test_gemv_form_refuses_a_tile_config():
     x, w, scale, w_scale = operands(1, 64, 48, FP8)
     with pytest.raises(ValueError, match="unrolled GEMV"):
         small_m_quant_scaled_mm(x, w, scale, w_scale, torch.bfloat16, None, SmallMConfig(16, 32, 64))
+    with pytest.raises(ValueError, match=r"a row a program \(UNROLL, BLOCK_M=1\); got SmallMConfig\(BLOCK_M=2"):
+        small_m_quant_scaled_mm(x, w, scale, w_scale, torch.bfloat16, None,
+                                SmallMConfig(2, 8, 64, DOT=False, num_stages=1, UNROLL=True))
 
 
 @pytest.mark.cuda
