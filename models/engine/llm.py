@@ -41,6 +41,7 @@ from dispatcher import (
     set_compilation_config,
 )
 from ops.kv_quant import KV_CACHE_DTYPES, cache_dtype
+from ops.triton_utils import cdiv
 
 from ..forward_context import ForwardContext, set_forward_context
 from ..image_processing import load_image_processor, process_images
@@ -51,6 +52,7 @@ from ..parallel.validate import check_size, check_tensor_parallel, device_type
 from ..sampling_params import SamplingParams
 from ..tokenizer import eos_token_ids, load_tokenizer
 from .detokenizer import IncrementalDetokenizer
+from .cache_memory import cache_tokens_for_memory, check_gpu_memory_utilization, profile_memory
 from .engine_loop import EngineLoop
 from .graphs import StepGraphs, check_one_dynamic_size
 from .input_batch import InputBatch
@@ -87,9 +89,9 @@ class LLM:
         max_num_tokens: tokens per step (the largest T the model sees), >= 2.
         max_num_seqs: sequences per step (default ``min(64, max_num_tokens)``).
         num_cache_tokens: the KV cache's token budget, shared by all sequences
-            (default: ``max(8192, max_num_tokens)``): blocks are taken as tokens need them, and when none is
-            left the most recently admitted sequences are preempted and computed again later
-            (:mod:`.scheduler`). One sequence's ``prompt + max_tokens`` must fit it whole.
+            (default: ``max(8192, max_num_tokens)``, or what ``gpu_memory_utilization`` leaves): blocks are taken
+            as tokens need them, and when none is left the most recently admitted sequences are preempted and
+            computed again later (:mod:`.scheduler`). One sequence's ``prompt + max_tokens`` must fit it whole.
         block_size: tokens per cache block.
         dtype, device: for loading ``model`` by name and for the cache (default: the model's).
         compilation_config: base config (default: the current one); ``level`` overrides its level.
@@ -124,6 +126,10 @@ class LLM:
             between two tokens can turn (``benchmarks/results/prefix_caching*_h200.md``). False: every prompt
             is computed whole. ``RequestOutput.num_cached_tokens`` and ``stats.num_cached_tokens`` say how many
             prompt tokens came from it.
+        gpu_memory_utilization: size the KV cache from the GPU's memory instead of ``num_cache_tokens`` (vLLM's
+            knob): the share of the device's total memory, in (0, 1], that this process may take, weights,
+            activations, CUDA graphs and the cache together; the cache gets what the warm-up's measured needs
+            leave (:mod:`.cache_memory` says how). CUDA, one rank; ``llm.kv_cache.num_blocks`` says what it got.
     """
 
     def __init__(self, model: str | nn.Module | Callable[[], nn.Module], level: int | str | None = None,
@@ -133,15 +139,9 @@ class LLM:
                  compilation_config: CompilationConfig | None = None, chunked_prefill: bool = True,
                  async_scheduling: bool | None = None, tokenizer: str | Any | None = None,
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                 enable_prefix_caching: bool = True) -> None:
-        if max_num_tokens < 2:
-            raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"LLM: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
-                             f"{kv_cache_dtype!r}")
-        max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
-        if not 1 <= max_num_seqs <= max_num_tokens:
-            raise ValueError(f"LLM: max_num_seqs must be in [1, max_num_tokens={max_num_tokens}]; got {max_num_seqs}")
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float | None = None) -> None:
+        max_num_seqs = self._check_sizes(max_num_tokens, max_num_seqs, num_cache_tokens, block_size, kv_cache_dtype)
+        check_gpu_memory_utilization(gpu_memory_utilization, num_cache_tokens, tensor_parallel_size, device)
         config = (compilation_config or get_compilation_config()).copy()
         if level is not None:
             if isinstance(model, nn.Module):
@@ -174,11 +174,7 @@ class LLM:
         self.layers = attention_layers(self.model)
         graph_config = compiled[0].compilation_config if compiled else config
         self.kv_cache_dtype = cache_dtype(kv_cache_dtype, self.dtype, getattr(self.model, "fp8_kv_cache", False))
-        self.kv_cache = KVCache(self.layers, num_cache_tokens or max(8192, max_num_tokens), block_size,
-                                dtype=self.kv_cache_dtype, device=self.device,
-                                pad_block=StepGraphs.captures(self.device, self.level, graph_config),
-                                prefix_caching=bool(enable_prefix_caching))
-        self.max_blocks_per_seq = self.kv_cache.blocks_for(self.max_model_len)
+        self.max_blocks_per_seq = cdiv(self.max_model_len, block_size)
         self.input_batch = InputBatch(max_num_tokens, max_num_seqs, self.max_blocks_per_seq, block_size, self.device)
         # The persistent buffers under the runner's names (never rebound: each step's inputs are views of them).
         inputs = self.input_batch
@@ -186,20 +182,22 @@ class LLM:
         self.query_start_loc, self.seq_lens = inputs.query_start_loc, inputs.seq_lens
         self.block_table = inputs.block_table
         self.graphs = StepGraphs(inputs, max_num_tokens, max_num_seqs)
-        self.scheduler = Scheduler(self.kv_cache, max_num_tokens, max_num_seqs, chunked_prefill, self.device,
-                                   self.device.type == "cuda" if async_scheduling is None else async_scheduling,
-                                   on_grow=self.input_batch.note_grown)  # a new block: its block-table row
-        # The engine calls the step through a weak reference: a bound method would make a cycle (LLM -> engine
-        # -> LLM), and `del llm` would free the model and its KV cache only at the next garbage collection.
-        self._engine = EngineLoop(self.scheduler, self.startup.first_token(_weak_method(self._execute)),
-                                  self.input_batch.forget_table)
+        cache_args = dict(block_size=block_size, pad_block=StepGraphs.captures(self.device, self.level, graph_config),
+                          prefix_caching=bool(enable_prefix_caching), chunked_prefill=chunked_prefill,
+                          async_scheduling=async_scheduling)
+        if gpu_memory_utilization is None:
+            self._build_cache(num_cache_tokens or max(8192, max_num_tokens), **cache_args)
         self._setup_text(model, tokenizer)
         if self._tp is not None:
             self._tp.attach(self.input_batch)
-        with self._tp_guard("warm-up"):
+        with self._tp_guard("warm-up"), self._memory_profile(gpu_memory_utilization) as profile:
             self.compile_time_s = self._warm_up()
         logger.info("LLM: %s at level %s, warm-up (trace + compile) %.2fs", type(self.model).__name__,
                     self.level.name, self.compile_time_s)
+        if gpu_memory_utilization is not None:  # the cache from what the warm-up left (cache_memory)
+            self._build_cache(cache_tokens_for_memory(
+                gpu_memory_utilization, profile, self.layers, self.kv_cache_dtype, block_size, max_num_seqs,
+                self.vocab_size, max(max_num_tokens, block_size), self.device), **cache_args)
         check_one_dynamic_size(compiled)
         with self._tp_guard("CUDA-graph capture"):
             self.capture_time_s = self.graphs.setup(self.model, self.layers, self.kv_cache, self.level, graph_config)
@@ -228,6 +226,46 @@ class LLM:
     def _tp_guard(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Around what every rank runs together: a failure ends the group and names the failing rank."""
         return self._tp.guard(what) if self._tp is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _check_sizes(max_num_tokens: int, max_num_seqs: int | None, num_cache_tokens: int | None, block_size: int,
+                     kv_cache_dtype: str) -> int:
+        """The size arguments' contract, before anything is built; ``max_num_seqs`` with its default."""
+        if max_num_tokens < 2:
+            raise ValueError(f"LLM: max_num_tokens must be >= 2 (the warm-up trace needs T >= 2); got {max_num_tokens}")
+        if block_size < 1 or (num_cache_tokens is not None and num_cache_tokens < 1):
+            raise ValueError(f"LLM: block_size and num_cache_tokens must be >= 1; got {block_size} and "
+                             f"{num_cache_tokens}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"LLM: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                             f"{kv_cache_dtype!r}")
+        max_num_seqs = min(64, max_num_tokens) if max_num_seqs is None else max_num_seqs
+        if not 1 <= max_num_seqs <= max_num_tokens:
+            raise ValueError(f"LLM: max_num_seqs must be in [1, max_num_tokens={max_num_tokens}]; got {max_num_seqs}")
+        return max_num_seqs
+
+    def _build_cache(self, num_cache_tokens: int, block_size: int, pad_block: bool, prefix_caching: bool,
+                     chunked_prefill: bool, async_scheduling: bool | None) -> None:
+        """The KV cache, its scheduler and the engine loop that runs the scheduler's steps."""
+        self.kv_cache = KVCache(self.layers, num_cache_tokens, block_size, dtype=self.kv_cache_dtype,
+                                device=self.device, pad_block=pad_block, prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, self.max_num_tokens, self.max_num_seqs, chunked_prefill,
+                                   self.device,
+                                   self.device.type == "cuda" if async_scheduling is None else async_scheduling,
+                                   on_grow=self.input_batch.note_grown)  # a new block: its block-table row
+        # The engine calls the step through a weak reference: a bound method would make a cycle (LLM -> engine
+        # -> LLM), and `del llm` would free the model and its KV cache only at the next garbage collection.
+        self._engine = EngineLoop(self.scheduler, self.startup.first_token(_weak_method(self._execute)),
+                                  self.input_batch.forget_table)
+
+    def _memory_profile(self, gpu_memory_utilization: float | None) -> contextlib.AbstractContextManager:
+        """The warm-up's memory profile where the cache is sized from the GPU's memory, else nothing."""
+        if gpu_memory_utilization is None:
+            return contextlib.nullcontext()
+        if self.device.type != "cuda":
+            raise ValueError(f"LLM: gpu_memory_utilization sizes the KV cache from a CUDA device's memory; the model "
+                             f"is on {self.device}: pass num_cache_tokens instead")
+        return profile_memory(self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave their group; the LLM cannot run after it.

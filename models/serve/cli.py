@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default min(64, max-num-tokens))")
     p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per step (default 512)")
     p.add_argument("--num-cache-tokens", type=int, default=None, help="KV cache tokens (default max(8192, max-num-tokens))")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="size the KV cache from the GPU's memory instead: the share in (0, 1] of it this process may "
+                        "take (vLLM's flag; e.g. 0.9)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -70,7 +73,7 @@ def _load(args: argparse.Namespace) -> object:
     llm = LLM(args.model, level=args.level, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
               num_cache_tokens=args.num_cache_tokens, dtype=args.dtype, device=device,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer (tokenizer.json / tokenizer_config.json): the API is text")
     return llm
