@@ -10,7 +10,7 @@ A variant is ``NAME=RULES``: rules ``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` separa
 table as it is). Each rule goes before the table's first rule of its dtype with a ``max_m`` at least its own, so it
 takes that M range over and leaves the smaller-M rows in front of it as they are. ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
-``UNROLL``: ``4x8x512,w4,u``) (``64x64x128/2,w4,s5,x``);
+``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. A rule above the public ops' range for its dtype
 (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run
 (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
@@ -36,17 +36,18 @@ from benchmarks.gemm import DTYPES  # the sweep's dtype names, the same in a rul
 from ops import small_m_gemm
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
-_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?$")
+_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?$")
 
 
 def parse_config(text: str) -> SmallMConfig | None:
-    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u]`` -> the config (``,x``: ``SWAP``, the
-    product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV); ValueError naming the text."""
+    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r]`` -> the config (``,x``: ``SWAP``, the
+    product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV; ``,r``: ``SERIAL``, split K summed in the kernel);
+    ValueError naming the text."""
     if text == "cublas":
         return None
     m = _CONFIG.match(text)
     if m is None:
-        raise ValueError(f"a rule's config must be 'cublas' or BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u] "
+        raise ValueError(f"a rule's config must be 'cublas' or BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r] "
                          f"(e.g. 64x64x128/2,w4,s5); got {text!r}")
     options = dict(num_warps=4, num_stages=3)
     for opt in filter(None, m.group(5).split(",")):
@@ -55,7 +56,7 @@ def parse_config(text: str) -> SmallMConfig | None:
     if form == ",u":  # the unrolled GEMV: no tl.dot, no pipeline stages
         options.update(DOT=False, UNROLL=True, num_stages=1)
     return SmallMConfig(int(m.group(1)), int(m.group(2)), int(m.group(3)), SPLIT_K=int(m.group(4) or 1),
-                        SWAP=form == ",x", **options)
+                        SWAP=form == ",x", SERIAL=m.group(7) is not None, **options)
 
 
 def parse_rule(text: str) -> SmallMRule:

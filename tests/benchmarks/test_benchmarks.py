@@ -563,6 +563,7 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
     assert ab.parse_config("64x64x128/2,s5") == SmallMConfig(64, 64, 128, SPLIT_K=2, num_warps=4, num_stages=5)
     assert ab.parse_config("32x64x128,w4,s6,x") == SmallMConfig(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)
     assert ab.parse_config("4x8x512,w4,u") == SmallMConfig(4, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
+    assert ab.parse_config("16x32x256/2,w4,s4,r") == SmallMConfig(16, 32, 256, SPLIT_K=2, num_stages=4, SERIAL=True)
     assert ab.parse_variant("table=") == ("table", [])
     # The rule takes over M in (16, 32] for int8 gate-up (N >= 16384); M <= 16 keeps the table's row.
     at_16 = small_m_config(16, 28672, 4096, torch.int8)
