@@ -46,6 +46,21 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def _compile_sm90(kernel: Any, sig: dict[str, str], consts: dict[str, Any], num_warps: int,
+                  divisible: tuple[str, ...] = _DIVISIBLE) -> bytes:
+    """``kernel`` compiled for Hopper (sm_90) on this machine, its ``divisible`` arguments (those it has) specialized
+    as 16-divisible, as a launch on the 8B's shapes specializes them; the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible
+             if name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
+    return compiled.asm["cubin"]
+
+
 def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int, k: int, bytes_form: bool,
                   gated: bool = False, quant_a: bool = False) -> bytes:
     """The GEMV kernel compiled for sm_90 for one tile, per-tensor scales, no bias, every load unmasked (EVEN).
@@ -53,10 +68,7 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     up rows a program, as the op launches the gated config of a ``2 x block_n``-row tile; bf16 operands without the
     per-tile amax (``ops.gated_linear``'s launch: ``amax_ptr`` None). ``quant_a`` (8-bit weights): the quantizing
     form (``ops.static_quant_scaled_mm``'s: a bf16 ``a`` quantized as loaded, QUANT_A)."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ops import small_m_gemm
 
@@ -74,21 +86,13 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     sig = {name: v.format(t=t) for name, v in _SIG.items()} | {name: "constexpr" for name in consts}
     if quant_a:
         sig["a_ptr"] = "*bf16"
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, enable_fp_fusion=False))
-    return compiled.asm["cubin"]
+    return _compile_sm90(kernel, sig, consts, num_warps)
 
 
 def compile_rows_cubin(dtype: torch.dtype, rows: int, block_n: int, block_k: int, num_warps: int, k: int) -> bytes:
     """The GEMV over ``rows`` rows of a a program (``ops.small_m_gemm``'s ``_small_m_gemv_rows_kernel``, as the
     launcher runs a ``SmallMConfig(rows, ...)``: int8 with dp4a and a read in w's layout, fp8 and bf16 an fma a
     product with a's rows broadcast) compiled for sm_90: per-tensor scales, no bias, every load unmasked."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ops import small_m_gemm
 
     kernel = small_m_gemm._small_m_gemv_rows_kernel
@@ -100,10 +104,7 @@ def compile_rows_cubin(dtype: torch.dtype, rows: int, block_n: int, block_k: int
                   BYTES=int8, DP4A=int8 and small_m_gemm._dp4a_tile(tile))
     sig = {name: v.format(t=_TRITON_TYPES[dtype]) for name, v in _SIG.items() if name != "amax_ptr"} \
         | {name: "constexpr" for name in consts}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in _DIVISIBLE}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
-    return compiled.asm["cubin"]
+    return _compile_sm90(kernel, sig, consts, num_warps)
 
 
 def read_cubin(cubin: bytes, flag: str) -> str:
@@ -131,10 +132,6 @@ def registers(cubin: bytes) -> int:
 def compile_rope_cubin(block_n: int, block_k: int, num_warps: int, k: int, head_size: int = 128) -> bytes:
     """``ops.rope_linear``'s fused GEMV (QKV + rotary in the epilogue) compiled for sm_90 as it launches a
     ``block_n``-row bf16 tile: ``block_n / 2`` column pairs a program, every load unmasked."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     import importlib
 
     kernel = importlib.import_module("ops.rope_linear")._rope_gemv_kernel  # the module: ops.rope_linear is the op
@@ -142,12 +139,7 @@ def compile_rope_cubin(block_n: int, block_k: int, num_warps: int, k: int, head_
     sig = {name: {"pos_ptr": "*i64", "cs_ptr": "*bf16", "rot_cols": "i32", "stride_cs": "i32"}.get(name)
            or _SIG[name].format(t="bf16") for name in kernel.arg_names if name not in consts} \
         | {name: "constexpr" for name in consts}
-    divisible = [*_DIVISIBLE, "cs_ptr", "pos_ptr", "stride_cs"]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible
-             if name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
-    return compiled.asm["cubin"]
+    return _compile_sm90(kernel, sig, consts, num_warps, (*_DIVISIBLE, "cs_ptr", "pos_ptr", "stride_cs"))
 
 
 def count(sass: str) -> collections.Counter:

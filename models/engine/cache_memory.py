@@ -72,7 +72,11 @@ class MemoryProfile:
 
 @contextlib.contextmanager
 def profile_memory(device: torch.device) -> Iterator[MemoryProfile]:
-    """Measure the peak of torch's allocator on ``device`` over the ``with`` block (the warm-up)."""
+    """Measure the peak of torch's allocator on ``device`` over the ``with`` block (the warm-up); ValueError for a
+    device that is not CUDA (a model built on the CPU although CUDA is here)."""
+    if device.type != "cuda":
+        raise ValueError(f"LLM: gpu_memory_utilization sizes the KV cache from a CUDA device's memory; the model is "
+                         f"on {device}: pass num_cache_tokens instead")
     torch.cuda.synchronize(device)
     profile = MemoryProfile(allocated_before=torch.cuda.memory_allocated(device))
     torch.cuda.reset_peak_memory_stats(device)

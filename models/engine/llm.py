@@ -260,12 +260,7 @@ class LLM:
 
     def _memory_profile(self, gpu_memory_utilization: float | None) -> contextlib.AbstractContextManager:
         """The warm-up's memory profile where the cache is sized from the GPU's memory, else nothing."""
-        if gpu_memory_utilization is None:
-            return contextlib.nullcontext()
-        if self.device.type != "cuda":
-            raise ValueError(f"LLM: gpu_memory_utilization sizes the KV cache from a CUDA device's memory; the model "
-                             f"is on {self.device}: pass num_cache_tokens instead")
-        return profile_memory(self.device)
+        return contextlib.nullcontext() if gpu_memory_utilization is None else profile_memory(self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave their group; the LLM cannot run after it.
