@@ -11,7 +11,9 @@ table as it is). Each rule goes before the table's first rule of its dtype with 
 takes that M range over and leaves the smaller-M rows in front of it as they are. ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
-``SmallMRule``'s docstring says what the other fields match. A rule above the public ops' range for its dtype
+``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
+config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch). A
+rule above the public ops' range for its dtype
 (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run
 (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
 
@@ -22,6 +24,7 @@ Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -74,12 +77,28 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
+_OVERRIDE = re.compile(r"^prefetch=(\d+)$")
+
+
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
-    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is)."""
+    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N`` items are
+    not rules (:func:`variant_prefetch`)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
-    return name, [parse_rule(r) for r in rules.split(";") if r]
+    return name, [parse_rule(r) for r in rules.split(";") if r and not _OVERRIDE.match(r)]
+
+
+def variant_prefetch(text: str) -> int | None:
+    """The variant's ``prefetch=N`` (the last one given), or None: the table's own ``PREFETCH``."""
+    found = [int(m.group(1)) for m in map(_OVERRIDE.match, text.partition("=")[2].split(";")) if m]
+    return found[-1] if found else None
+
+
+def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int) -> tuple[SmallMRule, ...]:
+    """``table`` with ``PREFETCH = prefetch`` in every config (cuBLAS rows as they are)."""
+    return tuple(dataclasses.replace(r, config=r.config and dataclasses.replace(r.config, PREFETCH=prefetch))
+                 for r in table)
 
 
 def patched_table(rules: list[SmallMRule],
@@ -113,7 +132,14 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     from benchmarks import decode
 
     _, rules = parse_variant(variant)
-    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", patched_table(rules)), \
+    table, gated = patched_table(rules), dict(small_m_gemm.GATED_ROWS)
+    prefetch = variant_prefetch(variant)
+    if prefetch is not None:
+        table = with_prefetch(table, prefetch)
+        gated = {dtype: tuple((m, c and dataclasses.replace(c, PREFETCH=prefetch)) for m, c in rows)
+                 for dtype, rows in gated.items()}
+    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
+            mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
             mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
         rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,
                                         ["level 3"], iters, None)

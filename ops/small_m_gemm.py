@@ -83,6 +83,17 @@ _REDUCE_BLOCK = 1024
 _LINE_BYTES = 128
 
 
+@triton.jit
+def _prefetch_rows(w_ptr, rows, last_row, stride_wn, k0, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """An L2 prefetch of each 128-byte line of weight ``rows`` from column ``k0`` on, ``LINES`` lines (of ``LINE``
+    elements) a row; addresses clamped to valid ones (row ``last_row``, column ``K - 1``). Issued before a PDL
+    launch's wait: the weights do not depend on the kernel before, so their read starts while it runs."""
+    pf_k = tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)
+    pf = w_ptr + tl.minimum(rows, last_row)[:, None] * stride_wn + pf_k[None, :]  # one address a line
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 # M unspecialized: one compile a config serves every M (Triton would compile apart for M == 1, M % 16 == 0 and the
 # rest: three compiles, at capture time, for decode's batch sizes 1-16); M only enters masks and the program split.
 @triton.jit(do_not_specialize=["M"])
@@ -113,10 +124,7 @@ def _small_m_gemm_kernel(
     n_ok = offs_n < (N // 2 if GATED else N)
     if PDL:  # launched early (ops.triton_utils.pdl_launch)
         if PF_LINES > 0:  # the weights do not depend on the kernel before: start their read into L2 while it runs
-            pf_k = tl.minimum(pid_k * K_SPLIT + tl.arange(0, PF_LINES) * LINE, K - 1)  # clamped: valid addresses
-            pf = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :]  # one address a 128 B line
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, pid_k * K_SPLIT, K, PF_LINES, LINE)
         tl.extra.cuda.gdc_wait()  # then wait for the kernel before, and let the next launch
         tl.extra.cuda.gdc_launch_dependents()
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
@@ -265,7 +273,7 @@ def _small_m_gemv_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
-    H: tl.constexpr, QUANT_A: tl.constexpr = False,
+    H: tl.constexpr, QUANT_A: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 128,
 ):
     # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
     # QUANT_A (8-bit w): a is in a float dtype, quantized to w's dtype as loaded with the static per-tensor scale
@@ -279,6 +287,12 @@ def _small_m_gemv_kernel(
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < (N // 2 if GATED else N)
     if PDL:
+        if PF_LINES > 0:  # as _small_m_gemm_kernel's: the first PF_LINES lines of each weight row, into L2
+            if GATED:
+                _prefetch_rows(w_ptr, offs_n, N // 2 - 1, stride_wn, 0, K, PF_LINES, LINE)
+                _prefetch_rows(w_ptr, offs_n + N // 2, N - 1, stride_wn, 0, K, PF_LINES, LINE)
+            else:
+                _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, 0, K, PF_LINES, LINE)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_type = tl.int32 if INTEGER else tl.float32
@@ -343,7 +357,8 @@ def _small_m_gemv_rows_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, PF_LINES: tl.constexpr = 0,
+    LINE: tl.constexpr = 128,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, ROWS)
@@ -354,6 +369,8 @@ def _small_m_gemv_rows_kernel(
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < N
     if PDL:
+        if PF_LINES > 0:
+            _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, 0, K, PF_LINES, LINE)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32 if INTEGER else tl.float32)
@@ -833,7 +850,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
         **pdl_args(pdl),
     )
-    line = max(1, _LINE_BYTES // a.element_size())  # elements a 128-byte line
+    line = max(1, _LINE_BYTES // w.element_size())  # weight elements a 128-byte line
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
@@ -844,7 +861,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         _small_m_gemv_rows_kernel[(cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, ROWS=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.dtype == torch.int8,
-            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), PF_LINES=pf_lines, LINE=line, num_warps=c.num_warps,
+            enable_fp_fusion=False, **flags,
         )
         return out
     if c.UNROLL:
@@ -853,7 +871,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
             DP4A=not quant_a and _dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
-            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, **flags,
+            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, PF_LINES=pf_lines, LINE=line, **flags,
         )
         return out
     assert not quant_a, "a float a with 8-bit weights: the unrolled GEMV's form only"

@@ -576,6 +576,23 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
         assert small_m_config(32, 4096, 4096, torch.int8, max_m=128) != rules[0].config  # o_proj: N too small
 
 
+def test_gemm_step_ab_prefetch_item_sets_every_configs_prefetch():
+    """``prefetch=N`` in a variant is no rule: it sets ``PREFETCH`` in every config of the patched table (cuBLAS rows
+    stay None), which the step's GEMMs then read; without it the table keeps its own."""
+    from benchmarks import gemm_step_ab as ab
+    from ops.small_m_gemm import SMALL_M_TABLE
+
+    text = "pf0=int8:32:0:16384:32x64x128,w4,s4;prefetch=0"
+    name, rules = ab.parse_variant(text)
+    assert name == "pf0" and len(rules) == 1 and ab.variant_prefetch(text) == 0
+    assert ab.variant_prefetch("base=") is None and ab.variant_prefetch("pf=prefetch=2;prefetch=8") == 8
+    table = ab.with_prefetch(ab.patched_table(rules), 0)
+    assert len(table) == len(SMALL_M_TABLE) + 1
+    assert all(r.config is None or r.config.PREFETCH == 0 for r in table)
+    assert [r.config is None for r in table] == [r.config is None for r in ab.patched_table(rules)]
+    assert any(r.config is not None and r.config.PREFETCH != 0 for r in SMALL_M_TABLE)  # the table's own
+
+
 def test_gemm_step_ab_raises_the_ops_range_to_its_rules():
     """A variant's fp8 rule at M <= 128 runs in the step: the public ops' range for fp8 (16) is raised to it for
     the run, so the op takes the rule's config at M = 64 where it otherwise takes cuBLAS."""
