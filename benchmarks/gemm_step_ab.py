@@ -12,10 +12,11 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
-config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch). A
-rule above the public ops' range for its dtype
-(``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run
-(``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
+config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch);
+``inductor_pdl=1`` runs the variant with Inductor's kernels launched with programmatic dependent launch
+(``TORCHINDUCTOR_ENABLE_PDL``). A rule above the public ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``; fp8
+and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8
+row at M <= 128 is timed against cuBLAS inside the step.
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -77,7 +79,7 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
-_OVERRIDE = re.compile(r"^prefetch=(\d+)$")
+_OVERRIDE = re.compile(r"^(prefetch|inductor_pdl)=(\d+)$")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
@@ -89,9 +91,10 @@ def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
     return name, [parse_rule(r) for r in rules.split(";") if r and not _OVERRIDE.match(r)]
 
 
-def variant_prefetch(text: str) -> int | None:
-    """The variant's ``prefetch=N`` (the last one given), or None: the table's own ``PREFETCH``."""
-    found = [int(m.group(1)) for m in map(_OVERRIDE.match, text.partition("=")[2].split(";")) if m]
+def variant_option(text: str, name: str) -> int | None:
+    """The variant's ``name=N`` item (``prefetch``, ``inductor_pdl``; the last one given), or None: none given."""
+    items = map(_OVERRIDE.match, text.partition("=")[2].split(";"))
+    found = [int(m.group(2)) for m in items if m and m.group(1) == name]
     return found[-1] if found else None
 
 
@@ -133,7 +136,7 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
 
     _, rules = parse_variant(variant)
     table, gated = patched_table(rules), dict(small_m_gemm.GATED_ROWS)
-    prefetch = variant_prefetch(variant)
+    prefetch = variant_option(variant, "prefetch")
     if prefetch is not None:
         table = with_prefetch(table, prefetch)
         gated = {dtype: tuple((m, c and dataclasses.replace(c, PREFETCH=prefetch)) for m, c in rows)
@@ -150,7 +153,11 @@ def run_variant(variant: str, model: str, batches: list[int], context: int, iter
     """One variant's step times, from a fresh process."""
     cmd = [sys.executable, "-m", "benchmarks.gemm_step_ab", "--child", variant, "--model", model,
            "--batches", ",".join(map(str, batches)), "--context", str(context), "--iters", str(iters)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    pdl = variant_option(variant, "inductor_pdl")
+    if pdl is not None:  # Inductor's own kernels launched with PDL (read when Inductor's config is imported)
+        env["TORCHINDUCTOR_ENABLE_PDL"] = str(pdl)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"gemm_step_ab: the run of variant {variant!r} failed (exit {done.returncode}): "

@@ -584,8 +584,10 @@ def test_gemm_step_ab_prefetch_item_sets_every_configs_prefetch():
 
     text = "pf0=int8:32:0:16384:32x64x128,w4,s4;prefetch=0"
     name, rules = ab.parse_variant(text)
-    assert name == "pf0" and len(rules) == 1 and ab.variant_prefetch(text) == 0
-    assert ab.variant_prefetch("base=") is None and ab.variant_prefetch("pf=prefetch=2;prefetch=8") == 8
+    assert name == "pf0" and len(rules) == 1 and ab.variant_option(text, "prefetch") == 0
+    assert ab.variant_option("base=", "prefetch") is None
+    assert ab.variant_option("pf=prefetch=2;inductor_pdl=1;prefetch=8", "prefetch") == 8
+    assert ab.variant_option("pf=prefetch=2;inductor_pdl=1", "inductor_pdl") == 1
     table = ab.with_prefetch(ab.patched_table(rules), 0)
     assert len(table) == len(SMALL_M_TABLE) + 1
     assert all(r.config is None or r.config.PREFETCH == 0 for r in table)
