@@ -158,7 +158,10 @@ def test_pdl_forms_prefetch_their_weights_before_the_wait_and_load_nothing(form)
     """``SmallMConfig.PREFETCH`` with PDL: each form issues its L2 prefetches of the weights (which do not depend on
     the kernel before) ahead of ``griddepcontrol.wait``, and no global load there (a, the scales and the weights are
     read after it); without ``PF_LINES`` no prefetch at all."""
-    types, consts = _bf16_gated() if form == "gated-gemv" else (_types(False, "*bf16"), _flags(False, False, None, True))
+    if form == "gated-gemv":
+        types, consts = _bf16_gated()
+    else:
+        types, consts = _types(False, "*bf16"), _flags(False, False, None, True)
     fn = gemm_mod._small_m_gemv_kernel
     if form == "rows-gemv":
         fn, consts = gemm_mod._small_m_gemv_rows_kernel, {k: v for k, v in consts.items() if k not in ("GATED", "H")}
