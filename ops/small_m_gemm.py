@@ -49,7 +49,8 @@ import torch
 from dispatcher import envs
 
 from .quant_fp8 import quantize_by_scale
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, \
+    prefetch_l2, tl, triton
 
 __all__ = [
     "SmallMConfig",
@@ -89,9 +90,7 @@ def _prefetch_rows(w_ptr, rows, last_row, stride_wn, k0, K, LINES: tl.constexpr,
     elements) a row; addresses clamped to valid ones (row ``last_row``, column ``K - 1``). Issued before a PDL
     launch's wait: the weights do not depend on the kernel before, so their read starts while it runs."""
     pf_k = tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)
-    pf = w_ptr + tl.minimum(rows, last_row)[:, None] * stride_wn + pf_k[None, :]  # one address a line
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    prefetch_l2(w_ptr + tl.minimum(rows, last_row)[:, None] * stride_wn + pf_k[None, :])  # one address a line
 
 
 # M unspecialized: one compile a config serves every M (Triton would compile apart for M == 1, M % 16 == 0 and the
