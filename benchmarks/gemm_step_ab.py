@@ -13,7 +13,6 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
 config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch);
-``attn_prefetch=N`` sets ``DecodeConfig.prefetch`` in every row of the decode attention's tables;
 ``inductor_pdl=1`` runs the variant with Inductor's kernels launched with programmatic dependent launch
 (``TORCHINDUCTOR_ENABLE_PDL``). A rule above the public ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``; fp8
 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8
@@ -39,7 +38,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.gemm import DTYPES  # the sweep's dtype names, the same in a rule
-from ops import paged_decode_config, small_m_gemm
+from ops import small_m_gemm
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
 _CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?$")
@@ -80,7 +79,7 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
-_OVERRIDE = re.compile(r"^(prefetch|attn_prefetch|inductor_pdl)=(\d+)$")
+_OVERRIDE = re.compile(r"^(prefetch|inductor_pdl)=(\d+)$")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
@@ -93,8 +92,7 @@ def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
 
 
 def variant_option(text: str, name: str) -> int | None:
-    """The variant's ``name=N`` item (``prefetch``, ``attn_prefetch``, ``inductor_pdl``; the last one given), or None:
-    none given."""
+    """The variant's ``name=N`` item (``prefetch``, ``inductor_pdl``; the last one given), or None: none given."""
     items = map(_OVERRIDE.match, text.partition("=")[2].split(";"))
     found = [int(m.group(2)) for m in items if m and m.group(1) == name]
     return found[-1] if found else None
@@ -143,14 +141,9 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
         table = with_prefetch(table, prefetch)
         gated = {dtype: tuple((m, c and dataclasses.replace(c, PREFETCH=prefetch)) for m, c in rows)
                  for dtype, rows in gated.items()}
-    attn = variant_option(variant, "attn_prefetch")
-    decode_tables = {name: tuple(dataclasses.replace(r, config=dataclasses.replace(r.config, prefetch=attn))
-                                 for r in getattr(paged_decode_config, name)) if attn is not None
-                     else getattr(paged_decode_config, name) for name in ("DECODE_TABLE", "DECODE_TABLE_FP8")}
     with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
-            mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)), \
-            mock.patch.multiple(paged_decode_config, **decode_tables):
+            mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
         rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,
                                         ["level 3"], iters, None)
     print(json.dumps([{"batch": r["batch"], "us_per_step": r["us_per_step"]} for r in rows if r["mode"] == "level 3"]))

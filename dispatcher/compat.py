@@ -35,6 +35,7 @@ __all__ = [
     "is_static_input",
     "reset",
     "POST_GRAD_PASS_OPTION",
+    "inductor_pdl_option",
     "custom_graph_pass_class",
     "pattern_matcher_pass",
     "register_replacement",
@@ -231,6 +232,15 @@ def tensor_guards(tensors: list[torch.Tensor], dynamic: list[list[int]]) -> Call
 #: The Inductor option (a config patch) holding the pass run after Inductor's own post-grad passes: a
 #: ``CustomGraphPass`` called with the functionalized, normalized aten graph of each compile.
 POST_GRAD_PASS_OPTION = "post_grad_custom_post_pass"
+
+
+def inductor_pdl_option() -> str | None:
+    """The Inductor option that launches its Triton kernels with programmatic dependent launch on Hopper and
+    newer (``triton.enable_pdl``: each kernel waits for the one before ahead of its first dependent load, and lets
+    the next launch after its loads), or None where this torch has none."""
+    import torch._inductor.config as inductor_config
+
+    return "triton.enable_pdl" if hasattr(inductor_config.triton, "enable_pdl") else None
 
 
 def custom_graph_pass_class() -> type:

@@ -55,8 +55,8 @@ from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_f
     quantize_kv_ref, to_cache
 from .launch_cache import LaunchCache
 from .paged_decode_config import DecodeConfig, decode_config
-from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, pdl_args, pdl_available, \
-    prefetch_l2, tl, triton, use_triton
+from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, pdl_args, pdl_available, tl, triton, \
+    use_triton
 
 __all__ = [
     "write_kv_cache",
@@ -173,8 +173,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False, PF_TOKENS: tl.constexpr = 0,
-    PF_LINES: tl.constexpr = 1, LINE: tl.constexpr = 64,
+    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
@@ -187,19 +186,13 @@ def _decode_split_kernel(
     # An fp8 cache (ops.kv_quant): scale holds k_scale, each split's output is times v_scale, and the new key and
     # value are written times k_inv, v_inv.
     # PDL (DecodePlan.pdl): launched early behind the kernel before (q's rotary, a GEMM): wait for its end before
-    # any load of what it may write (q, the new key and value), then let the kernel after this one (the o
-    # projection) launch in turn. PF_TOKENS (DecodeConfig.prefetch): first, the split's first PF_TOKENS cached keys
-    # and values into L2 (_prefetch_split), which that kernel does not write.
+    # any load, then let the kernel after this one (the o projection) launch in turn.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
-    if PDL:
-        if PF_TOKENS > 0:
-            _prefetch_split(cache_ptr, block_table_ptr + b * stride_bt, seq_lens_ptr + b, kvh, s, num_splits, window,
-                            stride_c_half, stride_c_b, stride_c_s, stride_c_h, PAGE, SPLIT, USE_WINDOW, PF_TOKENS,
-                            PF_LINES, LINE)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b)
     start, p0, end = _split_range(seq_len, s, num_splits, window, PAGE, SPLIT, USE_WINDOW)
     last = seq_len - 1  # the new token's position
@@ -253,26 +246,6 @@ def _split_range(seq_len, s, num_splits, window, PAGE: tl.constexpr, SPLIT: tl.c
         p0 = first_page + s * per_split
         end = tl.minimum((p0 + per_split) * PAGE, seq_len)
     return start, p0, end
-
-
-@triton.jit
-def _prefetch_split(cache_ptr, table_ptr, seq_len_ptr, kvh, s, num_splits, window, stride_c_half, stride_c_b,
-                    stride_c_s, stride_c_h, PAGE: tl.constexpr, SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    TOKENS: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """An L2 prefetch of the keys and values of split s's first ``TOKENS`` positions (head kvh; ``LINES`` lines of
-    ``LINE`` elements a row), ahead of a PDL wait. It reads only what the kernel before does not write: the sequence
-    length and block table (the host's, before the step) and the cache (earlier steps'; the new token's slot may be
-    prefetched stale, harmless: L2 holds the line the writer updates). Positions outside the split's range take
-    the cache's first row (a valid address)."""
-    seq_len = tl.load(seq_len_ptr)
-    start, p0, end = _split_range(seq_len, s, num_splits, window, PAGE, SPLIT, USE_WINDOW)
-    pos = p0 * PAGE + tl.arange(0, TOKENS)
-    ok = (pos < end) & (pos >= start)
-    block = tl.load(table_ptr + pos // PAGE, mask=ok, other=0).to(tl.int64)
-    row = tl.where(ok, block * stride_c_b + (pos % PAGE) * stride_c_s, 0) + kvh * stride_c_h
-    ptrs = cache_ptr + row[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
-    prefetch_l2(ptrs)
-    prefetch_l2(ptrs + stride_c_half)
 
 
 @triton.jit
@@ -568,9 +541,7 @@ class DecodePlan:
         # one of this launch's still waits for.
         self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)
         self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
-                                     MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl),
-                                     **_prefetch_constexprs(cfg.prefetch if self.pdl else 0,
-                                                            self.split_constexprs["BLOCK_N"], head_size, kv_fp8))
+                                     MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl))
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results
@@ -592,15 +563,6 @@ class DecodePlan:
             merge = _bind_merge(self) if self.num_splits > 1 and not self.fused_merge else None
             found = self._launches[key] = (_bind_split(self, *key), merge)
         return found
-
-
-def _prefetch_constexprs(steps: int, block_n: int, head_size: int, kv_fp8: bool) -> dict[str, int]:
-    """The split kernel's ``PF_TOKENS`` (``steps`` loop steps of ``block_n`` tokens; ``DecodeConfig.prefetch`` under
-    PDL, else 0) and its rows' 128-byte lines (``PF_LINES`` of ``LINE`` cache elements, 2-byte or fp8)."""
-    if steps == 0:
-        return {}
-    line = 128 if kv_fp8 else 64
-    return dict(PF_TOKENS=steps * block_n, PF_LINES=next_power_of_2(cdiv(head_size, line)), LINE=line)
 
 
 def _warmup(kernel: object) -> object:

@@ -54,9 +54,6 @@ class DecodeConfig:
             at once): its programs wait for the kernel before them, then let the next one launch. In a decode step
             that hides the launch latency of the attention kernel and of the o projection's GEMV after it
             (``DYNAMO_ONCE_PDL=0`` turns PDL off everywhere).
-        prefetch: with ``pdl``, loop steps (``BLOCK_N`` tokens) of each split's cached keys and values prefetched
-            into L2 before the wait: the cache does not depend on the kernel before, so its read starts while
-            that kernel runs (where it lets this one launch early). 0: none.
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -76,7 +73,6 @@ class DecodeConfig:
     fused_write: bool = False
     convert_v: bool = False
     pdl: bool = True
-    prefetch: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):
@@ -85,8 +81,8 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig: {name} must be a power of two; got {v}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig: num_splits must be a power of two or None; got {self.num_splits}")
-        if self.waves < 1 or self.num_stages < 1 or self.prefetch < 0:
-            raise ValueError(f"DecodeConfig: waves and num_stages must be >= 1, prefetch >= 0; got {self}")
+        if self.waves < 1 or self.num_stages < 1:
+            raise ValueError(f"DecodeConfig: waves and num_stages must be >= 1; got {self}")
 
     def splits(self, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
         """Splits per sequence for a batch of ``num_seqs`` on a device of ``num_sms`` SMs."""

@@ -272,7 +272,7 @@ def _small_m_gemv_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
-    H: tl.constexpr, QUANT_A: tl.constexpr = False, PF_LINES: tl.constexpr = 0, LINE: tl.constexpr = 128,
+    H: tl.constexpr, QUANT_A: tl.constexpr = False,
 ):
     # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
     # QUANT_A (8-bit w): a is in a float dtype, quantized to w's dtype as loaded with the static per-tensor scale
@@ -285,13 +285,7 @@ def _small_m_gemv_kernel(
         row = row.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < (N // 2 if GATED else N)
-    if PDL:
-        if PF_LINES > 0:  # as _small_m_gemm_kernel's: the first PF_LINES lines of each weight row, into L2
-            if GATED:
-                _prefetch_rows(w_ptr, offs_n, N // 2 - 1, stride_wn, 0, K, PF_LINES, LINE)
-                _prefetch_rows(w_ptr, offs_n + N // 2, N - 1, stride_wn, 0, K, PF_LINES, LINE)
-            else:
-                _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, 0, K, PF_LINES, LINE)
+    if PDL:  # no weight prefetch before the wait (SmallMConfig.PREFETCH: it made the 1B's step slower)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_type = tl.int32 if INTEGER else tl.float32
@@ -356,8 +350,7 @@ def _small_m_gemv_rows_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, PF_LINES: tl.constexpr = 0,
-    LINE: tl.constexpr = 128,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, ROWS)
@@ -368,8 +361,6 @@ def _small_m_gemv_rows_kernel(
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < N
     if PDL:
-        if PF_LINES > 0:
-            _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, 0, K, PF_LINES, LINE)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32 if INTEGER else tl.float32)
@@ -525,6 +516,9 @@ class SmallMConfig:
             weight read of this GEMM then starts while the previous kernel finishes. 0: none. Default 1: on the
             H200 the 8B stack at M = 1 took 4076 / 2301 µs (bf16 / fp8) with 1, 4156 / 2318 with 0, 4204 / 2322
             with 4 (``benchmarks.gemm --prefetch``); after a kernel that does not signal early it costs nothing.
+            The dot-tile forms only: given to the unrolled GEMV too, it made the 1B's level-3 step at batch 1
+            7% slower on an H100 (1140.7 / 1132.1 µs with 1, 1261.8-1267.2 with 8, 1061.3 / 1061.9 without:
+            results/gemm_step_ab_gemv_prefetch_1b_h100.md).
         SWAP: ``tl.dot(w, a.T)`` instead of ``tl.dot(a, w.T)`` (``DOT`` only): the weight tile is the MMA's tall
             side, so that ``BLOCK_N >= 64`` tiles can take Hopper's wgmma at a decode batch's few rows. No table row
             uses it: at M = 32 the sweep timed it fastest alone on 7 of the 8 fp8 / int8 shapes
@@ -860,8 +854,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         _small_m_gemv_rows_kernel[(cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, ROWS=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.dtype == torch.int8,
-            DP4A=_dp4a_fits(c, a, w, even), PF_LINES=pf_lines, LINE=line, num_warps=c.num_warps,
-            enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out
     if c.UNROLL:
@@ -870,7 +863,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
             DP4A=not quant_a and _dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
-            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, PF_LINES=pf_lines, LINE=line, **flags,
+            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, **flags,
         )
         return out
     assert not quant_a, "a float a with 8-bit weights: the unrolled GEMV's form only"

@@ -182,8 +182,8 @@ def pdl_args(pdl: bool) -> dict[str, bool]:
 @triton.jit
 def prefetch_l2(ptrs):
     """An L2 prefetch of the line at each of ``ptrs`` (valid addresses; nothing is loaded into registers). A PDL
-    kernel issues it ahead of its wait for what does not depend on the kernel before (weights, cached keys and
-    values), so that read starts while that kernel runs. Not in Triton's interpreter (inline assembly)."""
+    kernel issues it ahead of its wait for what does not depend on the kernel before (weights), so that read starts
+    while that kernel runs. Not in Triton's interpreter (inline assembly)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 

@@ -588,8 +588,6 @@ def test_gemm_step_ab_prefetch_item_sets_every_configs_prefetch():
     assert ab.variant_option("base=", "prefetch") is None
     assert ab.variant_option("pf=prefetch=2;inductor_pdl=1;prefetch=8", "prefetch") == 8
     assert ab.variant_option("pf=prefetch=2;inductor_pdl=1", "inductor_pdl") == 1
-    assert ab.variant_option("pf=attn_prefetch=0", "attn_prefetch") == 0
-    assert ab.parse_variant("pf=attn_prefetch=0")[1] == []
     table = ab.with_prefetch(ab.patched_table(rules), 0)
     assert len(table) == len(SMALL_M_TABLE) + 1
     assert all(r.config is None or r.config.PREFETCH == 0 for r in table)

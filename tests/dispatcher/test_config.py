@@ -99,6 +99,7 @@ def test_plugins_and_backend_resolution():
         opts = inductor_options(CompilationConfig(inductor_compile_config={"fx_graph_cache": False}),
                                 CompilationLevel.INDUCTOR_MAX_AUTOTUNE)
         assert isinstance(opts.pop("post_grad_custom_post_pass"), PostGradPassManager)  # levels 3-4
+        assert opts.pop("triton.enable_pdl", True) is True  # Inductor's kernels with PDL (where torch has it)
         assert opts == {"epilogue_fusion": False, "fx_graph_cache": False, "max_autotune": True}
         assert "max_autotune" not in inductor_options(cfg, CompilationLevel.INDUCTOR)
         with pytest.raises(ValueError, match="backend"):
@@ -120,3 +121,21 @@ def test_env_var_table_lists_every_variable():
         "DYNAMO_ONCE_API_KEY", "DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE", "DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS",
         "DYNAMO_ONCE_ASYNC_TP",
     }
+
+
+def test_levels_3_4_launch_inductors_kernels_with_pdl_unless_told_otherwise(monkeypatch):
+    """Inductor's own Triton kernels launch with programmatic dependent launch at levels 3-4 (as the library's
+    kernels do); ``DYNAMO_ONCE_PDL=0`` or the config's ``inductor_compile_config`` turns it off; levels 1-2 with
+    ``backend="inductor"`` are stock Inductor."""
+    from dispatcher import compat
+    from dispatcher.backends import inductor_options
+
+    key = compat.inductor_pdl_option()
+    if key is None:
+        pytest.skip("this torch's Inductor has no PDL option")
+    assert inductor_options(CompilationConfig(), CompilationLevel.INDUCTOR)[key] is True
+    assert inductor_options(CompilationConfig(inductor_compile_config={key: False}), CompilationLevel.INDUCTOR)[key] \
+        is False
+    assert key not in inductor_options(CompilationConfig(), CompilationLevel.DYNAMO_ONCE)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    assert inductor_options(CompilationConfig(), CompilationLevel.INDUCTOR)[key] is False

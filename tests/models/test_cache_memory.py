@@ -6,6 +6,7 @@ the cache takes what ``u`` leaves (more for a larger share), the process stays w
 the tokens are those of a cache sized by hand.
 """
 
+import gc
 import subprocess
 import sys
 
@@ -57,15 +58,18 @@ def test_the_server_flag_is_a_one_line_error():
 @pytest.mark.cuda
 @pytest.mark.parametrize("level", [0, 3])
 def test_on_the_gpu_the_cache_takes_what_the_share_leaves(level):
-    """Two shares, a GiB apart above what the device holds now: the larger gets the larger cache; this process's
-    torch memory after a generate is within its share; greedy tokens equal a hand-sized cache's. (Other test
-    processes may share the GPU, so the device-wide figures are not asserted.)"""
+    """Two shares, each a number of GiB above what the device holds just before the LLM is built, a GiB apart: the
+    larger gets the larger cache; this process's torch memory after a generate is within its share; greedy tokens
+    equal a hand-sized cache's. (Other test processes may share the GPU, so the device-wide figures are not
+    asserted.)"""
     device = torch.device("cuda")
-    free, total = torch.cuda.mem_get_info(device)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[(7 * i + 3 * j) % 100 + 3 for j in range(12 + i)] for i in range(6)]
     got = {}
     for extra in (2, 3):
+        gc.collect()  # the LLM before (reference cycles) and its cache gone, their blocks back to the device
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
         share = min(1.0, (total - free + (extra << 30)) / total)
         llm = LLM("tiny-llama", level=level, device="cuda", dtype=torch.float32, max_num_tokens=256,
                   gpu_memory_utilization=share)

@@ -148,35 +148,20 @@ def test_rope_dot_tile_compiles_for_sm90():
     assert _compile(rope._rope_gemm_kernel, _ROPE_TYPES, consts, num_warps=4, num_stages=4).asm["cubin"]
 
 
-def _before_wait(ptx: str) -> str:
-    """The PTX ahead of the PDL wait (the whole PTX when there is none)."""
-    return ptx.split("griddepcontrol.wait")[0]
 
-
-@pytest.mark.parametrize("form", ["gemv", "gated-gemv", "rows-gemv", "dot"])
-def test_pdl_forms_prefetch_their_weights_before_the_wait_and_load_nothing(form):
-    """``SmallMConfig.PREFETCH`` with PDL: each form issues its L2 prefetches of the weights (which do not depend on
-    the kernel before) ahead of ``griddepcontrol.wait``, and no global load there (a, the scales and the weights are
-    read after it); without ``PF_LINES`` no prefetch at all."""
-    if form == "gated-gemv":
-        types, consts = _bf16_gated()
-    else:
-        types, consts = _types(False, "*bf16"), _flags(False, False, None, True)
-    fn = gemm_mod._small_m_gemv_kernel
-    if form == "rows-gemv":
-        fn, consts = gemm_mod._small_m_gemv_rows_kernel, {k: v for k, v in consts.items() if k not in ("GATED", "H")}
-        consts.update(ROWS=2)
-    if form == "dot":
-        fn = gemm_mod._small_m_gemm_kernel
-        types.update(ws_ptr="*fp32", K="i32", K_SPLIT="i32")
-        consts.update(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=True, SERIAL=False, SWAP=False)
-    else:
-        # fp8 (bf16 gated): the one-row GEMV reads a in w's layout (BYTES), the rows GEMV broadcasts it
-        consts.update(K=4096, BLOCK_N=8, BLOCK_K=512, BYTES=form == "gemv", DP4A=False)
-    options = dict(num_warps=4) if form != "dot" else dict(num_warps=4, num_stages=4)
-    ptx = _compile(fn, types, dict(consts, PF_LINES=4, LINE=128), **options).asm["ptx"]
-    head = _before_wait(ptx)
-    assert len(head) < len(ptx)  # a wait there is
-    assert head.count("prefetch.global.L2") > 0
+def test_dot_tile_pdl_form_prefetches_its_weights_before_the_wait_and_loads_nothing():
+    """``SmallMConfig.PREFETCH`` with PDL: the dot tile issues its L2 prefetches of the weights (which do not depend
+    on the kernel before) ahead of ``griddepcontrol.wait``, and no global load there (a, the scales and the weights
+    are read after it); without ``PF_LINES`` no prefetch at all. The unrolled GEMV prefetches nothing."""
+    types = dict(_types(False, "*bf16"), ws_ptr="*fp32", K="i32", K_SPLIT="i32")
+    consts = dict(_flags(False, False, None, True), BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, DOT=True,
+                  SERIAL=False, SWAP=False, LINE=128)
+    ptx = _compile(gemm_mod._small_m_gemm_kernel, types, dict(consts, PF_LINES=4), num_warps=4, num_stages=4).asm["ptx"]
+    head = ptx.split("griddepcontrol.wait")[0]
+    assert len(head) < len(ptx) and head.count("prefetch.global.L2") > 0
     assert "ld.global" not in head and "cp.async" not in head
-    assert "prefetch.global.L2" not in _compile(fn, types, dict(consts, PF_LINES=0, LINE=128), **options).asm["ptx"]
+    none = _compile(gemm_mod._small_m_gemm_kernel, types, dict(consts, PF_LINES=0), num_warps=4, num_stages=4)
+    assert "prefetch.global.L2" not in none.asm["ptx"]
+    gemv = dict(_flags(False, False, None, True), K=4096, BLOCK_N=8, BLOCK_K=512, BYTES=True, DP4A=False)
+    assert "prefetch.global.L2" not in _compile(gemm_mod._small_m_gemv_kernel, _types(False, "*bf16"), gemv,
+                                                num_warps=4).asm["ptx"]

@@ -1,14 +1,12 @@
 """The paged decode kernel over an fp8 cache compiles for Hopper (sm_90) on any machine, with and without
 ``DecodeConfig.convert_v``; converted as loaded, its loop no longer gathers the value tile a byte at a time. Its PDL
-form (``DecodeConfig.pdl``) waits for the kernel before it ahead of any global load, but for the prefetch of its
-split's cached keys and values (``DecodeConfig.prefetch``).
+form (``DecodeConfig.pdl``) waits for the kernel before it ahead of any global load.
 
 ``convert_v`` uses inline assembly, which Triton's interpreter does not run (the plan turns it off on CPU tensors),
 so its code is checked here: compiled down to ptxas and read back with cuobjdump (Triton's package carries both).
 """
 
 import os
-import re
 
 import pytest
 
@@ -22,8 +20,7 @@ _POINTERS = dict(q_ptr="*bf16", cache_ptr="*fp8e4nv", block_table_ptr="*i32", se
 _FLOATS = ("scale", "soft_cap", "k_inv", "v_inv", "v_scale")
 
 
-def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS,
-             prefetch: int = 0):
+def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
@@ -32,7 +29,7 @@ def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: di
     kernel = paged_attention._decode_split_kernel
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=False, EVEN_D=True,
                   USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False, FUSED_WRITE=fused_write, FUSED_MERGE=False,
-                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl, PF_TOKENS=prefetch, PF_LINES=2, LINE=64)
+                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in _FLOATS else "i32")
            for n in kernel.arg_names}
     # what a launch on Llama-3-8B's cache specializes as 16-divisible: the pointers and the cache's strides
@@ -71,17 +68,3 @@ def test_pdl_form_waits_before_its_first_global_load(fused_write):
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
     assert 0 <= wait < trigger < first_load
     assert "griddepcontrol" not in _compile(False, fused_write, pointers=bf16).asm["ptx"]
-
-
-@pytest.mark.parametrize("fused_write", [False, True], ids=["decode", "fused-write"])
-def test_pdl_form_prefetches_the_split_into_l2_before_its_wait(fused_write):
-    """``DecodeConfig.prefetch``: ahead of the wait, the kernel reads the sequence's length and block table (scalar
-    32-bit loads) and prefetches its split's cache lines into L2; q, the new keys and values and the cache tiles
-    (vector loads, ``cp.async``) come after it."""
-    bf16 = dict(_POINTERS, cache_ptr="*bf16")
-    ptx = _compile(False, fused_write, pdl=True, pointers=bf16, prefetch=64).asm["ptx"]
-    head = ptx.split("griddepcontrol.wait")[0]
-    assert len(head) < len(ptx) and head.count("prefetch.global.L2") > 0
-    loads = re.findall(r"ld\.global[.\w]*", head)
-    assert loads and all(".v" not in ld and ld.endswith("b32") for ld in loads), loads
-    assert "cp.async" not in head

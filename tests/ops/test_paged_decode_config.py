@@ -50,7 +50,7 @@ def test_measured_rows_pick_splits_by_batch():
 def test_config_validation_and_fixed_splits():
     assert DecodeConfig(num_splits=4).splits(128, 8, 132) == 4
     for bad in (dict(num_splits=3), dict(BLOCK_N=48), dict(num_warps=3), dict(num_stages=0), dict(waves=0),
-                dict(max_splits=6), dict(merge_warps=0), dict(prefetch=-1)):
+                dict(max_splits=6), dict(merge_warps=0)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
 
