@@ -13,10 +13,10 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
 config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch);
-``inductor_pdl=1`` runs the variant with Inductor's kernels launched with programmatic dependent launch
-(``TORCHINDUCTOR_ENABLE_PDL``). A rule above the public ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``; fp8
-and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8
-row at M <= 128 is timed against cuBLAS inside the step.
+``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
+launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
+dtype (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the
+run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.gemm import DTYPES  # the sweep's dtype names, the same in a rule
+from dispatcher import compat, plugins
 from ops import small_m_gemm
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
@@ -141,6 +141,12 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
         table = with_prefetch(table, prefetch)
         gated = {dtype: tuple((m, c and dataclasses.replace(c, PREFETCH=prefetch)) for m, c in rows)
                  for dtype, rows in gated.items()}
+    pdl = variant_option(variant, "inductor_pdl")
+    if pdl is not None:  # Inductor's own kernels with PDL or not: an Inductor option, as a plugin sets one
+        key = compat.inductor_pdl_option()
+        if key is None:
+            raise RuntimeError(f"gemm_step_ab: inductor_pdl in {variant!r}, but this torch's Inductor has no PDL option")
+        plugins.set_inductor_additional_configs({key: bool(pdl)})
     with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
             mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
@@ -153,11 +159,7 @@ def run_variant(variant: str, model: str, batches: list[int], context: int, iter
     """One variant's step times, from a fresh process."""
     cmd = [sys.executable, "-m", "benchmarks.gemm_step_ab", "--child", variant, "--model", model,
            "--batches", ",".join(map(str, batches)), "--context", str(context), "--iters", str(iters)]
-    env = dict(os.environ)
-    pdl = variant_option(variant, "inductor_pdl")
-    if pdl is not None:  # Inductor's own kernels launched with PDL (read when Inductor's config is imported)
-        env["TORCHINDUCTOR_ENABLE_PDL"] = str(pdl)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"gemm_step_ab: the run of variant {variant!r} failed (exit {done.returncode}): "
