@@ -145,7 +145,8 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     if pdl is not None:  # Inductor's own kernels with PDL or not: an Inductor option, as a plugin sets one
         key = compat.inductor_pdl_option()
         if key is None:
-            raise RuntimeError(f"gemm_step_ab: inductor_pdl in {variant!r}, but this torch's Inductor has no PDL option")
+            raise RuntimeError(f"gemm_step_ab: inductor_pdl in {variant!r}, but this torch's Inductor has no PDL "
+                               f"option")
         plugins.set_inductor_additional_configs({key: bool(pdl)})
     with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
