@@ -42,7 +42,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_USE_BYTECODE_HOOK": "1: dispatch captured bytecode (default); 0: stay in Dynamo, drop guards",
     "DYNAMO_ONCE_DEBUG": "1: check shape guards and CUDA-graph input addresses on every call",
     "DYNAMO_ONCE_DEBUG_DUMP_PATH": "directory for dumps of captured code (disassembly, source, FX graph)",
-    "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops launch with programmatic dependent launch (Hopper+); 0: off",
+    "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops, and at levels 3-4 Inductor's kernels, launch with "
+                       "programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_FP8_FAST_ACCUM": "0 (default): cuBLAS's fp8 GEMMs promote their sums to fp32 as they go; 1: fast "
