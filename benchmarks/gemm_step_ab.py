@@ -83,8 +83,8 @@ _OVERRIDE = re.compile(r"^(prefetch|inductor_pdl)=(\d+)$")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
-    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N`` items are
-    not rules (:func:`variant_prefetch`)."""
+    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N`` and
+    ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
