@@ -159,15 +159,14 @@ for step in $steps; do
                 ${PREFIX_ARGS:-} --out "$R/prefix_caching" 2>&1 | tee "$R/prefix_caching.log" | grep -E "^\{|Error" ;;
     kprof0|kprof1) # issue 16: kernel time by kind in level-3 decode graphs and the GEMM stack; Inductor's PDL off / on
               pdl=${step#kprof}
-              python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl knob:', hasattr(c.triton, 'enable_pdl'))"
-              TORCHINDUCTOR_ENABLE_PDL=$pdl timeout ${KPROF_TIMEOUT:-280} python3 -m benchmarks.kernel_profile ${KPROF_ARGS:-} \
+              timeout ${KPROF_TIMEOUT:-280} python3 -m benchmarks.kernel_profile ${KPROF_ARGS:-} --inductor-pdl $pdl \
                 --out "$R/kprof_pdl$pdl" > "$R/kprof_pdl$pdl.log" 2>&1; grep -E "\| total \||Error" "$R/kprof_pdl$pdl.log" | tail -12 ;;
     kvariants) # issue 12/16: the fp8 8B decode graph's kernels per GEMM variant (table / fp8 on ours / + PREFETCH, Inductor PDL)
               # variants: tag|args, '+' for a space inside args; a tag ending in pdl runs with Inductor's PDL on
               for v in ${KVAR_VARIANTS:-base| ours|--fp8-ours ours_pf1_pdl|--fp8-ours+--prefetch+1 base_pf1_pdl|--prefetch+1}; do
                 tag=${v%%|*}; args=$(echo "${v#*|}" | tr '+' ' '); pdl=0; [ "${tag%pdl}" != "$tag" ] && pdl=1
-                TORCHINDUCTOR_ENABLE_PDL=$pdl timeout ${KVAR_TIMEOUT:-120} python3 -m benchmarks.kernel_profile --models ${KVAR_MODELS:-llama-3-8b-fp8} \
-                  --batches ${KVAR_BATCHES:-1,8} --tag $tag $args --out "$R/kvar_$tag" > "$R/kvar_$tag.log" 2>&1
+                timeout ${KVAR_TIMEOUT:-120} python3 -m benchmarks.kernel_profile --models ${KVAR_MODELS:-llama-3-8b-fp8} \
+                  --batches ${KVAR_BATCHES:-1,8} --tag $tag $args --inductor-pdl $pdl --out "$R/kvar_$tag" > "$R/kvar_$tag.log" 2>&1
                 grep -E "\| total \||Error" "$R/kvar_$tag.log" | tail -4
               done ;;
     attnhost) # issue 18: host time of one eager attention call (a mixed step's), the unified launch against the split form

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from unittest import mock
 import torch
 
 from benchmarks import common
+from dispatcher import compat, plugins
 
 # Kernel kinds, the first pattern that matches a kernel's name wins.
 KINDS = (
@@ -165,6 +165,18 @@ def stack_graph(dtype_name: str, impl: str, m: int) -> Callable[[], Any]:
     return graph.replay
 
 
+def _inductor_pdl(p: argparse.ArgumentParser, value: int | None) -> str:
+    """Set Inductor's PDL option for this run's compiles when ``--inductor-pdl`` is given (as a plugin sets an
+    Inductor option); what the compiles then take, for the notes."""
+    key = compat.inductor_pdl_option()
+    if value is None:
+        return "as the library sets it" if key is not None else "none (this torch has no option)"
+    if key is None:
+        p.error("--inductor-pdl: this torch's Inductor has no PDL option")
+    plugins.set_inductor_additional_configs({key: bool(value)})
+    return "on" if value else "off"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-3-8b-fp8,llama-3-8b", help="models whose decode step to profile")
@@ -181,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="the decode graphs' mode, a level-3 mode of benchmarks.decode: 'level 3' (native code), "
                         "'level 3 +ops' (the Triton ops), 'level 3 +ops +passes', 'level 3 +NAME' (pass NAME on), "
                         "...; 'level 3 piecewise': the step on the piecewise path (piece graphs, attention eager)")
+    p.add_argument("--inductor-pdl", type=int, choices=(0, 1), default=None,
+                   help="Inductor's kernels launched without (0) / with (1) programmatic dependent launch (its "
+                        "triton.enable_pdl option; default: the library's, on at level 3 unless DYNAMO_ONCE_PDL=0)")
     p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
@@ -190,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)
+    inductor_pdl = _inductor_pdl(p, a.inductor_pdl)
     tag = f" {a.tag}" if a.tag else ""
     # builders, each of {label: graph replay}, built one at a time (a model's graphs freed before the next)
     builders: list[Callable[[], dict[str, Callable[[], Any]]]] = []
@@ -219,8 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running (a kind's "
                  "row: the idle time right before its kernels)",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
-                 f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, TORCHINDUCTOR_ENABLE_PDL="
-                 f"{os.environ.get('TORCHINDUCTOR_ENABLE_PDL', 'unset')}"]
+                 f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, Inductor's PDL {inductor_pdl}"]
         common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,
                              title="Kernel time by kind, per graph replay")
         common.write_results("kernel_profile_top", tops, notes=notes, device="cuda", out_dir=a.out,

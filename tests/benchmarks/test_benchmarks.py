@@ -525,6 +525,28 @@ def test_kernel_profile_variants_patch_the_gemm_table_and_restore_it():
     assert ops.small_m_config(1, 6144, 4096, fp8) == before
 
 
+def test_kernel_profile_inductor_pdl_sets_the_inductor_option_a_level_3_compile_takes():
+    """``--inductor-pdl 0`` reaches the options of a level-3 compile (as a plugin's Inductor option); without it the
+    library's default stands. The plugin options are restored after."""
+    import argparse
+
+    from benchmarks import kernel_profile as kp
+    from dispatcher import CompilationConfig, CompilationLevel, compat, plugins
+    from dispatcher.backends import inductor_options
+
+    key = compat.inductor_pdl_option()
+    if key is None:
+        pytest.skip("this torch's Inductor has no PDL option")
+    p = argparse.ArgumentParser()
+    try:
+        assert kp._inductor_pdl(p, None) == "as the library sets it"
+        assert inductor_options(CompilationConfig(), CompilationLevel.INDUCTOR)[key] is True
+        assert kp._inductor_pdl(p, 0) == "off"
+        assert inductor_options(CompilationConfig(), CompilationLevel.INDUCTOR)[key] is False
+    finally:
+        plugins.set_inductor_additional_configs({})
+
+
 @pytest.mark.slow
 def test_startup_phases_warm_start_loads_the_aot_forward_and_writes_its_files(tmp_path):
     from benchmarks import startup_phases
