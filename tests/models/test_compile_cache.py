@@ -259,6 +259,19 @@ def test_key_changes_with_config_passes_and_model_code(model_module):
     assert _key(name) != base
 
 
+def test_key_changes_with_inductors_pdl(model_module, monkeypatch):
+    """``DYNAMO_ONCE_PDL=0`` turns Inductor's PDL off at level 3: a warm start must not take kernels compiled with it."""
+    from dispatcher import compat
+
+    if compat.inductor_pdl_option() is None:
+        pytest.skip("this torch's Inductor has no PDL option")
+    _, name = model_module
+    base = _key(name)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    assert _key(name) != base
+    assert _key(name, inductor_compile_config={compat.inductor_pdl_option(): True}) == base  # the config's wins
+
+
 def test_off_switch_in_process(model_module, monkeypatch, tmp_path):
     _, name = model_module
     monkeypatch.setenv("DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "1")
