@@ -260,7 +260,8 @@ def test_key_changes_with_config_passes_and_model_code(model_module):
 
 
 def test_key_changes_with_inductors_pdl(model_module, monkeypatch):
-    """``DYNAMO_ONCE_PDL=0`` turns Inductor's PDL off at level 3: a warm start must not take kernels compiled with it."""
+    """``DYNAMO_ONCE_PDL=0`` turns Inductor's PDL off at level 3: a warm start must not take kernels compiled with
+    it."""
     from dispatcher import compat
 
     if compat.inductor_pdl_option() is None:
