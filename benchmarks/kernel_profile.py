@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, gemm_step_ab
 from dispatcher import compat, plugins
 
 # Kernel kinds, the first pattern that matches a kernel's name wins.
@@ -146,9 +146,7 @@ def gemm_table(fp8_ours: bool, prefetch: int | None) -> Iterator[None]:
         table = [dataclasses.replace(r, dtypes=(torch.float8_e4m3fn,)) for r in table
                  if r.dtypes == (torch.int8,) and r.max_m <= smg.SMALL_M_MAX] + table
     if prefetch is not None:
-        table = [r if r.config is None else dataclasses.replace(r, config=dataclasses.replace(r.config,
-                                                                                              PREFETCH=prefetch))
-                 for r in table]
+        table = gemm_step_ab.with_prefetch(tuple(table), prefetch)
     with mock.patch.object(smg, "SMALL_M_TABLE", tuple(table)):
         yield
 

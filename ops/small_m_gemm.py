@@ -49,8 +49,7 @@ import torch
 from dispatcher import envs
 
 from .quant_fp8 import quantize_by_scale
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, \
-    prefetch_l2, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
 
 __all__ = [
     "SmallMConfig",
@@ -84,15 +83,6 @@ _REDUCE_BLOCK = 1024
 _LINE_BYTES = 128
 
 
-@triton.jit
-def _prefetch_rows(w_ptr, rows, last_row, stride_wn, k0, K, LINES: tl.constexpr, LINE: tl.constexpr):
-    """An L2 prefetch of each 128-byte line of weight ``rows`` from column ``k0`` on, ``LINES`` lines (of ``LINE``
-    elements) a row; addresses clamped to valid ones (row ``last_row``, column ``K - 1``). Issued before a PDL
-    launch's wait: the weights do not depend on the kernel before, so their read starts while it runs."""
-    pf_k = tl.minimum(k0 + tl.arange(0, LINES) * LINE, K - 1)
-    prefetch_l2(w_ptr + tl.minimum(rows, last_row)[:, None] * stride_wn + pf_k[None, :])  # one address a line
-
-
 # M unspecialized: one compile a config serves every M (Triton would compile apart for M == 1, M % 16 == 0 and the
 # rest: three compiles, at capture time, for decode's batch sizes 1-16); M only enters masks and the program split.
 @triton.jit(do_not_specialize=["M"])
@@ -123,7 +113,10 @@ def _small_m_gemm_kernel(
     n_ok = offs_n < (N // 2 if GATED else N)
     if PDL:  # launched early (ops.triton_utils.pdl_launch)
         if PF_LINES > 0:  # the weights do not depend on the kernel before: start their read into L2 while it runs
-            _prefetch_rows(w_ptr, offs_n, N - 1, stride_wn, pid_k * K_SPLIT, K, PF_LINES, LINE)
+            pf_k = tl.minimum(pid_k * K_SPLIT + tl.arange(0, PF_LINES) * LINE, K - 1)  # clamped: valid addresses
+            pf = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn + pf_k[None, :]  # one address a 128 B line
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                                      is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()  # then wait for the kernel before, and let the next launch
         tl.extra.cuda.gdc_launch_dependents()
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)

@@ -39,7 +39,6 @@ __all__ = [
     "pdl_launch",
     "pdl_available",
     "pdl_args",
-    "prefetch_l2",
     "FastLaunch",
     "BoundLaunch",
     "Slot",
@@ -177,15 +176,6 @@ def pdl_available(x: torch.Tensor) -> bool:
 def pdl_args(pdl: bool) -> dict[str, bool]:
     """A kernel's ``PDL`` constexpr and, when on, the launch option that goes with it."""
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """An L2 prefetch of the line at each of ``ptrs`` (valid addresses; nothing is loaded into registers). A PDL
-    kernel issues it ahead of its wait for what does not depend on the kernel before (weights), so that read starts
-    while that kernel runs. Not in Triton's interpreter (inline assembly)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 # ------------------------------------------------------------ fast launches
