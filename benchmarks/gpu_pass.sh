@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -215,6 +215,16 @@ for step in $steps; do
                 timeout ${PW_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --prefill 0 --iters 20 \
                   --modes "level 3 piecewise,level 3" --out "$R/$d" 2>&1 | tee "$R/${d}_$m.log" | grep -E "^\{|Error"
               done; done ;;
+    targets)  # issues 12 and 16's figures in one call: the level-3 decode step of the 1B, the bf16 8B and both
+              # quantized 8Bs (batch 1-128, context 512), the 8B linear stack at M = 1, attention alone (bf16 cache)
+              for m in ${TARGET_MODELS:-llama-3.2-1b llama-3-8b llama-3-8b-fp8 llama-3-8b-int8}; do
+                timeout ${TARGET_TIMEOUT:-120} python3 -m benchmarks.decode --models $m --iters 30 --prefill 0 \
+                  --modes "level 3" --out "$R/targets" 2>&1 | tee "$R/targets_$m.log" | grep -E "^\{|Error"
+              done
+              timeout 120 python3 -m benchmarks.gemm --ms 1 --out "$R/targets_gemm" 2>&1 | tee "$R/targets_gemm.log" \
+                | grep -E "'ours|Error"
+              timeout 120 python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048 \
+                --out "$R/targets_attention" 2>&1 | tee "$R/targets_attention.log" | grep -E "^\{|Error" ;;
     stepab)   # issue 12/16: small-M table variants inside the decode step (STEPAB_VARIANTS: NAME=RULES words, see
               # benchmarks/gemm_step_ab.py), alternating, a fresh process a run
               args=(); for v in ${STEPAB_VARIANTS:-table=}; do args+=(--variant "$v"); done
