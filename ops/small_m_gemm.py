@@ -609,7 +609,11 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(2, _I8, 0.0, 6144, _C(2, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 10.5 / 11.7
     _R(2, _I8, 0.0, 4096, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 7.6 / 9.2
     # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
-    _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 14336->4096: 18.1 / 42.2
+    # down at M <= 16 with its two splits summed in the kernel (SERIAL): the 8B int8 step at batch 8 / 16 3818.4 /
+    # 4066.7 and 3816.6 / 4065.0 µs against 3838.2 / 4090.1 and 3838.1 / 4089.3 (H100,
+    # results/gemm_step_ab_serial_int8_h100.md).
+    _R(16, _I8, 2.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True)),  # down 14336->4096:
+    # 18.1 / 42.2
     _R(16, _I8, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=4)),  # gate-up 4096->28672: 29.9 / 45.4
     _R(16, _I8, 0.0, 0, _C(16, 32, 512, num_warps=4, num_stages=3)),  # qkv 9.2 / 21.8, o 7.5 / 21.5
     # M = 1, bf16 / fp16: the unrolled GEMV (UNROLL) in its plain form, from the separated sweeps of it (results/
@@ -631,13 +635,19 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(2, _F16, 0.0, 6144, _C(2, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 19.0 / 20.9
     _R(2, _F16, 0.0, 4096, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 13.4 / 14.9
     # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
-    _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4)),  # down: 18.2 / 19.6
+    # Its four splits summed in the kernel (SERIAL): the 8B fp8 step at batch 8 / 16 3925.9 / 4203.5 and 3950.4 /
+    # 4207.7 µs against 3956.3 / 4240.6 and 3952.7 / 4241.2 (H100, results/gemm_step_ab_serial_fp8_h100.md).
+    _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4, SERIAL=True)),  # down: 18.2 / 19.6
     _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
     # bf16 / fp16 (ops.linear, which the small_m_linear graph pass puts in place of a compiled linear's GEMM), from
     # the separated sweeps (results/gemm_sweep_separated.csv, gemm_sweep_llama-3.2-1b_separated.csv: each call after
     # a small kernel, as in a decode step; back to back, the kernel's PDL overlap flattered it by up to 1.3 µs), µs
     # ours / cuBLAS at M = 1, 8B then 1B.
-    _R(16, _F16, 1.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4)),  # down 31.5 / 32.7, 12.4 / 13.5;
+    # The two splits summed in the kernel (SERIAL), not by a second kernel: 1.6-2.0% off the 8B's and the 1B's steps at
+    # batch 8 and 16 (H100, two alternating runs each: 8B 6182.3 / 6181.3 against 6309.4 / 6311.1 µs at batch 8;
+    # results/gemm_step_ab_serial_bf16_{8b,1b}_h100.md).
+    _R(16, _F16, 1.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True)),  # down 31.5 / 32.7,
+    # 12.4 / 13.5;
     # o 11.9 / 13.5, 6.0 / 6.2
     _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head: 238.2 / 247.6, 121.2 / 126.9
     _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8; gate-up 58.9 / 57.1, 18.8 / 18.8 (best configs)
