@@ -243,6 +243,71 @@ def inductor_pdl_option() -> str | None:
     return "triton.enable_pdl" if hasattr(inductor_config.triton, "enable_pdl") else None
 
 
+def inductor_pdl_enabled() -> bool:
+    """Whether Inductor's programmatic dependent launch is on in its current config: during a compile, the option as
+    that compile's config patches set it (``inductor_pdl_option``); False where this torch has none."""
+    import torch._inductor.config as inductor_config
+
+    return bool(getattr(inductor_config.triton, "enable_pdl", False))
+
+
+#: Packages whose user-defined Triton kernels ``launch_user_kernels_with_pdl`` takes.
+_PDL_KERNEL_PACKAGES: set[str] = set()
+_PDL_META = "triton_meta={"
+
+
+def launch_user_kernels_with_pdl(package: str) -> None:
+    """Have Inductor launch the Triton kernels of ``package``'s modules that it runs as user-defined kernels (a
+    ``torch.library.triton_op`` decomposed into its kernels) with programmatic dependent launch, where such a launch
+    passes the kernel's ``PDL`` constexpr as True and Inductor's own PDL option is on in the compile.
+
+    Inductor's generated code launches a user kernel with the launch options its ``triton_meta`` holds, and gives
+    ``launch_pdl`` to its own kernels only (``wrap_triton`` forwards ``num_warps`` and the like but not it: torch
+    2.11-2.14). A kernel with ``PDL`` on waits for the kernel before ahead of any global memory access and lets the next
+    launch (the library's kernels' contract), so launched early it is correct, and the kernels on either side of it
+    overlap their launches with it as Inductor's own do. Idempotent; applies to compiles from then on."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    _PDL_KERNEL_PACKAGES.add(package)
+    define = PythonWrapperCodegen.define_user_defined_triton_kernel
+    if getattr(define, "_dynamo_once_pdl", False):
+        return
+
+    @functools.wraps(define)
+    def define_with_pdl(self: Any, kernel: Any, configs: Any, kwargs: dict[str, Any], *args: Any, **kw: Any) -> Any:
+        if not _takes_pdl(kernel, kwargs):
+            return define(self, kernel, configs, kwargs, *args, **kw)
+        define_kernel = self.define_kernel
+
+        def with_launch_pdl(name: str, code: str, *a: Any, **k: Any) -> Any:  # the user_autotune decorator's meta
+            return define_kernel(name, code.replace(_PDL_META, _PDL_META + "'launch_pdl': True, ", 1), *a, **k)
+
+        self.define_kernel = with_launch_pdl
+        try:
+            name, triton_meta, inductor_meta, extra = define(self, kernel, configs, kwargs, *args, **kw)
+        finally:
+            del self.define_kernel
+        triton_meta["launch_pdl"] = True
+        return name, triton_meta, inductor_meta, extra
+
+    define_with_pdl._dynamo_once_pdl = True  # type: ignore[attr-defined]
+    PythonWrapperCodegen.define_user_defined_triton_kernel = define_with_pdl  # type: ignore[method-assign]
+
+
+def _takes_pdl(kernel: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a user-defined kernel launch gets ``launch_pdl``: its ``PDL`` constexpr True, the kernel from a
+    registered package, Inductor's PDL option on, and the Python wrapper (the C++ one launches otherwise)."""
+    import torch._inductor.config as inductor_config
+
+    if kwargs.get("PDL") is not True or not inductor_pdl_enabled() or inductor_config.cpp_wrapper:
+        return False
+    fn = kernel
+    while hasattr(fn, "fn"):  # an Autotuner or a JITFunction, then the Python function
+        fn = fn.fn
+    module = getattr(fn, "__module__", "") or ""
+    return any(module == p or module.startswith(p + ".") for p in _PDL_KERNEL_PACKAGES)
+
+
 def custom_graph_pass_class() -> type:
     """``torch._inductor.custom_graph_pass.CustomGraphPass``: the base of a post-grad pass that Inductor's
     FX graph cache accepts, keyed on its ``uuid()`` (any other callable bypasses the cache)."""

@@ -147,7 +147,7 @@ def _launch_act_and_mul_quant(
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         num_warps=num_warps,
-        **pdl_args(pdl),
+        **pdl_args(pdl, x2),
     )
     return q, scale_out
 

@@ -85,7 +85,7 @@ def launch_gated_quant(h: torch.Tensor, amax: torch.Tensor,
     _gated_quant_kernel[(m, cdiv(d, GATED_QUANT_BLOCK))](
         h, amax, q, scale, d, blocks, MIN_S=INT8_MIN_SCALE if int8 else MIN_SCALE, INT8=int8,
         BLOCK_D=GATED_QUANT_BLOCK, BLOCK_P=min(_MAX_BLOCK_P, next_power_of_2(blocks)), num_warps=4,
-        **pdl_args(pdl_launch(h, m * d)),
+        **pdl_args(pdl_launch(h, m * d), h),
     )
     return q, scale
 

@@ -224,7 +224,7 @@ def _launch_rms_norm_quant(
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,
-        **pdl_args(pdl),
+        **pdl_args(pdl, x2),
     )
     return q, scale_out, res_out
 

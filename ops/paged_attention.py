@@ -541,7 +541,7 @@ class DecodePlan:
         # one of this launch's still waits for.
         self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)
         self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
-                                     MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl))
+                                     MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl, seq_lens))
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results

@@ -93,7 +93,7 @@ def _launch_static_int8_quant(x: torch.Tensor, scale: torch.Tensor, config: tupl
     wrap_triton(_static_int8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block),
         EVEN=known_n is not None and known_n % block == 0, num_warps=num_warps,
-        **pdl_args(pdl_launch(x, known_n)),
+        **pdl_args(pdl_launch(x, known_n), x),
     )
     return q
 

@@ -179,7 +179,7 @@ def _launch_rms_norm(
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small,
         num_warps=num_warps,
-        **pdl_args(pdl),
+        **pdl_args(pdl, x2),
     )
     return out, res_out
 

@@ -149,7 +149,7 @@ def rope_small_m_mm(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     args = (x, weight, out, positions.reshape(-1), cache)
     flags = dict(HALF=head_size // 2, EVEN=(n // 2) % pairs == 0 and k % config.BLOCK_K == 0, num_warps=config.num_warps,
                  INT64=needs_int64(m * x.stride(0), n * weight.stride(0)), enable_fp_fusion=False,
-                 **pdl_args(pdl_available(x)))
+                 **pdl_args(pdl_available(x), x))
     strides = (x.stride(0), weight.stride(0), cache.stride(0))
     if config.UNROLL:
         _rope_gemv_kernel[(m * cdiv(n // 2, pairs),)](*args, m, n, rot_heads * head_size, *strides, K=k, BLOCK_N=pairs,

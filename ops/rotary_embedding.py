@@ -18,7 +18,7 @@ from torch.library import wrap_triton
 
 from dispatcher.passes.native_forms import register_native_form
 
-from .triton_utils import cdiv, next_power_of_2, tl, triton, triton_op, use_triton
+from .triton_utils import cdiv, known_int, next_power_of_2, pdl_args, pdl_launch, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
 __all__ = [
@@ -48,9 +48,13 @@ def _rotary_embedding_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Axis 0: one token; axis 1: a block of heads, q's heads first, then k's. Each program loads what it stores
     # before storing it: the outputs may be the inputs (rotate_heads_in_place).
+    if PDL:  # launched early (ops.triton_utils.pdl_launch): wait for the kernel before, then let the next launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_q = (heads < n_q_heads)[:, None]
@@ -112,6 +116,8 @@ def _launch_rotary_embedding(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     n_q_heads, n_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size
     block_h, consts = _launch_consts(n_q_heads + n_k_heads, head_size, rot_dim, is_neox)
+    known_t = known_int(pos.shape[0])
+    pdl = pdl_launch(q2, known_t * (n_q_heads + n_k_heads) * head_size if known_t is not None else None)
     wrap_triton(_rotary_embedding_kernel)[(pos.shape[0], cdiv(n_q_heads + n_k_heads, block_h))](
         pos,
         q2,
@@ -127,6 +133,7 @@ def _launch_rotary_embedding(
         n_q_heads,
         n_k_heads,
         **consts,
+        **pdl_args(pdl, q2),
     )
     return q_out, k_out
 

@@ -174,7 +174,7 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         EVEN=act_tiles_even(known_rows, d, rows, block_d),
         num_warps=num_warps,
-        **pdl_args(pdl),
+        **pdl_args(pdl, x2),
     )
     return out
 

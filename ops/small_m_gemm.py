@@ -643,7 +643,7 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # the separated sweeps (results/gemm_sweep_separated.csv, gemm_sweep_llama-3.2-1b_separated.csv: each call after
     # a small kernel, as in a decode step; back to back, the kernel's PDL overlap flattered it by up to 1.3 µs), µs
     # ours / cuBLAS at M = 1, 8B then 1B.
-    # The two splits summed in the kernel (SERIAL), not by a second kernel: 1.6-2.0% off the 8B's and the 1B's steps at
+    # The two splits summed in the kernel (SERIAL), not by a second kernel: 1.5-2.0% off the 8B's and the 1B's steps at
     # batch 8 and 16 (H100, two alternating runs each: 8B 6182.3 / 6181.3 against 6309.4 / 6311.1 µs at batch 8;
     # results/gemm_step_ab_serial_bf16_{8b,1b}_h100.md).
     _R(16, _F16, 1.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True)),  # down 31.5 / 32.7,
@@ -844,7 +844,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     flags = dict(
         SCALED=scaled, A_PER_TOKEN=scaled and a_scale.dim() == 2, W_PER_CHANNEL=scaled and w_scale.shape[0] != 1,
         HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
-        **pdl_args(pdl),
+        **pdl_args(pdl, a),
     )
     line = max(1, _LINE_BYTES // w.element_size())  # weight elements a 128-byte line
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \

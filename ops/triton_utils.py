@@ -157,25 +157,45 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
     hides a launch's latency, the larger part of a call at <= 16 tokens (~1.2 us a CUDA-graph kernel
     node on the H200); FlashInfer's norm and activation kernels do the same on Hopper.
 
-    Only for latency-bound launches (``n <= SMALL_ELEMENTS``, one wave of programs): on a large grid, the
-    next kernel's early programs would hold SM slots the running one still needs. Only in eager mode (CUDA
-    graph capture included) on a real CUDA tensor: under torch.compile, Inductor launches the kernel
-    itself. ``DYNAMO_ONCE_PDL=0`` turns it off.
+    Eager (CUDA-graph capture included): only for latency-bound launches (``n <= SMALL_ELEMENTS``, one wave of
+    programs): on a large grid, the next kernel's early programs would hold SM slots the running one still needs.
+    Traced for an Inductor compile (the op inlined into its kernels, which Inductor launches): whenever Inductor's
+    own PDL option is on in that compile, whatever the size, as Inductor launches its own kernels
+    (:func:`pdl_available`). ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
+    if _traced(x):
+        return pdl_available(x)
     return n is not None and n <= SMALL_ELEMENTS and pdl_available(x)
 
 
 def pdl_available(x: torch.Tensor) -> bool:
-    """Whether a kernel on ``x`` may launch with PDL at all (``pdl_launch`` without its size limit): a real CUDA
-    tensor of a Hopper or newer GPU, eager mode (CUDA-graph capture included), ``DYNAMO_ONCE_PDL`` not 0."""
-    if not compat.is_real_tensor(x) or x.device.type != "cuda" or torch.compiler.is_compiling():
+    """Whether a kernel on ``x`` may launch with PDL at all (``pdl_launch`` without its size limit): a CUDA tensor of
+    a Hopper or newer GPU, ``DYNAMO_ONCE_PDL`` not 0; eager (CUDA-graph capture included), or traced while Inductor
+    compiles with its PDL option on (level 3 sets it): Inductor then launches the kernel, with PDL through
+    ``dispatcher.compat.launch_user_kernels_with_pdl``, where it runs the op as its Triton kernels."""
+    if x.device.type != "cuda" or not envs.pdl():
         return False
-    return envs.pdl() and _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    traced = _traced(x)
+    if traced and not compat.inductor_pdl_enabled():
+        return False
+    if not _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return False
+    if traced:
+        compat.launch_user_kernels_with_pdl(__package__ or __name__.rpartition(".")[0])
+    return True
 
 
-def pdl_args(pdl: bool) -> dict[str, bool]:
-    """A kernel's ``PDL`` constexpr and, when on, the launch option that goes with it."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+def _traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is traced (a fake or functional tensor, or Dynamo tracing) rather than real data."""
+    return not compat.is_real_tensor(x) or torch.compiler.is_compiling()
+
+
+def pdl_args(pdl: bool, x: torch.Tensor) -> dict[str, bool]:
+    """A kernel's ``PDL`` constexpr and, eager and on, the launch option that goes with it (traced, ``x`` a traced
+    tensor, Inductor launches the kernel and gives it the option: ``pdl_available``)."""
+    if not pdl:
+        return {"PDL": False}
+    return {"PDL": True} if _traced(x) else {"PDL": True, "launch_pdl": True}
 
 
 # ------------------------------------------------------------ fast launches

@@ -64,6 +64,26 @@ def _chain(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor) -> list[torch.
     return outs + [h]
 
 
+def _pdl_and_plain(monkeypatch, chain, graph: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``chain()``'s outputs with PDL on (eager, or captured in a CUDA graph replayed twice) and off (eager)."""
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    expected = chain()
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
+    if graph:
+        chain()  # compile the PDL variants outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain()
+        g.replay()  # twice: the second replay's first kernel follows the first's last
+        g.replay()
+    else:
+        got = chain()
+    torch.cuda.synchronize()
+    assert len(got) == len(expected)
+    return got, expected
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("tokens,hidden", [(1, 4096), (16, 8192), (7, 769)])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
@@ -75,24 +95,40 @@ def test_pdl_chain_equals_plain_launches(monkeypatch, tokens, hidden, graph):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     scale = torch.tensor([0.05], device="cuda")
-    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
-    expected = _chain(x, scale, w)
     monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
     assert pdl_launch(x, x.numel())
-    if graph:
-        _chain(x, scale, w)  # compile the PDL variants outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = _chain(x, scale, w)
-        g.replay()  # twice: the second replay's first kernel follows the first's last
-        g.replay()
-    else:
-        got = _chain(x, scale, w)
-    torch.cuda.synchronize()
-    assert len(got) == len(expected)
+    got, expected = _pdl_and_plain(monkeypatch, lambda: _chain(x, scale, w), graph)
     for a, b in zip(got, expected):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_pdl_rotary_in_a_chain_equals_plain_launches(monkeypatch, graph):
+    """The rotary kernel between norms, each reading the one before (as q's rotary between the QKV GEMM and
+    attention), with and without PDL."""
+    from ops import compute_cos_sin_cache
+    from ops.rotary_embedding import _launch_rotary_embedding
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    torch.manual_seed(0)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    positions = torch.tensor([0, 9, 100, 511], device="cuda")
+    cos_sin = compute_cos_sin_cache(128, 1024, 500000.0).to("cuda", torch.bfloat16)
+
+    def chain() -> list[torch.Tensor]:
+        outs, h = [], x
+        for _ in range(8):
+            q, k = _launch_rotary_embedding(positions, h, h[:, :1024], cos_sin, 128, True)
+            h = rms._launch_rms_norm(q, q, w, 1e-6, False)[0]
+            outs += [q, k, h]
+        return outs
+
+    got, expected = _pdl_and_plain(monkeypatch, chain, graph)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 def _decode_chain(q0, w, cache, plan, new_kv, scale, out):
@@ -178,3 +214,51 @@ def test_decode_plan_takes_pdl_only_where_every_program_is_resident(monkeypatch)
     assert not large.pdl and large.num_seqs * 8 * large.num_splits > 2 * sms
     monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
     assert not plan(1).pdl
+
+
+def test_a_traced_pdl_launch_leaves_the_launch_option_to_inductor():
+    """Traced for an Inductor compile, a kernel's PDL constexpr goes into the graph but not ``launch_pdl``, which
+    ``wrap_triton`` would take for a kernel argument: Inductor launches the kernel and gives it the option."""
+    from ops.triton_utils import pdl_args
+
+    with FakeTensorMode():
+        fake = torch.empty(4, 8)
+    assert pdl_args(True, fake) == {"PDL": True}
+    assert pdl_args(True, torch.ones(2)) == {"PDL": True, "launch_pdl": True}
+    assert pdl_args(False, fake) == pdl_args(False, torch.ones(2)) == {"PDL": False}
+
+
+def _ops_chain(x, w, positions, cos_sin, scale):
+    """Library ops (inlined into their kernels by a compile) between native ops, each reading the one before."""
+    from ops import rms_norm, rotary_embedding, static_scaled_fp8_quant
+
+    h = rms_norm(x * 2, w, 1e-6)
+    q, k = rotary_embedding(positions, h, h[:, :1024] + 1, cos_sin, 128)
+    return static_scaled_fp8_quant(q.float().relu().to(q.dtype), scale), k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_inductor_launches_the_library_kernels_it_inlines_with_pdl(monkeypatch, pdl):
+    from dispatcher import compat
+    from ops import compute_cos_sin_cache
+
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    torch.manual_seed(0)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    positions = torch.tensor([5, 17, 300], device="cuda")
+    cos_sin = compute_cos_sin_cache(128, 1024, 500000.0).to("cuda", torch.bfloat16)
+    scale = torch.tensor([0.05], device="cuda")
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    expected = _ops_chain(x, w, positions, cos_sin, scale)
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", pdl)
+    torch.compiler.reset()
+    compiled = torch.compile(_ops_chain, dynamic=False, options={"triton.enable_pdl": True})
+    got, code = compat.run_and_get_code(compiled, x, w, positions, cos_sin, scale)
+    torch.compiler.reset()
+    source = "\n".join(code)
+    launched_early = source.count("triton_meta={'launch_pdl': True")
+    assert launched_early == (3 if hopper and pdl == "1" else 0)  # the norm's, the rotary's and the quant's kernels
+    for a, b in zip(got, expected):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
