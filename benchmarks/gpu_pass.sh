@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -225,6 +225,16 @@ for step in $steps; do
                 | grep -E "'ours|Error"
               timeout 120 python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048 \
                 --out "$R/targets_attention" 2>&1 | tee "$R/targets_attention.log" | grep -E "^\{|Error" ;;
+    pdlinline) # issue 13: the library's kernels Inductor runs inlined, launched with PDL: their CUDA tests, then native
+              # code / custom ops / custom ops + every pass but quant_gemm interleaved (fp8, int8), and the fp8 batch-1
+              # kernel profile of the passes graph (no kernel should start after its predecessor's end)
+              timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 tests/ops/test_pdl.py \
+                tests/ops/test_rotary_embedding.py tests/models/test_quant_fusion.py > "$R/pdlinline_tests.log" 2>&1
+              tail -1 "$R/pdlinline_tests.log"
+              PASS_MODES="level 3,level 3 +ops,level 3 +ops +passes -quant_gemm" PASS_ROUNDS=2 PASS_ARGS="--prefill 0" \
+                PASSES_TIMEOUT=220 bash "$0" passesi
+              timeout 120 python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
+                --mode "level 3 +ops +passes -quant_gemm" --out "$R/kernel_profile_pdlinline" > /dev/null 2>&1 ;;
     stepab)   # issue 12/16: small-M table variants inside the decode step (STEPAB_VARIANTS: NAME=RULES words, see
               # benchmarks/gemm_step_ab.py), alternating, a fresh process a run
               args=(); for v in ${STEPAB_VARIANTS:-table=}; do args+=(--variant "$v"); done
