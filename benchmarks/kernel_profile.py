@@ -2,7 +2,8 @@
 or benchmarks.gemm's linear stack, replayed under torch.profiler (CUPTI records each kernel of a replayed graph).
 
 Per graph it reports, per replay: the kernels (count, device µs), the span from the first kernel's start to the
-last one's end, and the idle time inside the span (no kernel running: launch gaps, dependency waits); then the
+last one's end, the idle time inside the span (no kernel running: launch gaps, dependency waits) and the kernels
+that started before the one before them ended (launched early, under programmatic dependent launch); then the
 kernels grouped by kind (GEMM, attention, the library's other Triton ops, Inductor's generated kernels, other)
 and the top kernels by time. This is the profile the decode-kernel work (issue 16) steers by: at batch 1 a step
 is a weight read, and every µs that is not a GEMM streaming weights is overhead.
@@ -62,7 +63,10 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
     """Rows per kind (and a ``total`` row with span and idle) and per kernel name, per replay."""
     busy, end = 0.0, None
     idle_before: dict[str, float] = defaultdict(float)  # idle time right before a kernel, by the kernel's kind
+    early: dict[str, int] = defaultdict(int)  # kernels started before the ones before them ended (PDL), by kind
     for name, s, e in events:  # the union of kernel intervals (kernels of a stream overlap under PDL)
+        if end is not None and s < end:
+            early[kind_of(name)] += 1
         if end is None or s >= end:
             if end is not None:
                 idle_before[kind_of(name)] += s - end
@@ -81,9 +85,9 @@ def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
     n = replays
     kinds = [{"graph": graph, "kind": "total", "kernels": round(len(events) / n, 1),
               "us": round(sum(e - s for _, s, e in events) / n, 1), "span_us": round(span / n, 1),
-              "idle_us": round((span - busy) / n, 1)}]
+              "idle_us": round((span - busy) / n, 1), "early": round(sum(early.values()) / n, 1)}]
     kinds += [{"graph": graph, "kind": k, "kernels": round(c / n, 1), "us": round(t / n, 1), "span_us": "",
-               "idle_us": round(idle_before[k] / n, 1)}
+               "idle_us": round(idle_before[k] / n, 1), "early": round(early[k] / n, 1)}
               for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])]
     top = [{"graph": graph, "kernel": name[:90], "kind": kind_of(name), "count": round(c / n, 1),
             "us": round(t / n, 1), "mean_us": round(t / c, 2)}
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"decode: {a.mode} {what}, context {a.context}; prefill: the compiled model's call, no "
                  "graph; stack: benchmarks.gemm's 8B linear stack",
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running (a kind's "
-                 "row: the idle time right before its kernels)",
+                 "row: the idle time right before its kernels); early: kernels that started before the kernel before "
+                 "them ended (launched early, programmatic dependent launch)",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
                  f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, Inductor's PDL {inductor_pdl}"]
         common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,
