@@ -277,7 +277,7 @@ def launch_user_kernels_with_pdl(package: str) -> None:
     def define_with_pdl(self: Any, kernel: Any, configs: Any, kwargs: dict[str, Any], *args: Any, **kw: Any) -> Any:
         if not _takes_pdl(kernel, kwargs):
             return define(self, kernel, configs, kwargs, *args, **kw)
-        define_kernel = self.define_kernel
+        define_kernel, own = self.define_kernel, vars(self).get("define_kernel")
 
         def with_launch_pdl(name: str, code: str, *a: Any, **k: Any) -> Any:  # the user_autotune decorator's meta
             return define_kernel(name, code.replace(_PDL_META, _PDL_META + "'launch_pdl': True, ", 1), *a, **k)
@@ -285,8 +285,11 @@ def launch_user_kernels_with_pdl(package: str) -> None:
         self.define_kernel = with_launch_pdl
         try:
             name, triton_meta, inductor_meta, extra = define(self, kernel, configs, kwargs, *args, **kw)
-        finally:
-            del self.define_kernel
+        finally:  # the method as it was (the class's, or one set on the instance)
+            if own is None:
+                del self.define_kernel
+            else:
+                self.define_kernel = own
         triton_meta["launch_pdl"] = True
         return name, triton_meta, inductor_meta, extra
 

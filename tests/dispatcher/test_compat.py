@@ -255,3 +255,58 @@ def test_is_real_tensor_sees_through_functionalize_and_fakes():
     with FakeTensorMode():
         fake = torch.empty(3)
     assert compat.is_real_tensor(torch.randn(3)) and seen == [False] and not compat.is_real_tensor(fake)
+
+
+def test_inductor_emits_a_user_kernels_triton_meta_as_the_pdl_hook_expects():
+    """``launch_user_kernels_with_pdl`` rewrites the ``triton_meta={...}`` of the ``user_autotune`` decorator Inductor
+    writes for a user-defined kernel and passes to ``define_kernel``: a torch that writes it otherwise fails here."""
+    import inspect
+    import re
+
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    define = PythonWrapperCodegen.define_user_defined_triton_kernel
+    source = inspect.getsource(getattr(define, "__wrapped__", define))
+    # torch 2.11 / 2.13: {triton_meta!r}; 2.14: {sanitized_triton_meta!r} (Enums made printable): a dict's repr either way
+    assert re.search(r"triton_meta=\{\w*triton_meta!r\}", source) and "self.define_kernel(" in source
+    assert source.count(compat._PDL_META) == 1
+
+
+def _stub_define(self, kernel, configs, kwargs, *rest):
+    """Inductor's codegen of a user kernel, as far as the hook sees it: one define_kernel call, then the metas."""
+    meta = {"constants": {"PDL": kwargs.get("PDL")}}
+    self.define_kernel("k_0", f"@user_autotune(configs=[], triton_meta={meta!r}, filename=__file__)\n", "# meta")
+    return "k_0", meta, {}, []
+
+
+def _kernel_of(module: str):
+    fn = types.FunctionType(compile("def f(): pass", module, "exec").co_consts[0], {"__name__": module})
+    return types.SimpleNamespace(fn=types.SimpleNamespace(fn=fn))  # a JITFunction's .fn, under an Autotuner's
+
+
+@pytest.mark.parametrize("module,pdl,inductor_pdl,expected", [
+    ("ops.norm_quant", True, True, True), ("ops.norm_quant", False, True, False),
+    ("ops.norm_quant", True, False, False), ("someone_else.kernels", True, True, False),
+])
+def test_user_kernels_of_a_registered_package_launch_with_pdl(monkeypatch, module, pdl, inductor_pdl, expected):
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    monkeypatch.setattr(PythonWrapperCodegen, "define_user_defined_triton_kernel", _stub_define)
+    compat.launch_user_kernels_with_pdl("ops")
+    compat.launch_user_kernels_with_pdl("ops")  # idempotent: one wrapper
+    define = PythonWrapperCodegen.define_user_defined_triton_kernel
+    assert define.__wrapped__ is _stub_define
+    class Wrapper:
+        def __init__(self):
+            self.codes = []
+
+        def define_kernel(self, name, code, metadata):
+            self.codes.append(code)
+
+    wrapper = Wrapper()
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", inductor_pdl, raising=False)
+    _, triton_meta, _, _ = define(wrapper, _kernel_of(module), [], {"PDL": pdl}, [], [], [[1]])
+    assert ("triton_meta={'launch_pdl': True, 'constants'" in wrapper.codes[0]) is expected
+    assert triton_meta.get("launch_pdl", False) is expected
+    assert "define_kernel" not in vars(wrapper)  # the class's method again
