@@ -163,9 +163,9 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
     own PDL option is on in that compile, whatever the size, as Inductor launches its own kernels
     (:func:`pdl_available`). ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
-    if _traced(x):
+    if n is not None and n <= SMALL_ELEMENTS:  # pdl_available tells eager from traced: one test a launch
         return pdl_available(x)
-    return n is not None and n <= SMALL_ELEMENTS and pdl_available(x)
+    return _traced(x) and pdl_available(x)
 
 
 def pdl_available(x: torch.Tensor) -> bool:
