@@ -98,10 +98,23 @@ def variant_option(text: str, name: str) -> int | None:
     return found[-1] if found else None
 
 
+def _prefetching(config: SmallMConfig | None, prefetch: int) -> SmallMConfig | None:
+    """``config`` with ``PREFETCH = prefetch`` (None, a cuBLAS row: as it is)."""
+    return config and dataclasses.replace(config, PREFETCH=prefetch)
+
+
 def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int) -> tuple[SmallMRule, ...]:
     """``table`` with ``PREFETCH = prefetch`` in every config (cuBLAS rows as they are)."""
-    return tuple(dataclasses.replace(r, config=r.config and dataclasses.replace(r.config, PREFETCH=prefetch))
-                 for r in table)
+    return tuple(dataclasses.replace(r, config=_prefetching(r.config, prefetch)) for r in table)
+
+
+def set_inductor_pdl(on: bool) -> None:
+    """Inductor's own kernels launched with programmatic dependent launch (``on``) or not in this process's compiles,
+    through its option as a plugin sets one; ValueError where this torch's Inductor has no such option."""
+    key = compat.inductor_pdl_option()
+    if key is None:
+        raise ValueError("this torch's Inductor has no PDL option")
+    plugins.set_inductor_additional_configs({key: on})
 
 
 def patched_table(rules: list[SmallMRule],
@@ -139,15 +152,10 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     prefetch = variant_option(variant, "prefetch")
     if prefetch is not None:
         table = with_prefetch(table, prefetch)
-        gated = {dtype: tuple((m, c and dataclasses.replace(c, PREFETCH=prefetch)) for m, c in rows)
-                 for dtype, rows in gated.items()}
+        gated = {dtype: tuple((m, _prefetching(c, prefetch)) for m, c in rows) for dtype, rows in gated.items()}
     pdl = variant_option(variant, "inductor_pdl")
-    if pdl is not None:  # Inductor's own kernels with PDL or not: an Inductor option, as a plugin sets one
-        key = compat.inductor_pdl_option()
-        if key is None:
-            raise RuntimeError(f"gemm_step_ab: inductor_pdl in {variant!r}, but this torch's Inductor has no PDL "
-                               f"option")
-        plugins.set_inductor_additional_configs({key: bool(pdl)})
+    if pdl is not None:
+        set_inductor_pdl(bool(pdl))
     with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
             mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):

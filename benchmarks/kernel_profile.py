@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 
 from benchmarks import common, gemm_step_ab
-from dispatcher import compat, plugins
+from dispatcher import compat
 
 # Kernel kinds, the first pattern that matches a kernel's name wins.
 KINDS = (
@@ -170,12 +170,13 @@ def stack_graph(dtype_name: str, impl: str, m: int) -> Callable[[], Any]:
 def _inductor_pdl(p: argparse.ArgumentParser, value: int | None) -> str:
     """Set Inductor's PDL option for this run's compiles when ``--inductor-pdl`` is given (as a plugin sets an
     Inductor option); what the compiles then take, for the notes."""
-    key = compat.inductor_pdl_option()
     if value is None:
-        return "as the library sets it" if key is not None else "none (this torch has no option)"
-    if key is None:
-        p.error("--inductor-pdl: this torch's Inductor has no PDL option")
-    plugins.set_inductor_additional_configs({key: bool(value)})
+        has_option = compat.inductor_pdl_option() is not None
+        return "as the library sets it" if has_option else "none (this torch has no option)"
+    try:
+        gemm_step_ab.set_inductor_pdl(bool(value))
+    except ValueError as e:
+        p.error(f"--inductor-pdl: {e}")
     return "on" if value else "off"
 
 
