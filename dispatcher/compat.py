@@ -256,7 +256,7 @@ _PDL_KERNEL_PACKAGES: set[str] = set()
 _PDL_META = "triton_meta={"
 
 
-def launch_user_kernels_with_pdl(package: str) -> None:
+def launch_user_kernels_with_pdl(package: str) -> bool:
     """Have Inductor launch the Triton kernels of ``package``'s modules that it runs as user-defined kernels (a
     ``torch.library.triton_op`` decomposed into its kernels) with programmatic dependent launch, where such a launch
     passes the kernel's ``PDL`` constexpr as True and Inductor's own PDL option is on in the compile.
@@ -265,13 +265,19 @@ def launch_user_kernels_with_pdl(package: str) -> None:
     ``launch_pdl`` to its own kernels only (``wrap_triton`` forwards ``num_warps`` and the like but not it: torch
     2.11-2.14). A kernel with ``PDL`` on waits for the kernel before ahead of any global memory access and lets the next
     launch (the library's kernels' contract), so launched early it is correct, and the kernels on either side of it
-    overlap their launches with it as Inductor's own do. Idempotent; applies to compiles from then on."""
+    overlap their launches with it as Inductor's own do. Idempotent; applies to compiles from then on.
+
+    Returns whether Inductor can take such kernels: False where its analysis of a user kernel's reads and writes
+    cannot be told to read the kernel's plain form (:func:`_analyze_pdl_kernels_as_plain`); the caller then traces
+    the plain form."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
+    if not _analyze_pdl_kernels_as_plain():
+        return False
     _PDL_KERNEL_PACKAGES.add(package)
     define = PythonWrapperCodegen.define_user_defined_triton_kernel
     if getattr(define, "_dynamo_once_pdl", False):
-        return
+        return True
 
     @functools.wraps(define)
     def define_with_pdl(self: Any, kernel: Any, configs: Any, kwargs: dict[str, Any], *args: Any, **kw: Any) -> Any:
@@ -295,6 +301,41 @@ def launch_user_kernels_with_pdl(package: str) -> None:
 
     define_with_pdl._dynamo_once_pdl = True  # type: ignore[attr-defined]
     PythonWrapperCodegen.define_user_defined_triton_kernel = define_with_pdl  # type: ignore[method-assign]
+    return True
+
+
+#: The function Inductor analyzes a user kernel's TTIR with, for which tensors it reads and writes: torch 2.11-2.14.
+_ACCESS_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+
+
+def _analyze_pdl_kernels_as_plain() -> bool:
+    """Have Inductor analyze a registered package's kernel launched with ``PDL`` on as its ``PDL`` off form.
+
+    The PDL form's wait and launch trigger are Triton inline assembly with side effects (``gdc_wait``,
+    ``gdc_launch_dependents``), which Inductor's TTIR analysis of a user kernel does not know: it gave up and took
+    every tensor argument as written, and a compile with such a kernel then failed in Inductor's scheduler (torch 2.11,
+    ``KeyError`` in ``compute_ancestors``). Both forms make the same loads and stores (the PDL form only waits
+    before them), so the plain form's analysis is the PDL form's. False where no analysis of a known name exists."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    for name in _ACCESS_ANALYSES:
+        analyze = getattr(triton_kernel_wrap, name, None)
+        if analyze is not None:
+            break
+    else:
+        return False
+    if getattr(analyze, "_dynamo_once_pdl", False):
+        return True
+
+    @functools.wraps(analyze)
+    def analyze_plain(kernel: Any, kwargs: dict[str, Any], *args: Any, **kw: Any) -> Any:
+        if kwargs.get("PDL") is True and _in_pdl_package(kernel):
+            kwargs = {**kwargs, "PDL": False}
+        return analyze(kernel, kwargs, *args, **kw)
+
+    analyze_plain._dynamo_once_pdl = True  # type: ignore[attr-defined]
+    setattr(triton_kernel_wrap, name, analyze_plain)
+    return True
 
 
 def _takes_pdl(kernel: Any, kwargs: dict[str, Any]) -> bool:
@@ -304,6 +345,11 @@ def _takes_pdl(kernel: Any, kwargs: dict[str, Any]) -> bool:
 
     if kwargs.get("PDL") is not True or not inductor_pdl_enabled() or inductor_config.cpp_wrapper:
         return False
+    return _in_pdl_package(kernel)
+
+
+def _in_pdl_package(kernel: Any) -> bool:
+    """Whether a Triton kernel (a JITFunction, or an Autotuner over one) is a registered package's."""
     fn = kernel
     while hasattr(fn, "fn"):  # an Autotuner or a JITFunction, then the Python function
         fn = fn.fn

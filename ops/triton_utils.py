@@ -180,8 +180,8 @@ def pdl_available(x: torch.Tensor) -> bool:
         return False
     if not _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
-    if traced:
-        compat.launch_user_kernels_with_pdl(__package__ or __name__.rpartition(".")[0])
+    if traced:  # False where Inductor could not take the PDL form: the plain one then
+        return compat.launch_user_kernels_with_pdl(__package__ or __name__.rpartition(".")[0])
     return True
 
 

@@ -310,3 +310,22 @@ def test_user_kernels_of_a_registered_package_launch_with_pdl(monkeypatch, modul
     assert ("triton_meta={'launch_pdl': True, 'constants'" in wrapper.codes[0]) is expected
     assert triton_meta.get("launch_pdl", False) is expected
     assert "define_kernel" not in vars(wrapper)  # the class's method again
+
+
+@pytest.mark.parametrize("module,pdl,analyzed_pdl", [
+    ("ops.norm_quant", True, False), ("ops.norm_quant", False, False), ("someone_else.kernels", True, True),
+])
+def test_inductor_analyzes_a_registered_kernels_pdl_form_as_its_plain_form(monkeypatch, module, pdl, analyzed_pdl):
+    """Inductor's TTIR analysis of a user kernel's reads and writes does not know the PDL form's inline assembly (it
+    took every tensor as written, and the compile then failed): the hook hands it the kernel's ``PDL`` off form."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    name = next(n for n in compat._ACCESS_ANALYSES if hasattr(triton_kernel_wrap, n))  # a torch without one fails
+    seen = []
+    monkeypatch.setattr(triton_kernel_wrap, name, lambda kernel, kwargs, tma: seen.append(kwargs) or ["out"])
+    assert compat.launch_user_kernels_with_pdl("ops") and compat.launch_user_kernels_with_pdl("ops")
+    analyze = getattr(triton_kernel_wrap, name)
+    assert not getattr(analyze.__wrapped__, "_dynamo_once_pdl", False)  # one wrapper
+    kwargs = {"x_ptr": object(), "PDL": pdl}
+    assert analyze(_kernel_of(module), kwargs, {}) == ["out"]
+    assert seen == [{**kwargs, "PDL": analyzed_pdl}] and kwargs["PDL"] is pdl  # the caller's kwargs untouched

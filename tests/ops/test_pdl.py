@@ -255,7 +255,7 @@ def test_inductor_launches_the_library_kernels_it_inlines_with_pdl(monkeypatch, 
     monkeypatch.setenv("DYNAMO_ONCE_PDL", pdl)
     torch.compiler.reset()
     compiled = torch.compile(_ops_chain, dynamic=False, options={"triton.enable_pdl": True})
-    got, code = compat.run_and_get_code(compiled, x, w, positions, cos_sin, scale)
+    got, code = compat.inductor_code(lambda: compiled(x, w, positions, cos_sin, scale))
     torch.compiler.reset()
     source = "\n".join(code)
     launched_early = source.count("triton_meta={'launch_pdl': True")
