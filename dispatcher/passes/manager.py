@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx
 
-from .. import compat, plugins
+from .. import compat, envs, plugins
 from .counters import pass_counter
 from .fused_add_rms_norm import FusedAddRMSNormPass
 from .gated_linear import GatedLinearPass
@@ -150,9 +150,14 @@ class PostGradPassManager(compat.custom_graph_pass_class()):
 
     def uuid(self) -> str | None:
         """A hash of this manager's source, then of each pass that runs (name and ``uuid()``), then of the
-        chained passes' ``uuid()``; None (Inductor does not cache) when a chained pass returns None."""
+        chained passes' ``uuid()``; None (Inductor does not cache) when a chained pass returns None.
+
+        ``DYNAMO_ONCE_PDL`` too: the library's ops, opaque in the graph the key is computed from, trace to their
+        kernels' PDL or plain form by it (``ops.triton_utils.pdl_launch``); a graph compiled one way must not serve
+        the other."""
         h = hashlib.sha256(module_source_hash(__name__).encode())
         h.update(module_source_hash(compat.__name__).encode())  # the Triton ops' decomposition after the passes
+        h.update(f"\npdl:{envs.pdl()}".encode())
         for p in self.active_passes():
             h.update(f"\n{p.name}:{p.uuid()}".encode())
         for c in self.chained:

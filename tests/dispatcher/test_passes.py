@@ -156,6 +156,15 @@ def test_uuid_changes_with_the_configuration_only():
     assert manager.for_size(8).uuid() == default  # no pass here depends on the size
 
 
+def test_uuid_keeps_pdl_and_plain_kernels_apart(monkeypatch):
+    """The library's ops trace to their kernels' PDL form or plain form by ``DYNAMO_ONCE_PDL``, where the graph the
+    cache key is computed from holds them opaque: the key must tell the two apart."""
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "1")
+    on = build_pass_manager(PassConfig()).uuid()
+    monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+    assert build_pass_manager(PassConfig()).uuid() != on
+
+
 def test_uuid_is_stable_across_processes():
     code = ("import ops\nfrom dispatcher.passes import PassConfig, build_pass_manager\n"
             "print(build_pass_manager(PassConfig()).uuid())")

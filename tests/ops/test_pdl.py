@@ -239,9 +239,13 @@ def _ops_chain(x, w, positions, cos_sin, scale):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", ["0", "1"])
-def test_inductor_launches_the_library_kernels_it_inlines_with_pdl(monkeypatch, pdl):
+def test_inductor_launches_the_library_kernels_it_inlines_with_pdl(monkeypatch, tmp_path, pdl):
     from dispatcher import compat
     from ops import compute_cos_sin_cache
+
+    # A plain torch.compile keys its caches on the graph Dynamo traced, where the ops are opaque: a cached compile of
+    # the other ``pdl`` would serve this one (the library's level 3 keys on DYNAMO_ONCE_PDL: its pass manager's uuid)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     torch.manual_seed(0)
