@@ -10,12 +10,15 @@ each), the µs of one step (decoder + LM head), for:
   for each batch size separately (its CUDA graphs need static shapes);
   both stock modes, and the floor, see native PyTorch for every op but attention (``custom_ops=none``);
 - ``level 3 piecewise``: ours, pieces between attention ops captured per size, attention eager;
-- ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph);
+- ``level 3``: ours, full_and_piecewise (a decode-only step replays one whole-step graph), the defaults: native
+  code, but for a W8A8 checkpoint on CUDA the custom ops and passes of ``models.compile_defaults``;
+- ``level 3 native``: as ``level 3`` with every custom op off (``custom_ops=none``), W8A8 checkpoints too;
 - ``level 3 +ops``: as ``level 3`` with every dynamo-once Triton op on (Inductor's fusion off for them);
 - ``level 3 +ops +passes``: as ``level 3 +ops`` with every graph pass of ``dispatcher.passes`` on (the
   fused-add recognition, the norm / activation + quantization fusions, the small-M linear rewrite);
   ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names); ``level 3 +NAME``,
-  ``level 3 +ops +NAME``: the default passes and pass NAME;
+  ``level 3 +ops +NAME``: the default passes and pass NAME; ``-op:NAME`` / ``+op:NAME``: custom op NAME off / on
+  (after ``+ops``: every op but NAME);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weights+KV floor``: the bytes a decode step must read (every weight once, but of an embedding table only a
   lookup reads just a row a sequence; and the K and V of every cached token of every sequence in every layer) /
@@ -231,8 +234,10 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
     level = {"eager": 0, "level 1": 1, "reduce-overhead": 0, "full-graph floor": 1}.get(mode, 3)
     graph_mode = {"level 3 piecewise": "piecewise"}.get(mode, "full_and_piecewise" if level == 3 else "none")
     graph_mode = graph_mode if cuda and graphs else "none"
+    words = _level3_words(mode)
     custom_ops = ["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor") else \
-        ["all"] if "+ops" in _level3_words(mode) else []
+        (["all"] if "+ops" in words else ["none"] if "native" in words else []) + \
+        [w[0] + w[4:] for w in words if w[1:4] == "op:"]
     return CompilationConfig(level=level, backend="inductor" if level == 1 else None, custom_ops=custom_ops,
                              pass_config=_mode_passes(mode),
                              use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
@@ -248,7 +253,8 @@ def _mode_passes(mode: str) -> str:
     """The pass switches of a benchmark mode: ``all`` with ``+passes``, then each ``+NAME`` / ``-NAME`` (a
     ``PassConfig`` name); passes not named keep their default."""
     words = _level3_words(mode)
-    return ",".join((["all"] if "+passes" in words else []) + [w for w in words if w not in ("+ops", "+passes")])
+    return ",".join((["all"] if "+passes" in words else []) +
+                    [w for w in words if w not in ("+ops", "+passes", "native") and w[1:4] != "op:"])
 
 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,

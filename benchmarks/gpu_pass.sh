@@ -133,10 +133,11 @@ for step in $steps; do
                 (cd "$d" && PYTHONPATH=/tmp/site:$d:$OLDPWD timeout 80 python3 $OLDPWD/benchmarks/piecewise_step.py --tag $v 2>&1 \
                   | grep -E "^\{|Error" | tee -a "$R/comparepw.log")
               done; done ;;
-    passes)   # issue 13: native code / custom ops / custom ops + graph passes, quantized 8B decode and a 2048-token
-              # prefill; bf16 8B: the passes with the ops on against the default
+    passes)   # issue 13: native code / custom ops / the default (for a W8A8 checkpoint the custom ops and the quant
+              # fusions, models.compile_defaults), quantized 8B decode and a 2048-token prefill; bf16 8B: the passes
+              # with the ops on against the default
               for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8 llama-3-8b}; do
-                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}
+                modes=${PASS_MODES:-"level 3 native,level 3 +ops,level 3"}
                 [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" ${PASS_ARGS:-} \
                   --out "$R/passes_$m" 2>&1 | tee "$R/passes_$m.log" | grep -E "^\{|Error"
@@ -144,7 +145,7 @@ for step in $steps; do
     passesi)  # issue 13: as passes, the modes interleaved (decode --rounds: each built and captured first, then timed in
               # turn PASS_ROUNDS rounds a size), so that a drift over the run does not fall on the modes timed last
               for m in ${PASS_MODELS:-llama-3-8b-fp8 llama-3-8b-int8}; do
-                modes=${PASS_MODES:-"level 3,level 3 +ops,level 3 +ops +passes"}
+                modes=${PASS_MODES:-"level 3 native,level 3 +ops,level 3"}
                 [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from dispatcher import get_compilation_config, set_compilation_config
+
+from .compile_defaults import checkpoint_defaults
 from .layers import ConfigError, default_dtype
-from .quantization import QuantizationError
+from .quantization import QuantizationError, parse_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +127,8 @@ def build_model(config: dict[str, Any], dtype: torch.dtype | str | None = None,
 
     A ``quantization_config`` makes the targeted linear layers quantized ones (:mod:`models.quantization`).
     Construct it under the compilation config it should run with (the level
-    and custom-op switch are read at construction).
+    and custom-op switch are read at construction); a W8A8 checkpoint's model fills in that config's
+    unset custom-op switch and passes (:mod:`models.compile_defaults`).
     """
     cls = model_class_for(config, where)
     if config.get("quantization_config") is not None and not getattr(cls, "supports_quantization", False):
@@ -139,7 +143,9 @@ def build_model(config: dict[str, Any], dtype: torch.dtype | str | None = None,
             except ValueError as e:
                 raise ConfigError(f"torch_dtype: {e}") from None
         dt = parse_dtype(dtype if dtype is not None else model_config.torch_dtype)
-        with default_dtype(dt), torch.device(device or "cpu"):
+        compilation = get_compilation_config()
+        chosen = checkpoint_defaults(compilation, parse_quantization_config(config), device)
+        with default_dtype(dt), torch.device(device or "cpu"), set_compilation_config(chosen):
             model = cls(model_config)
     except (QuantizationError, ConfigError) as e:
         raise CheckpointError(f"{_config_file(where)}: {e}") from None

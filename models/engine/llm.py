@@ -162,8 +162,10 @@ class LLM:
             self.model = self._build_model(model, config, dtype, device)
         self.load_time_s = time.perf_counter() - t0
         self.model.eval()
-        self.compilation_config = config
         compiled = [m for m in self.model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)]
+        #: the config the model runs with: the one given, or for a W8A8 checkpoint that with its defaults filled
+        #: in (:mod:`models.compile_defaults`)
+        self.compilation_config = compiled[0].compilation_config if compiled else config
         self.level = compiled[0].compilation_level if compiled else config.level
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
