@@ -24,7 +24,9 @@ __all__ = ["PassConfig"]
 #: faster at batch 1 / 8 / 32 and within 0.8% at 128, fp8 0-0.8% faster at 1, 8 and 128 and 2.9% faster at 32 in
 #: the second run (the first, with the gated form at 17-32 tokens, now the unfused pair, had it 2.2% slower);
 #: a 2048-token prefill within 1.5%. A graph without a W8A8 GEMM never traces its patterns.
-#: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on.
+#: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on. A W8A8 checkpoint's model on CUDA turns
+#: on ``noop``, ``fused_add_rms_norm``, ``rms_norm_quant`` and ``act_quant`` with the custom ops where they are left
+#: at this default (``models.compile_defaults``: with the library's kernels launched with PDL, measured faster).
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``gated_linear``: on. Measured on an H100 only (no H200 was lent; ``benchmarks/results/gatedlin_*_h100*``), the bf16
 #: decode step with it against level 3 without: Llama-3.2-1B at batch 1 20.5 / 50.7 / 31.1 µs faster in three of four
