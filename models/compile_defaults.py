@@ -3,8 +3,8 @@
 At levels 3-4 a model runs native code by default: its custom ops are off and Inductor fuses the norms,
 activations and quantizations itself (``ops.custom_op``). For a W8A8 checkpoint the library's fused kernels
 measured faster (README "Graph passes", ``benchmarks/results/recommended_decode_*``): the custom ops on (but
-the rotary embedding, which Inductor fuses as well, and at 128 tokens the library's cost more) and the passes
-that fuse them with the quantizations (``dispatcher.passes``: ``rms_norm_quant``, ``act_quant``, with
+the rotary embedding: Inductor fuses it as well, and without its op the fp8 step at 128 tokens lost less to native
+code in an H100 run) and the passes that fuse them with the quantizations (``dispatcher.passes``: ``rms_norm_quant``, ``act_quant``, with
 ``fused_add_rms_norm`` and ``noop`` that expose their patterns). Those become the defaults of such a model
 built on a CUDA device, where they were measured; on the CPU the defaults stay native code.
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
-
 import torch
 
 from dispatcher import CompilationConfig, CompilationLevel
+
+from .quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,13 @@ QUANTIZED_CUSTOM_OPS: tuple[str, ...] = ("all", "-rotary_embedding")
 QUANTIZED_PASSES: tuple[str, ...] = ("noop", "fused_add_rms_norm", "rms_norm_quant", "act_quant")
 
 
-def checkpoint_defaults(config: CompilationConfig, quantization: Any | None,
+def checkpoint_defaults(config: CompilationConfig, quantization: QuantizationConfig | None,
                         device: torch.device | str | None) -> CompilationConfig:
     """The config a model of this checkpoint is built under: ``config`` itself, or for a W8A8 checkpoint
     (``quantization``: its parsed ``quantization_config`` with quantized layers) at levels 3-4 on a CUDA
     device with ``custom_ops`` unset, a copy with :data:`QUANTIZED_CUSTOM_OPS` and the passes of
     :data:`QUANTIZED_PASSES` that are at their default turned on."""
-    quantized = quantization is not None and bool(getattr(quantization, "groups", ()))
+    quantized = quantization is not None and bool(quantization.groups)
     if (not quantized or config.custom_ops or config.level < CompilationLevel.INDUCTOR
             or torch.device(device if device is not None else "cpu").type != "cuda"):
         return config
