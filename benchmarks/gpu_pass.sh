@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -149,6 +149,14 @@ for step in $steps; do
                 [ $m = llama-3-8b ] && modes=${PASS_MODES_BF16:-"level 3,level 3 +ops +passes"}
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"
+              done ;;
+    nativeops) # issue 13: the W8A8 default (custom ops + quant fusions) with and without native_ops (native code back in
+              # compiles above DYNAMO_ONCE_NATIVE_OPS_ABOVE tokens) against native code, interleaved: 8B fp8 and int8,
+              # batch 1-128 and a 2048-token prefill
+              for m in ${NATIVE_MODELS:-llama-3-8b-fp8 llama-3-8b-int8}; do
+                timeout ${NATIVE_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --rounds ${NATIVE_ROUNDS:-2} \
+                  --modes "level 3 native,level 3,level 3 +native_ops" --out "$R/nativeops_$m" 2>&1 \
+                  | tee "$R/nativeops_$m.log" | grep -E "^\{|Error"
               done ;;
     pwi)      # issue 18: the piecewise step against the whole-step graph, interleaved (vs_first_mode: the paired ratio)
               for m in ${PWI_MODELS:-llama-3.2-1b llama-3-8b}; do

@@ -41,6 +41,7 @@ __all__ = [
     "register_replacement",
     "pattern_expressions",
     "register_graph_pattern",
+    "replace_op_calls",
     "replace_match",
     "outside_compile",
     "trace_inference_graph",
@@ -532,17 +533,26 @@ def decompose_triton_ops(graph: torch.fx.Graph, names: frozenset[str]) -> int:
     traced as AOTAutograd decomposes it when ``triton_ops_decomposed`` is on: the op's Triton kernels as
     ``triton_kernel_wrapper_functional`` nodes (and the body's allocations), which Inductor launches from its
     generated code instead of calling the op through the dispatcher. Returns how many calls it replaced."""
-    from torch._inductor.pattern_matcher import CallFunctionVarArgs, register_graph_pattern
     from torch._library.custom_ops import OPDEFS
+
+    # triton_op registers its body as the fake kernel
+    return replace_op_calls(graph, {n: OPDEFS[n]._abstract_fn for n in names if n in OPDEFS}, "decompose_triton_ops")
+
+
+def replace_op_calls(graph: torch.fx.Graph, bodies: dict[str, Callable[..., Any]], name: str) -> int:
+    """Replace each call of an op named in ``bodies`` (``"ns::op"``) in a post-grad ``graph`` by ``bodies[op]``
+    traced (functionalized) on the call's arguments, with Inductor's pattern matcher (``name``: its pass's name).
+    Returns how many calls it replaced."""
+    from torch._inductor.pattern_matcher import CallFunctionVarArgs, register_graph_pattern
     from torch.utils import _pytree as pytree
 
     present = {n.target for n in graph.nodes if n.op == "call_function"
-               and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in names}
+               and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in bodies}
     if not present:
         return 0
-    patterns = pattern_matcher_pass("decompose_triton_ops")
+    patterns = pattern_matcher_pass(name)
     for overload in present:
-        body = OPDEFS[overload._schema.name]._abstract_fn  # triton_op registers its body as the fake kernel
+        body = bodies[overload._schema.name]
 
         def replace(match: Any, *args: Any, body: Callable[..., Any] = body, **kwargs: Any) -> None:
             flat, spec = pytree.tree_flatten((args, kwargs))

@@ -32,6 +32,7 @@ __all__ = [
     "compile_cache_disabled",
     "aot_enabled",
     "sequence_parallel_min_tokens",
+    "native_ops_above",
     "async_tp",
 ]
 
@@ -68,6 +69,8 @@ ENV_VARS: dict[str, str] = {
                                        "taking symmetric memory's one-shot / two-shot kernel (unset: NCCL always)",
     "DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS": "tensor parallel, pass sequence_parallel: the smallest compile size (tokens) "
                                                 "it rewrites (default 1024; smaller sizes keep the all-reduce)",
+    "DYNAMO_ONCE_NATIVE_OPS_ABOVE": "pass native_ops: compiles of more tokens than this put the library's ops back in "
+                                    "their native forms (default 64)",
     "DYNAMO_ONCE_ASYNC_TP": "1 (default): the sequence-parallel GEMMs on CUDA overlap their reduce-scatter / all-gather "
                             "(torch symm_mem's fused ops); 0: the plain GEMM, then the NCCL collective",
     "DYNAMO_ONCE_API_KEY": "dynamo-once serve: require 'Authorization: Bearer <key>' (as --api-key); unset or empty: none",
@@ -236,6 +239,22 @@ def sequence_parallel_min_tokens() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS={value!r}: expected a positive integer (tokens), "
                          f"e.g. '{SEQUENCE_PARALLEL_MIN_TOKENS}'")
+    return int(value)
+
+
+#: ``DYNAMO_ONCE_NATIVE_OPS_ABOVE``'s default: the decode sizes where the fp8 8B's step measured faster with the
+#: library's kernels reach 32 tokens, native code led at 128 (README "Graph passes"); 64 between, not measured.
+NATIVE_OPS_ABOVE = 64
+
+
+def native_ops_above() -> int:
+    """``DYNAMO_ONCE_NATIVE_OPS_ABOVE``: pass ``native_ops`` rewrites compiles of more tokens than this."""
+    value = _get("DYNAMO_ONCE_NATIVE_OPS_ABOVE")
+    if value is None or value == "":
+        return NATIVE_OPS_ABOVE
+    if not value.isdigit():
+        raise ValueError(f"DYNAMO_ONCE_NATIVE_OPS_ABOVE={value!r}: expected a non-negative integer (tokens), "
+                         f"e.g. '{NATIVE_OPS_ABOVE}'")
     return int(value)
 
 

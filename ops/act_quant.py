@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .norm_quant import check_quant_dtype, dynamic_quant_ref, static_quant_ref
 from .quant_fp8 import MIN_SCALE, check_quant_input, launch_per_token_quant, per_token_quant_config
 from .quant_int8 import INT8_MIN_SCALE
@@ -217,3 +219,8 @@ def act_and_mul_dynamic_quant_ref(x: torch.Tensor, act: str,
                                   quant_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition: the activation's reference (rounded to ``x.dtype``), then the per-token quant's."""
     return dynamic_quant_ref(act_and_mul_ref(x, act), quant_dtype)
+
+
+# The fused ops' definitions in plain torch, for the passes that put them back
+register_native_form("act_and_mul_static_quant", act_and_mul_static_quant_ref)
+register_native_form("act_and_mul_dynamic_quant", act_and_mul_dynamic_quant_ref)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .quant_fp8 import (
     FP8_DTYPE,
     MIN_SCALE,
@@ -380,3 +382,10 @@ def fused_add_rms_norm_dynamic_quant_ref(
     normed, s = fused_add_rms_norm_ref(x, residual, weight, eps, gemma=gemma)
     q, scale = dynamic_quant_ref(normed, quant_dtype)
     return q, scale, s
+
+
+# The fused ops' definitions in plain torch: the unfused native forms composed, for the passes that put them back
+register_native_form("rms_norm_static_quant", rms_norm_static_quant_ref)
+register_native_form("rms_norm_dynamic_quant", rms_norm_dynamic_quant_ref)
+register_native_form("fused_add_rms_norm_static_quant", fused_add_rms_norm_static_quant_ref)
+register_native_form("fused_add_rms_norm_dynamic_quant", fused_add_rms_norm_dynamic_quant_ref)

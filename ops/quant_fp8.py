@@ -551,6 +551,7 @@ def dynamic_per_token_scaled_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tenso
 
 
 register_native_form("static_scaled_fp8_quant", static_scaled_fp8_quant_ref)
+register_native_form("dynamic_scaled_fp8_quant", dynamic_scaled_fp8_quant_ref)
 register_native_form("dynamic_per_token_scaled_fp8_quant", dynamic_per_token_scaled_fp8_quant_ref)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from dispatcher.passes.native_forms import register_native_form
+
 from .triton_utils import (
     SMALL_ELEMENTS,
     cdiv,
@@ -313,3 +315,19 @@ def fused_add_rms_norm_ref(
     """The fp32 reference of the fused add: ``s = (x + residual).to(x.dtype)``, then ``(rms_norm_ref(s), s)``."""
     s = (x.float() + residual.float()).to(x.dtype).contiguous()
     return rms_norm_ref(s, weight, eps, gemma=gemma), s
+
+
+def _gemma_rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_ref(x, weight, eps, gemma=True)
+
+
+def _gemma_fused_add_rms_norm_native(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_add_rms_norm_ref(x, residual, weight, eps, gemma=True)
+
+
+# What the modules' native paths compute (``RMSNorm.forward_native``), for the passes that put the native code back
+register_native_form("rms_norm", rms_norm_ref)
+register_native_form("gemma_rms_norm", _gemma_rms_norm_native)
+register_native_form("fused_add_rms_norm", fused_add_rms_norm_ref)
+register_native_form("gemma_fused_add_rms_norm", _gemma_fused_add_rms_norm_native)

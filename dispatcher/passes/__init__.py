@@ -12,6 +12,7 @@ from .gated_linear import GatedLinearPass
 from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass
 from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
+from .native_ops import NativeOpsPass
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
@@ -27,6 +28,7 @@ __all__ = [
     "GatedLinearPass",
     "GemmActQuantPass",
     "GraphPass",
+    "NativeOpsPass",
     "NoOpEliminationPass",
     "PassConfig",
     "PassCounter",

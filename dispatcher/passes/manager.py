@@ -34,6 +34,7 @@ from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
+from .native_ops import NativeOpsPass
 from .quant_gemm import QuantGemmPass
 from .rope_linear import RopeLinearPass
 from .sequence_parallel import SequenceParallelPass
@@ -49,7 +50,8 @@ __all__ = ["PostGradPassManager", "build_pass_manager", "builtin_passes", "order
 def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
     passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), GemmActQuantPass(),
-              QuantGemmPass(), SequenceParallelPass(), GatedLinearPass(), RopeLinearPass(), SmallMLinearPass())
+              QuantGemmPass(), SequenceParallelPass(), GatedLinearPass(), RopeLinearPass(), SmallMLinearPass(),
+              NativeOpsPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register_native_form", "native_form", "native_forms_key"]
+__all__ = ["register_native_form", "native_form", "native_forms_key", "registered_native_forms"]
 
 _FORMS: dict[str, Callable[..., Any]] = {}
 
@@ -39,6 +39,11 @@ def register_native_form(op_name: str, fn: Callable[..., Any]) -> None:
 def native_form(op_name: str) -> Callable[..., Any] | None:
     """The registered plain-torch form of ``dynamo_once::<op_name>``, or None."""
     return _FORMS.get(op_name)
+
+
+def registered_native_forms() -> list[str]:
+    """The names of the ops that have a native form, sorted."""
+    return sorted(_FORMS)
 
 
 def native_forms_key(op_names: list[str]) -> str:

@@ -27,6 +27,7 @@ __all__ = ["PassConfig"]
 #: ``DYNAMO_ONCE_PASSES`` (e.g. ``all``) or ``PassConfig(...)`` turns them on. A W8A8 checkpoint's model on CUDA turns
 #: on ``noop``, ``fused_add_rms_norm``, ``rms_norm_quant`` and ``act_quant`` with the custom ops where they are left
 #: at this default (``models.compile_defaults``: with the library's kernels launched with PDL, measured faster).
+#: ``native_ops``: off until measured (written for the fp8 8B's batch-128 step, where native code led by 1.0-1.7%).
 #: ``sequence_parallel``: off until measured (issue 17: a 2048-token prefill at TP=2 against plain TP=2).
 #: ``gated_linear``: on. Measured on an H100 only (no H200 was lent; ``benchmarks/results/gatedlin_*_h100*``), the bf16
 #: decode step with it against level 3 without: Llama-3.2-1B at batch 1 20.5 / 50.7 / 31.1 µs faster in three of four
@@ -44,7 +45,7 @@ __all__ = ["PassConfig"]
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
                                "act_quant": False, "gemm_act_quant": True, "quant_gemm": False,
                                "sequence_parallel": False,
-                               "gated_linear": True, "rope_linear": False, "small_m_linear": True}
+                               "gated_linear": True, "rope_linear": False, "small_m_linear": True, "native_ops": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,11 @@ class PassConfig:
     """bf16 / fp16 linear layers' GEMMs -> ``dynamo_once::linear``: the library's small-M Triton GEMM at decode
     sizes (M <= 16) on the shapes where it is faster than cuBLAS, cuBLAS elsewhere (see
     ``dispatcher.passes.small_m_linear``)."""
+
+    native_ops: bool | None = None
+    """Compiles of more than ``DYNAMO_ONCE_NATIVE_OPS_ABOVE`` tokens: every library op with a registered native form
+    (the norms, activations, quantizations, and the fused ops the passes above made) -> that form, which Inductor
+    fuses itself (see ``dispatcher.passes.native_ops``); smaller and symbolic compiles keep the ops. Runs last."""
 
     def __post_init__(self) -> None:
         for name in self.names():

@@ -73,19 +73,19 @@ def run(n_layers, dtype=torch.float32, tokens=7, passes=None, config=None, **mod
     ("", PassConfig()),
     ("all", PassConfig(noop=True, fused_add_rms_norm=True, rms_norm_quant=True, act_quant=True, gemm_act_quant=True,
                        quant_gemm=True, sequence_parallel=True, gated_linear=True, rope_linear=True,
-                       small_m_linear=True)),
+                       small_m_linear=True, native_ops=True)),
     ("none", PassConfig(noop=False, fused_add_rms_norm=False, rms_norm_quant=False, act_quant=False,
                         gemm_act_quant=False, quant_gemm=False, sequence_parallel=False, gated_linear=False,
-                        rope_linear=False, small_m_linear=False)),
+                        rope_linear=False, small_m_linear=False, native_ops=False)),
     ("none,+fused_add_rms_norm", PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=False,
                                             act_quant=False, gemm_act_quant=False, quant_gemm=False,
                                             sequence_parallel=False, gated_linear=False, rope_linear=False,
-                                            small_m_linear=False)),
+                                            small_m_linear=False, native_ops=False)),
     (" +fused_add_rms_norm , -noop ", PassConfig(noop=False, fused_add_rms_norm=True)),
     (["all", "-noop", "-act_quant"], PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=True,
                                                 act_quant=False, gemm_act_quant=True, quant_gemm=True,
                                                 sequence_parallel=True, gated_linear=True, rope_linear=True,
-                                                small_m_linear=True)),
+                                                small_m_linear=True, native_ops=True)),
     ("-noop", PassConfig(noop=False)),
 ])
 def test_pass_config_parse(tokens, expected):
@@ -122,7 +122,7 @@ def test_pass_config_from_env_and_config(monkeypatch):
                                                                                 "+gemm_act_quant,+quant_gemm,"
                                                                                 "+sequence_parallel,+gated_linear,"
                                                                                 "+rope_linear,"
-                                                                                "+small_m_linear")
+                                                                                "+small_m_linear,+native_ops")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: bad token"):
         CompilationConfig(pass_config="fast")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: expected a PassConfig"):
@@ -313,7 +313,7 @@ def test_plugin_passes_run_where_they_asked(add_pass):
     names = [p.name for p in build_pass_manager(PassConfig.parse("all")).passes]
     assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "rms_norm_quant",
                      "act_quant", "gemm_act_quant", "quant_gemm", "sequence_parallel", "gated_linear", "rope_linear",
-                     "small_m_linear",
+                     "small_m_linear", "native_ops",
                      "last"]
     # the library's passes switched off keep their places as anchors; plugin passes still run
     names = [p.name for p in build_pass_manager(PassConfig.parse("none")).passes]
