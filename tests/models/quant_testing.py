@@ -128,6 +128,14 @@ def save_quantized(path, hf, name, prompts, scale_dtype=torch.float32):
     return config["quantization_config"]
 
 
+def tiny_quantized(tmp_path_factory, name):
+    """A tiny W8A8 Llama checkpoint (models_testing's HF Llama, quantized by scheme ``name``): its directory."""
+    hf = models_testing.save_hf_llama(tmp_path_factory.mktemp("hf"))
+    path = tmp_path_factory.mktemp(name)
+    save_quantized(path, hf, name, models_testing.PROMPTS)
+    return str(path)
+
+
 def load_tensors(path):
     from safetensors.torch import load_file
 

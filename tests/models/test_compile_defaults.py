@@ -14,16 +14,13 @@ from models import LLM
 from models.compile_defaults import QUANTIZED_CUSTOM_OPS, QUANTIZED_PASSES, checkpoint_defaults
 from models.quantization import parse_quantization_config
 
-from models_testing import PROMPTS, save_hf_llama
-from quant_testing import FLIP_ATOL, cuda_prefill_logits, prefill_logits, save_quantized
+from models_testing import PROMPTS
+from quant_testing import FLIP_ATOL, cuda_prefill_logits, prefill_logits, tiny_quantized
 
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
-    hf = save_hf_llama(tmp_path_factory.mktemp("hf"))
-    path = tmp_path_factory.mktemp("fp8-static")
-    save_quantized(path, hf, "fp8-static", PROMPTS)
-    return str(path)
+    return tiny_quantized(tmp_path_factory, "fp8-static")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from dispatcher.passes import GraphPass, pass_counter
 from dispatcher.passes.native_forms import registered_native_forms
 from models import LLM
 
-from models_testing import PROMPTS, save_hf_llama
-from quant_testing import assert_logits_match, prefill_logits, save_quantized
+from models_testing import PROMPTS
+from quant_testing import assert_logits_match, prefill_logits, tiny_quantized
 
 STEP = sum(len(p) for p in PROMPTS)  # 23
 FUSIONS = "+noop,+fused_add_rms_norm,+rms_norm_quant,+act_quant"
@@ -39,10 +39,7 @@ class CountBySize(GraphPass):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    hf = save_hf_llama(tmp_path_factory.mktemp("hf"))
-    path = tmp_path_factory.mktemp("fp8-static")
-    save_quantized(path, hf, "fp8-static", PROMPTS)
-    return str(path)
+    return tiny_quantized(tmp_path_factory, "fp8-static")
 
 
 @pytest.fixture
