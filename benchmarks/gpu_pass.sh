@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -158,6 +158,12 @@ for step in $steps; do
                   --modes "level 3 native,level 3,level 3 +native_ops" --out "$R/nativeops_$m" 2>&1 \
                   | tee "$R/nativeops_$m.log" | grep -E "^\{|Error"
               done ;;
+    w8a8)     # issue 13: the W8A8 default's and native_ops' CUDA tests, then nativeops for fp8 (one device call)
+              timeout ${W8A8_TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 --tb=short -rf \
+                tests/models/test_compile_defaults.py tests/models/test_quantized.py tests/models/test_quant_fusion.py \
+                tests/models/test_quant_gemm_pass.py tests/models/test_native_ops.py > "$R/w8a8_tests.log" 2>&1
+              grep -E "FAILED|ERROR" "$R/w8a8_tests.log" | head -10; tail -1 "$R/w8a8_tests.log"
+              NATIVE_MODELS=${NATIVE_MODELS:-llama-3-8b-fp8} bash "$0" nativeops ;;
     pwi)      # issue 18: the piecewise step against the whole-step graph, interleaved (vs_first_mode: the paired ratio)
               for m in ${PWI_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${PWI_TIMEOUT:-250} python3 -m benchmarks.decode --models $m --modes "level 3,level 3 piecewise" \

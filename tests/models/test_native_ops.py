@@ -16,7 +16,7 @@ from dispatcher.passes.native_forms import registered_native_forms
 from models import LLM
 
 from models_testing import PROMPTS
-from quant_testing import assert_logits_match, prefill_logits, tiny_quantized
+from quant_testing import FLIP_ATOL, assert_logits_match, prefill_logits, tiny_quantized
 
 STEP = sum(len(p) for p in PROMPTS)  # 23
 FUSIONS = "+noop,+fused_add_rms_norm,+rms_norm_quant,+act_quant"
@@ -86,3 +86,22 @@ def test_native_ops_above_must_be_a_token_count(checkpoint, monkeypatch):
     monkeypatch.setenv("DYNAMO_ONCE_NATIVE_OPS_ABOVE", "many")
     with pytest.raises(ValueError, match="DYNAMO_ONCE_NATIVE_OPS_ABOVE='many': expected a non-negative integer"):
         run(checkpoint, ["all"], "+native_ops")
+
+
+@pytest.mark.cuda
+def test_cuda_native_ops_run_native_code_above_the_threshold(checkpoint, monkeypatch):
+    """On the GPU, bf16, the W8A8 default (custom ops and quant fusions) + ``native_ops`` below the prefill step's
+    size: that compile is native code's (no library op with a native form left), so the logits are native code's
+    up to Inductor's own choices (flips bounded as in test_quantized's CUDA test)."""
+    monkeypatch.setenv("DYNAMO_ONCE_NATIVE_OPS_ABOVE", str(STEP - 1))
+    kw = dict(max_num_tokens=32, device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    for custom_ops, passes in ((["none"], ""), ([], "+native_ops")):
+        torch._dynamo.reset()
+        cfg = CompilationConfig(level=3, custom_ops=custom_ops, use_cudagraph=False, compile_sizes=[STEP],
+                                pass_config=passes)
+        with compat.fresh_inductor_cache(), pass_counter.record() as counts:
+            outs[passes] = prefill_logits(LLM(checkpoint, compilation_config=cfg, **kw), PROMPTS).cpu()
+    assert counts.matches["native_ops"] == 7 and counts.matches["rms_norm_quant"] >= 4
+    diff = (outs["+native_ops"] - outs[""]).abs()
+    assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
