@@ -30,7 +30,7 @@ from dispatcher import get_compilation_config, set_compilation_config
 
 from .compile_defaults import checkpoint_defaults
 from .layers import ConfigError, default_dtype
-from .quantization import QuantizationError, parse_quantization_config
+from .quantization import QuantizationError
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,8 @@ def build_model(config: dict[str, Any], dtype: torch.dtype | str | None = None,
                 raise ConfigError(f"torch_dtype: {e}") from None
         dt = parse_dtype(dtype if dtype is not None else model_config.torch_dtype)
         compilation = get_compilation_config()
-        chosen = checkpoint_defaults(compilation, parse_quantization_config(config), device)
+        # the model config parsed quantization_config already (None: a floating-point model, or one without it)
+        chosen = checkpoint_defaults(compilation, getattr(model_config, "quantization", None), device)
         with default_dtype(dt), torch.device(device or "cpu"), set_compilation_config(chosen):
             model = cls(model_config)
     except (QuantizationError, ConfigError) as e:

@@ -30,11 +30,11 @@ from .fused_add_rms_norm import FusedAddRMSNormPass
 from .gated_linear import GatedLinearPass
 from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass, module_source_hash
+from .native_ops import NativeOpsPass
 from .noop_elimination import NoOpEliminationPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
-from .native_ops import NativeOpsPass
 from .quant_gemm import QuantGemmPass
 from .rope_linear import RopeLinearPass
 from .sequence_parallel import SequenceParallelPass
