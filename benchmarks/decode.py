@@ -18,7 +18,8 @@ each), the µs of one step (decoder + LM head), for:
   fused-add recognition, the norm / activation + quantization fusions, the small-M linear rewrite);
   ``level 3 +ops +passes -NAME ...``: every pass but those named (``PassConfig``'s names); ``level 3 +NAME``,
   ``level 3 +ops +NAME``: the default passes and pass NAME; ``-op:NAME`` / ``+op:NAME``: custom op NAME off / on
-  (after ``+ops``: every op but NAME);
+  (after ``+ops``: every op but NAME); ``size:N``: also compile each piece for exactly N tokens
+  (``compile_sizes``; the per-size compile a graph of N tokens then runs, which ``native_ops`` acts in);
 - ``full-graph floor``: the level-1 compiled step captured whole in one CUDA graph (launch-overhead floor);
 - ``weights+KV floor``: the bytes a decode step must read (every weight once, but of an embedding table only a
   lookup reads just a row a sequence; and the K and V of every cached token of every sequence in every layer) /
@@ -238,8 +239,9 @@ def mode_config(mode: str, cuda: bool, capture_sizes: list[int], graphs: bool = 
     custom_ops = ["none"] if mode in ("level 1", "reduce-overhead", "full-graph floor") else \
         (["all"] if "+ops" in words else ["none"] if "native" in words else []) + \
         [w[0] + w[4:] for w in words if w[1:4] == "op:"]
+    compile_sizes = [int(w[5:]) for w in words if w.startswith("size:")]
     return CompilationConfig(level=level, backend="inductor" if level == 1 else None, custom_ops=custom_ops,
-                             pass_config=_mode_passes(mode),
+                             pass_config=_mode_passes(mode), compile_sizes=compile_sizes,
                              use_cudagraph=graph_mode != "none", cudagraph_mode=graph_mode,
                              cudagraph_capture_sizes=sorted(set(capture_sizes)) if cuda else [1])
 
@@ -254,7 +256,8 @@ def _mode_passes(mode: str) -> str:
     ``PassConfig`` name); passes not named keep their default."""
     words = _level3_words(mode)
     return ",".join((["all"] if "+passes" in words else []) +
-                    [w for w in words if w not in ("+ops", "+passes", "native") and w[1:4] != "op:"])
+                    [w for w in words if w not in ("+ops", "+passes", "native") and w[1:4] != "op:"
+                     and not w.startswith("size:")])
 
 
 def bench_model(name: str, batches: list[int], context: int, prefill: int, device: torch.device,

@@ -707,3 +707,17 @@ def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
         with pytest.raises(SystemExit) as e:
             gi.main(argv)
         assert e.value.code == 2
+
+
+def test_decode_mode_words_set_ops_passes_and_compile_sizes():
+    """A level-3 mode's words: custom ops (``+ops``, ``native``, ``-op:NAME``), passes (``+passes``, ``+NAME``,
+    ``-NAME``) and per-size compiles (``size:N``), each into the config field it names and no other."""
+    from benchmarks.decode import mode_config
+
+    cfg = mode_config("level 3 +ops -op:rotary_embedding +native_ops size:128 size:64", cuda=False,
+                      capture_sizes=[1])
+    assert cfg.custom_ops == ["all", "-rotary_embedding"]
+    assert cfg.compile_sizes == [64, 128]
+    assert cfg.pass_config.switch("native_ops") is True and cfg.pass_config.switch("act_quant") is None
+    native = mode_config("level 3 native", cuda=False, capture_sizes=[1])
+    assert native.custom_ops == ["none"] and native.compile_sizes == []

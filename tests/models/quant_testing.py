@@ -260,17 +260,17 @@ def prefill_logits(llm, prompts):
     return torch.stack(models_testing.prefill_logits(llm, prompts))
 
 
-def cuda_prefill_logits(path, passes):
-    """The quantized checkpoint at ``path`` in bf16 on the GPU at level 3 (CUDA graphs on), the custom ops off (a
-    W8A8 checkpoint's default on CUDA turns them on: models.compile_defaults), with the graph passes
-    ``passes``: ``(logits, counts, llm)``, each of models_testing.PROMPTS' last-token logits (fp32, on the CPU), the
-    passes' counts (``pass_counter``) over the compile, and the LLM."""
+def cuda_prefill_logits(path, passes, custom_ops=("none",)):
+    """The quantized checkpoint at ``path`` in bf16 on the GPU at level 3 (CUDA graphs on), the custom ops
+    ``custom_ops`` (default off: a W8A8 checkpoint's default on CUDA turns them on, models.compile_defaults), with
+    the graph passes ``passes``: ``(logits, counts, llm)``, each of models_testing.PROMPTS' last-token logits (fp32,
+    on the CPU), the passes' counts (``pass_counter``) over the compile, and the LLM."""
     from dispatcher import CompilationConfig, compat
     from dispatcher.passes import pass_counter
     from models import LLM
 
     torch._dynamo.reset()
-    cfg = CompilationConfig(level=3, custom_ops=["none"], pass_config=passes)
+    cfg = CompilationConfig(level=3, custom_ops=list(custom_ops), pass_config=passes)
     with compat.fresh_inductor_cache(), pass_counter.record() as counts:
         llm = LLM(path, max_num_tokens=32, compilation_config=cfg, device="cuda", dtype=torch.bfloat16)
         logits = prefill_logits(llm, models_testing.PROMPTS).cpu()
