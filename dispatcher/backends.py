@@ -45,7 +45,17 @@ def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict
         option = compat.POST_GRAD_PASS_OPTION
         min_tokens = envs.sequence_parallel_min_tokens() if config.pass_config.enabled("sequence_parallel") else None
         options[option] = build_pass_manager(config.pass_config, options.get(option), min_tokens)
+        if config.pass_config.enabled("native_ops"):
+            _check_native_ops_sizes(tuple(config.compile_sizes), envs.native_ops_above())
     return options
+
+
+def _check_native_ops_sizes(compile_sizes: tuple[int, ...], above: int) -> None:
+    """``native_ops`` acts only in per-size compiles above its threshold: say so (a compile's backend) where none is."""
+    if not any(size > above for size in compile_sizes):
+        logger.warning("pass native_ops is on but changes nothing: it acts in per-size compiles of more than "
+                       "DYNAMO_ONCE_NATIVE_OPS_ABOVE=%d tokens, and CompilationConfig.compile_sizes has none (%s); "
+                       "add the step sizes it should serve", above, list(compile_sizes))
 
 
 def resolve_backend(config: CompilationConfig, level: CompilationLevel) -> str | Callable[..., Any]:

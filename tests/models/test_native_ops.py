@@ -88,6 +88,20 @@ def test_native_ops_above_must_be_a_token_count(checkpoint, monkeypatch):
         run(checkpoint, ["all"], "+native_ops")
 
 
+@pytest.mark.parametrize("sizes,warned", [([], True), ([STEP], True), ([STEP, STEP + 1], False)])
+def test_native_ops_without_a_compile_size_above_the_threshold_says_it_does_nothing(checkpoint, monkeypatch,
+                                                                                   caplog, sizes, warned):
+    monkeypatch.setenv("DYNAMO_ONCE_NATIVE_OPS_ABOVE", str(STEP))
+    torch._dynamo.reset()
+    cfg = CompilationConfig(level=3, use_cudagraph=False, compile_sizes=sizes, pass_config="+native_ops")
+    with caplog.at_level("WARNING", logger="dispatcher.backends"):
+        prefill_logits(LLM(checkpoint, max_num_tokens=32, compilation_config=cfg), PROMPTS[:1])
+    said = [r.getMessage() for r in caplog.records if "native_ops" in r.getMessage()]
+    assert bool(said) == warned
+    if warned:
+        assert f"DYNAMO_ONCE_NATIVE_OPS_ABOVE={STEP}" in said[0] and "compile_sizes" in said[0]
+
+
 @pytest.mark.cuda
 def test_cuda_native_ops_run_native_code_above_the_threshold(checkpoint, monkeypatch):
     """On the GPU, bf16, the W8A8 default (custom ops and quant fusions) + ``native_ops`` below the prefill step's
