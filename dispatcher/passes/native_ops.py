@@ -4,7 +4,8 @@
 The custom ops and the fusion passes are chosen for a whole model, but which is faster depends on the step's
 size: the library's kernels win at decode sizes, where a step is a chain of short launches, and Inductor's fusion
 of the native code can win in larger steps (the fp8 8B's batch-128 step, README "Graph passes"). Each per-size
-compile sees its size, so this pass, the last of the library's, puts every library op that has a registered
+compile (``CompilationConfig.compile_sizes``: by default none, and then this pass changes nothing; the backend
+warns) sees its size, so this pass, the last of the library's, puts every library op that has a registered
 native form (``dispatcher.passes.native_forms``: the norms, activations, quantizations and the fused ops the
 other passes made of them) back in that form in the compiles above the threshold; smaller ones and the symbolic
 compile keep the library's kernels. Ops without a native form (attention, the GEMMs) stay.
