@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks import common
+from benchmarks.gpu_clocks import ClockSampler, nvml_available
 from dispatcher import CompilationConfig, CUDAGraphMode, CUDAGraphs, set_compilation_config
 from models.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from models import KVCache, attention_layers
@@ -157,8 +158,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Median µs of ``fn`` (wall clock with a sync each call: a decode step's latency as a server sees it)."""
+def _time(fn: Callable[[], Any], device: torch.device, iters: int, clocks: ClockSampler | None = None) -> float:
+    """Median µs of ``fn`` (wall clock with a sync each call: a decode step's latency as a server sees it);
+    ``clocks`` samples the GPU's clock and power after each launch, while the call runs (before its sync)."""
     for _ in range(3):
         fn()
     times = []
@@ -166,6 +168,8 @@ def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
         _sync(device)
         t0 = time.perf_counter()
         fn()
+        if clocks is not None:
+            clocks.sample()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e6)
     times.sort()
@@ -371,12 +375,12 @@ class _ModeRun:
             self.h.set_decode(b)
             self.graphs.capture([b], self.graph_mode, lambda n: self.h.step())
 
-    def time_decode(self, batch: int, iters: int) -> float:
+    def time_decode(self, batch: int, iters: int, clocks: ClockSampler | None = None) -> float:
         h = self.h
         h.set_decode(batch)
         if self.graphs is None:
-            return _time(h.step, h.device, iters)
-        return _time(lambda: self.graphs.run(self.graph_mode, batch, lambda n: h.step()), h.device, iters)
+            return _time(h.step, h.device, iters, clocks)
+        return _time(lambda: self.graphs.run(self.graph_mode, batch, lambda n: h.step()), h.device, iters, clocks)
 
     def time_prefill(self, tokens: int, iters: int) -> float:
         self.h.set_prefill(tokens)
@@ -410,14 +414,16 @@ def _in_turn(runs: list[_ModeRun], rounds: int, measure: Callable[[_ModeRun], fl
 
 def bench_interleaved(name: str, batches: list[int], context: int, prefill: int, device: torch.device,
                       dtype: torch.dtype, modes: list[str], iters: int, copy_bw: float | None, rounds: int,
-                      trace_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list, list]:
+                      trace_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                      clocks: bool = False) -> tuple[list, list]:
     """Every mode built and captured first, all kept; then for each batch size (then the prefill) ``rounds``
     rounds that time each mode in turn (A B C A B C ...), so that a drift of the GPU's or host's speed over the
     run (clocks, heat, other tenants) falls on every mode alike rather than on the modes timed last, as
     :func:`bench_model`'s one mode after another lets it. A row's ``us_per_step`` is the median of its rounds'
     medians; ``rounds_us`` lists them in order; ``vs_first_mode``: the median of its per-round ratios to the first
     mode's time (a paired comparison, e.g. ``level 3 piecewise`` against ``level 3``). Needs every mode's model in
-    memory at once."""
+    memory at once. ``clocks``: each decode row also gives the median SM clock and power draw while its calls ran
+    (``sm_mhz``, ``power_w``: :mod:`benchmarks.gpu_clocks`)."""
     _check_interleavable(modes, rounds)
     trace_tokens = trace_tokens or max(max(batches), prefill, 2)
     runs = [_ModeRun(name, m, batches, context, prefill, device, dtype, trace_tokens, kv_cache_dtype) for m in modes]
@@ -427,10 +433,13 @@ def bench_interleaved(name: str, batches: list[int], context: int, prefill: int,
         floor = Floor(_weight_bytes(h.model), _kv_bytes_per_token(h.cache), copy_bw, _row_bytes(h.model))
     rows, prefill_rows = [], []
     for b in batches:
-        for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_decode(b, iters)):  # noqa: B023 - called here
+        samplers = {id(r): ClockSampler(device) for r in runs} if clocks else {}
+        measure = lambda r: r.time_decode(b, iters, samplers.get(id(r)))  # noqa: B023, E731 - called in this turn
+        for r, us, ratio in _in_turn(runs, rounds, measure):
             rows.append(dict(model=name, mode=r.mode, batch=b, us_per_step=round(statistics.median(us), 1),
                              compile_s=round(r.compile_s, 1), vs_first_mode=round(ratio, 3),
-                             rounds_us="/".join(f"{u:.1f}" for u in us)))
+                             rounds_us="/".join(f"{u:.1f}" for u in us),
+                             **(samplers[id(r)].medians() if clocks else {})))
             print(rows[-1], flush=True)
     if prefill:
         for r, us, ratio in _in_turn(runs, rounds, lambda r: r.time_prefill(prefill, iters)):
@@ -627,6 +636,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="interleave the modes: build and capture every mode first, then time them in turn for this "
                         "many rounds a batch size (a row: the median round; rounds_us: each round), so that a "
                         "drift over the run falls on every mode alike (default: one mode after another)")
+    p.add_argument("--clocks", action="store_true",
+                   help="with --rounds on a GPU: each decode row also gives the median SM clock (sm_mhz) and power "
+                        "draw (power_w) NVML read while its calls ran (needs pynvml: nvidia-ml-py)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", nargs="?", const="decode", choices=["decode", "prefill"], default=None,
                    help="only print torch.profiler tables of one decode step (or with `prefill`, of one --prefill "
@@ -646,6 +658,9 @@ def main(argv: list[str] | None = None) -> None:
             _check_interleavable(a.modes.split(","), a.rounds)
         except ValueError as e:
             p.error(str(e))
+    if a.clocks and (a.rounds is None or a.quick or not nvml_available()):
+        p.error("--clocks: needs --rounds and NVML (a CUDA device and pynvml, from nvidia-ml-py); got "
+                + ("no --rounds" if a.rounds is None else "--quick" if a.quick else "no NVML here"))
     if a.startup_child:
         startup_child(a.startup_child)
         return
@@ -719,7 +734,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if a.rounds is not None:
             rows, prefill_rows = bench_interleaved(name, batches, context, prefill, device, dtype, modes, iters,
-                                                   copy_bw, a.rounds, trace_tokens, a.kv_cache_dtype)
+                                                   copy_bw, a.rounds, trace_tokens, a.kv_cache_dtype, a.clocks)
             startup = {}
             save(rows, prefill_rows, startup, tag=tag + "_interleaved")
         else:

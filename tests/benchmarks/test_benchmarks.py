@@ -85,6 +85,8 @@ def test_decode_rounds_times_every_mode_in_every_round(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--modes", "level 3,reduce-overhead", "--rounds", "2"], ["--rounds", "reduce-overhead"]),
     (["--modes", "level 3", "--rounds", "0"], ["rounds", ">= 1", "0"]),
+    (["--modes", "level 3", "--clocks"], ["--clocks", "--rounds", "got no --rounds"]),
+    (["--modes", "level 3", "--rounds", "2", "--clocks"], ["--clocks", "NVML", "got --quick"]),
 ])
 def test_decode_rounds_rejects_what_it_cannot_interleave_in_one_line(args, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -721,3 +723,26 @@ def test_decode_mode_words_set_ops_passes_and_compile_sizes():
     assert cfg.pass_config.switch("native_ops") is True and cfg.pass_config.switch("act_quant") is None
     native = mode_config("level 3 native", cuda=False, capture_sizes=[1])
     assert native.custom_ops == ["none"] and native.compile_sizes == []
+
+
+def test_clock_sampler_gives_the_median_clock_and_power_of_its_samples():
+    from benchmarks.gpu_clocks import ClockSampler
+
+    readings = iter([(1980.0, 690.1), (1755.0, 700.0), (1830.0, 695.5)])
+    sampler = ClockSampler(torch.device("cpu"), read=lambda device: next(readings))
+    assert sampler.medians() == {}
+    for _ in range(3):
+        sampler.sample()
+    assert sampler.medians() == {"sm_mhz": 1830, "power_w": 695.5}
+
+
+def test_clock_sampler_stops_after_a_failed_reading_without_raising():
+    from benchmarks.gpu_clocks import ClockSampler
+
+    def read(device):
+        raise RuntimeError("NVML: not supported")
+
+    sampler = ClockSampler(torch.device("cpu"), read=read)
+    sampler.sample()
+    sampler.sample()
+    assert sampler.medians() == {}
