@@ -231,15 +231,20 @@ def symm_mem_all_reduce() -> tuple[int, int] | None:
 SEQUENCE_PARALLEL_MIN_TOKENS = 1024  # dispatcher.passes.sequence_parallel.DEFAULT_MIN_TOKENS
 
 
+def _token_count(name: str, default: int, minimum: int) -> int:
+    """A token-count variable: ``default`` when unset or empty, else an integer >= ``minimum`` (0 or 1)."""
+    value = _get(name)
+    if value is None or value == "":
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name}={value!r}: expected {kind} integer (tokens), e.g. '{default}'")
+    return int(value)
+
+
 def sequence_parallel_min_tokens() -> int:
     """``DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS``: the smallest compile size the sequence-parallel pass rewrites."""
-    value = _get("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS")
-    if value is None or value == "":
-        return SEQUENCE_PARALLEL_MIN_TOKENS
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS={value!r}: expected a positive integer (tokens), "
-                         f"e.g. '{SEQUENCE_PARALLEL_MIN_TOKENS}'")
-    return int(value)
+    return _token_count("DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS", SEQUENCE_PARALLEL_MIN_TOKENS, 1)
 
 
 #: ``DYNAMO_ONCE_NATIVE_OPS_ABOVE``'s default: the decode sizes where the fp8 8B's step measured faster with the
@@ -249,13 +254,7 @@ NATIVE_OPS_ABOVE = 64
 
 def native_ops_above() -> int:
     """``DYNAMO_ONCE_NATIVE_OPS_ABOVE``: pass ``native_ops`` rewrites compiles of more tokens than this."""
-    value = _get("DYNAMO_ONCE_NATIVE_OPS_ABOVE")
-    if value is None or value == "":
-        return NATIVE_OPS_ABOVE
-    if not value.isdigit():
-        raise ValueError(f"DYNAMO_ONCE_NATIVE_OPS_ABOVE={value!r}: expected a non-negative integer (tokens), "
-                         f"e.g. '{NATIVE_OPS_ABOVE}'")
-    return int(value)
+    return _token_count("DYNAMO_ONCE_NATIVE_OPS_ABOVE", NATIVE_OPS_ABOVE, 0)
 
 
 def async_tp() -> bool:
