@@ -67,14 +67,15 @@ def test_an_unquantized_checkpoint_keeps_native_code():
 def test_cuda_llm_runs_a_w8a8_checkpoint_with_the_fused_kernels(fp8_checkpoint):
     """``LLM`` on the GPU at level 3 with no custom-op switch: the fused norm / activation quantizations run (every
     norm's and activation's quantization fused in every compile), and the logits are those of the same custom ops
-    unfused up to the roundings the fused kernels may flip (bounded as in test_quant_fusion's CUDA test).
+    unfused up to the roundings the fused kernels may flip (bounded as in test_quant_fusion's CUDA test); the
+    default's logits against the fp32 reference of the quantized math: test_quantized's CUDA test.
 
-    Against native code only a relative bound holds: in bf16, torch 2.11's Inductor drops the norm's and the
-    activation's cast back to bf16 before the quantization's cast to fp32 (its ``pointless_convert`` rewrite), so
-    native code quantizes the fp32 values where the modules round to bf16 first, and ~1 in 16 fp8 values (those
-    within a bf16 ulp of an fp8 rounding boundary) lands a step apart: measured 0.625 at most on an H100."""
+    Not against native code: in bf16, torch 2.11's Inductor drops the norm's and the activation's cast back to bf16
+    before the quantization's cast to fp32 (its ``pointless_convert`` rewrite), so native code quantizes other
+    values than the modules (~1 in 16 fp8 values, those within a bf16 ulp of an fp8 rounding boundary, a step
+    apart), and no bound follows from the formats: on an H100 the largest logit difference was 0.625, the
+    relative one per sequence 0.06-0.14 (a tiny random model amplifies a flipped step)."""
     unfused, _, _ = cuda_prefill_logits(fp8_checkpoint, "none", custom_ops=QUANTIZED_CUSTOM_OPS)
-    native, _, _ = cuda_prefill_logits(fp8_checkpoint, "")
     torch._dynamo.reset()
     with compat.fresh_inductor_cache(), pass_counter.record() as counts:
         llm = LLM(fp8_checkpoint, max_num_tokens=32, compilation_config=CompilationConfig(level=3), device="cuda",
@@ -85,6 +86,4 @@ def test_cuda_llm_runs_a_w8a8_checkpoint_with_the_fused_kernels(fp8_checkpoint):
     assert counts.matches["rms_norm_quant"] == 4 * compiles and counts.matches["act_quant"] == 2 * compiles
     diff = (got - unfused).abs()
     assert diff.max() <= FLIP_ATOL, f"max |diff| {diff.max():.3g}"
-    rel = (got - native).norm(dim=-1) / native.norm(dim=-1)
-    assert rel.max() <= 0.1, f"relative difference from native code's logits per sequence: {rel.tolist()}"
     assert len(llm.generate(PROMPTS[:1], max_new_tokens=4)[0]) == 4
