@@ -150,14 +150,15 @@ for step in $steps; do
                 timeout ${PASSES_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --modes "$modes" \
                   --rounds ${PASS_ROUNDS:-3} ${PASS_ARGS:-} --out "$R/passesi_$m" 2>&1 | tee "$R/passesi_$m.log" | grep -E "^\{|Error"
               done ;;
-    nativeops) # issue 13: the W8A8 default (custom ops + quant fusions) with and without native_ops (native code back in
-              # compiles above DYNAMO_ONCE_NATIVE_OPS_ABOVE tokens, so each mode gets a 128-token compile) against native
-              # code, interleaved: 8B fp8 and int8, batch 1-128 and a 2048-token prefill; with pynvml (wheels/: nvidia-ml-py)
-              # each row's SM clock and power (--clocks: is fp8's batch-128 loss a lower clock?)
+    nativeops) # issue 13: the W8A8 default (custom ops + quant fusions; with a compile size above
+              # DYNAMO_ONCE_NATIVE_OPS_ABOVE tokens also native_ops: native code back in those compiles, so each mode
+              # gets a 128-token compile) with and without native_ops against native code, interleaved: 8B fp8 and
+              # int8, batch 1-128 and a 2048-token prefill; with pynvml (wheels/: nvidia-ml-py) each row's SM clock and
+              # power (--clocks)
               for m in ${NATIVE_MODELS:-llama-3-8b-fp8 llama-3-8b-int8}; do
                 timeout ${NATIVE_TIMEOUT:-280} python3 -m benchmarks.decode --models $m --iters 30 --rounds ${NATIVE_ROUNDS:-2} \
                   $(python3 -c "import pynvml" 2>/dev/null && echo --clocks) \
-                  --modes "${NATIVE_MODES:-level 3 native size:128,level 3 size:128,level 3 +native_ops size:128}" \
+                  --modes "${NATIVE_MODES:-level 3 native size:128,level 3 -native_ops size:128,level 3 size:128}" \
                   --out "$R/nativeops_$m" 2>&1 \
                   | tee "$R/nativeops_$m.log" | grep -E "^\{|Error"
               done ;;

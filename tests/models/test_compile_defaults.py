@@ -11,7 +11,7 @@ import torch
 from dispatcher import CompilationConfig, compat
 from dispatcher.passes import pass_counter
 from models import LLM
-from models.compile_defaults import QUANTIZED_CUSTOM_OPS, QUANTIZED_PASSES, checkpoint_defaults
+from models.compile_defaults import QUANTIZED_CUSTOM_OPS, QUANTIZED_PASSES, QUANTIZED_SIZED_PASSES, checkpoint_defaults
 from models.quantization import parse_quantization_config
 
 from models_testing import PROMPTS
@@ -41,6 +41,25 @@ def test_a_w8a8_checkpoint_on_cuda_gets_the_custom_ops_and_the_quant_fusions(w8a
     assert given.custom_ops == [] and given.pass_config.token_string() == ""
     assert checkpoint_defaults(given, w8a8, torch.device("cuda", 1)).custom_ops == list(QUANTIZED_CUSTOM_OPS)
     assert checkpoint_defaults(CompilationConfig(level=4, use_cudagraph=False), w8a8, "cuda").custom_ops
+
+
+@pytest.mark.parametrize("sizes,above,on", [([128], None, True), ([8, 64], None, False), ([], None, False),
+                                             ([32], "16", True), ([128], "128", False)])
+def test_native_ops_joins_the_defaults_with_a_compile_size_above_its_threshold(w8a8, monkeypatch, sizes, above, on):
+    """``native_ops`` (native code in the compiles above ``DYNAMO_ONCE_NATIVE_OPS_ABOVE`` tokens, default 64) is on
+    where ``compile_sizes`` gives it a size to act in, and off (it would do nothing, and say so) elsewhere."""
+    if above is not None:
+        monkeypatch.setenv("DYNAMO_ONCE_NATIVE_OPS_ABOVE", above)
+    chosen = checkpoint_defaults(CompilationConfig(level=3, compile_sizes=sizes, use_cudagraph=False), w8a8, "cuda")
+    assert QUANTIZED_SIZED_PASSES == ("native_ops",)
+    assert chosen.pass_config.enabled("native_ops") is on
+    assert all(chosen.pass_config.enabled(name) for name in QUANTIZED_PASSES)
+
+
+def test_native_ops_switched_off_stays_off_with_a_large_compile_size(w8a8):
+    given = CompilationConfig(level=3, compile_sizes=[128], pass_config="-native_ops", use_cudagraph=False)
+    chosen = checkpoint_defaults(given, w8a8, "cuda")
+    assert not chosen.pass_config.enabled("native_ops") and chosen.pass_config.enabled("rms_norm_quant")
 
 
 def test_a_config_that_chooses_keeps_its_choice(w8a8):
