@@ -156,6 +156,9 @@ class CompilationConfig:
         passes = envs.passes()
         if passes is not None:
             kwargs["pass_config"] = passes
+        sizes = envs.compile_sizes()
+        if sizes is not None:
+            kwargs["compile_sizes"] = sizes
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -33,6 +33,7 @@ __all__ = [
     "aot_enabled",
     "sequence_parallel_min_tokens",
     "native_ops_above",
+    "compile_sizes",
     "async_tp",
 ]
 
@@ -46,6 +47,8 @@ ENV_VARS: dict[str, str] = {
     "DYNAMO_ONCE_PDL": "1 (default): latency-bound Triton ops, and at levels 3-4 Inductor's kernels, launch with "
                        "programmatic dependent launch (Hopper+); 0: off",
     "DYNAMO_ONCE_PASSES": 'levels 3-4 graph passes, e.g. "+fused_add_rms_norm,-noop", "all", "none"',
+    "DYNAMO_ONCE_COMPILE_SIZES": 'levels 3-4: token counts that also get a compile of their own, e.g. "128,256" '
+                                 "(CompilationConfig.compile_sizes; default none: one compile serves every size)",
     "DYNAMO_ONCE_SMALL_M_GEMM": "1 (default): the W8A8 GEMMs use the Triton small-M kernel at small M on CUDA; 0: cuBLAS",
     "DYNAMO_ONCE_FP8_FAST_ACCUM": "0 (default): cuBLAS's fp8 GEMMs promote their sums to fp32 as they go; 1: fast "
                                   "accumulation (the tensor cores' own accumulator: less precise; on the H200 no "
@@ -121,6 +124,18 @@ def custom_ops() -> list[str] | None:
     if value is None:
         return None
     return [tok.strip() for tok in value.split(",") if tok.strip()]
+
+
+def compile_sizes() -> list[int] | None:
+    """``DYNAMO_ONCE_COMPILE_SIZES``: comma-separated positive token counts; None when unset or empty."""
+    value = _get("DYNAMO_ONCE_COMPILE_SIZES")
+    if value is None or not value.strip():
+        return None
+    tokens = [tok.strip() for tok in value.split(",")]
+    if not all(tok.isdigit() and int(tok) >= 1 for tok in tokens):
+        raise ValueError(f"DYNAMO_ONCE_COMPILE_SIZES={value!r}: expected comma-separated positive integers (tokens), "
+                         "e.g. '128,256'")
+    return [int(tok) for tok in tokens]
 
 
 def use_bytecode_hook() -> bool:

@@ -119,8 +119,22 @@ def test_env_var_table_lists_every_variable():
         "DYNAMO_ONCE_UNIFIED_ATTENTION", "DYNAMO_ONCE_MIXED_DECODE_FUSED",
         "DYNAMO_ONCE_WARM_ATTENTION", "DYNAMO_ONCE_CACHE_DIR", "DYNAMO_ONCE_DISABLE_COMPILE_CACHE", "DYNAMO_ONCE_AOT",
         "DYNAMO_ONCE_API_KEY", "DYNAMO_ONCE_SYMM_MEM_ALL_REDUCE", "DYNAMO_ONCE_SEQUENCE_PARALLEL_MIN_TOKENS",
-        "DYNAMO_ONCE_ASYNC_TP", "DYNAMO_ONCE_NATIVE_OPS_ABOVE",
+        "DYNAMO_ONCE_ASYNC_TP", "DYNAMO_ONCE_NATIVE_OPS_ABOVE", "DYNAMO_ONCE_COMPILE_SIZES",
     }
+
+
+@pytest.mark.parametrize("value,sizes", [("128,256", [128, 256]), (" 256, 128 ,128", [128, 256]), ("", [])])
+def test_compile_sizes_from_the_environment(monkeypatch, value, sizes):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_SIZES", value)
+    assert CompilationConfig.from_env().compile_sizes == sizes
+    assert CompilationConfig.from_env(compile_sizes=[8]).compile_sizes == [8]  # an argument wins
+
+
+@pytest.mark.parametrize("value", ["0", "128,", "12.5", "-4", "big"])
+def test_bad_compile_sizes_in_the_environment_name_the_variable(monkeypatch, value):
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_SIZES", value)
+    with pytest.raises(ValueError, match=r"DYNAMO_ONCE_COMPILE_SIZES=.*expected comma-separated positive integers"):
+        CompilationConfig.from_env()
 
 
 def test_levels_3_4_launch_inductors_kernels_with_pdl_unless_told_otherwise(monkeypatch):

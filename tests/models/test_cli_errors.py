@@ -71,6 +71,17 @@ def test_bad_env_value_is_one_line(command, monkeypatch, capsys):
         main([command, *model, *extra, "--verbose"])
 
 
+def test_compile_sizes_reach_the_cli_from_the_environment(monkeypatch, capsys):
+    """``DYNAMO_ONCE_COMPILE_SIZES`` is the CLI's and the server's way to per-size compiles (``native_ops``)."""
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_SIZES", "256,128")
+    assert main(["env"]) == 0
+    assert "compile_sizes=[128, 256]" in capsys.readouterr().out
+    monkeypatch.setenv("DYNAMO_ONCE_COMPILE_SIZES", "128,big")
+    assert main(["generate", "--model", "tiny-llama", "--random-prompts", "--device", "cpu"]) == 2
+    err = one_line(capsys, "dynamo-once generate: ")
+    assert "DYNAMO_ONCE_COMPILE_SIZES='128,big'" in err and "positive integers" in err, err
+
+
 @pytest.fixture
 def bad_ckpt(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": "64"}))
