@@ -21,6 +21,7 @@ import torch
 from . import compat, envs, plugins
 from .config import CompilationConfig, CompilationLevel
 from .passes import build_pass_manager, compile_context
+from .passes.native_ops import acts_in_any as native_ops_acts
 from .counters import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -46,16 +47,16 @@ def inductor_options(config: CompilationConfig, level: CompilationLevel) -> dict
         min_tokens = envs.sequence_parallel_min_tokens() if config.pass_config.enabled("sequence_parallel") else None
         options[option] = build_pass_manager(config.pass_config, options.get(option), min_tokens)
         if config.pass_config.enabled("native_ops"):
-            _check_native_ops_sizes(tuple(config.compile_sizes), envs.native_ops_above())
+            _check_native_ops_sizes(config.compile_sizes)
     return options
 
 
-def _check_native_ops_sizes(compile_sizes: tuple[int, ...], above: int) -> None:
+def _check_native_ops_sizes(compile_sizes: list[int]) -> None:
     """``native_ops`` acts only in per-size compiles above its threshold: say so (a compile's backend) where none is."""
-    if not any(size > above for size in compile_sizes):
+    if not native_ops_acts(compile_sizes):
         logger.warning("pass native_ops is on but changes nothing: it acts in per-size compiles of more than "
                        "DYNAMO_ONCE_NATIVE_OPS_ABOVE=%d tokens, and CompilationConfig.compile_sizes has none (%s); "
-                       "add the step sizes it should serve", above, list(compile_sizes))
+                       "add the step sizes it should serve", envs.native_ops_above(), list(compile_sizes))
 
 
 def resolve_backend(config: CompilationConfig, level: CompilationLevel) -> str | Callable[..., Any]:

@@ -22,7 +22,8 @@ import dataclasses
 import logging
 import torch
 
-from dispatcher import CompilationConfig, CompilationLevel, envs
+from dispatcher import CompilationConfig, CompilationLevel
+from dispatcher.passes.native_ops import acts_in_any as native_ops_acts
 
 from .quantization import QuantizationConfig
 
@@ -50,8 +51,7 @@ def checkpoint_defaults(config: CompilationConfig, quantization: QuantizationCon
             or torch.device(device if device is not None else "cpu").type != "cuda"):
         return config
     passes = config.pass_config
-    sized = any(size > envs.native_ops_above() for size in config.compile_sizes)
-    names = QUANTIZED_PASSES + (QUANTIZED_SIZED_PASSES if sized else ())
+    names = QUANTIZED_PASSES + (QUANTIZED_SIZED_PASSES if native_ops_acts(config.compile_sizes) else ())
     switches = {name: True for name in names if passes.switch(name) is None}
     chosen = dataclasses.replace(config, custom_ops=list(QUANTIZED_CUSTOM_OPS),
                                  pass_config=dataclasses.replace(passes, **switches))

@@ -13,6 +13,7 @@ compile keep the library's kernels. Ops without a native form (attention, the GE
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -21,7 +22,15 @@ from .. import compat, envs
 from .graph_pass import GraphPass
 from .native_forms import native_form, native_forms_key, registered_native_forms
 
-__all__ = ["NativeOpsPass"]
+__all__ = ["NativeOpsPass", "acts_in_any"]
+
+
+def acts_in_any(compile_sizes: Iterable[int]) -> bool:
+    """Whether the pass rewrites a compile of any of these token counts: more than ``DYNAMO_ONCE_NATIVE_OPS_ABOVE``.
+    The symbolic compile it never rewrites, so without such a size in ``CompilationConfig.compile_sizes`` it does
+    nothing."""
+    above = envs.native_ops_above()
+    return any(size > above for size in compile_sizes)
 
 
 class NativeOpsPass(GraphPass):
@@ -32,7 +41,7 @@ class NativeOpsPass(GraphPass):
     opaque_ops: ClassVar[bool] = True  # the ops as called, one node each, not their Triton kernels
 
     def is_applicable(self, size: int | None) -> bool:
-        return size is not None and size > envs.native_ops_above()
+        return size is not None and acts_in_any((size,))
 
     def state_key(self) -> str:
         names = registered_native_forms()
