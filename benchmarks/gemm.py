@@ -80,23 +80,27 @@ MODELS = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
 # --quick: the same structure shrunk 16x (K and N multiples of 16), two layers.
 QUICK = Model(2, (("qkv", 256, 384), ("o", 256, 256), ("gate_up", 256, 1792), ("down", 896, 256)),
               ("lm_head", 256, 8016))
-def ours_config(m: int, n: int, k: int, dtype: torch.dtype, prefetch: int | None = None) -> SmallMConfig | None:
+def ours_config(m: int, n: int, k: int, dtype: torch.dtype, prefetch: int | None = None,
+                preload: int | None = None) -> SmallMConfig | None:
     """The table's config, past SMALL_M_MAX too, up to the dtype's largest M and its largest-M row beyond (None
     where the table leaves the shape to cuBLAS: "ours" is then the op's cuBLAS path).
 
     ``prefetch`` (an "ours pfN" row): that ``SmallMConfig.PREFETCH``, and the kernel everywhere (fp8 shapes the
-    table leaves to cuBLAS take int8's row, as ``ops.small_m_scaled_mm`` does by default)."""
+    table leaves to cuBLAS take int8's row, as ``ops.small_m_scaled_mm`` does by default). ``preload`` (an "ours
+    plN" row): the table's configs with ``PRELOAD`` N where they are the unrolled GEMV (the others as they are)."""
     largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
     config = ops.small_m_config(min(m, largest), n, k, dtype, max_m=largest)
+    if preload is not None and config is not None and config.UNROLL:
+        return dataclasses.replace(config, PRELOAD=preload)
     if prefetch is None:
         return config
     config = config or ops.small_m_config(min(m, largest), n, k, INT8, max_m=largest)
     return dataclasses.replace(config, PREFETCH=prefetch)
 
 
-def impl_prefetch(impl: str) -> int | None:
-    """``"ours pf4"`` -> 4; ``"ours"``, ``"cuBLAS"`` -> None."""
-    return int(impl.removeprefix("ours pf")) if impl.startswith("ours pf") else None
+def impl_prefetch(impl: str, prefix: str = "ours pf") -> int | None:
+    """``"ours pf4"`` -> 4; ``"ours"``, ``"cuBLAS"`` -> None (``prefix="ours pl"``: the "ours plN" rows' N)."""
+    return int(impl.removeprefix(prefix)) if impl.startswith(prefix) else None
 
 
 @contextmanager
@@ -159,9 +163,9 @@ def stack_step(model: Model, impl: str, dtype: torch.dtype, layers: list, lm_hea
     g = torch.Generator(device=device).manual_seed(m)
     acts = {k: _activation(dtype, m, k, device, g) for k in {k for _, k, _ in model.shapes}}
     x = torch.randn(m, model.lm_head[1], generator=g, device=device, dtype=BF16)
-    pf = impl_prefetch(impl)
-    calls = [(acts[k], ours_config(m, n, k, dtype, pf)) for _, k, n in model.shapes]
-    head_config = ours_config(m, model.lm_head[2], model.lm_head[1], BF16, pf)
+    pf, pl = impl_prefetch(impl), impl_prefetch(impl, "ours pl")
+    calls = [(acts[k], ours_config(m, n, k, dtype, pf, pl)) for _, k, n in model.shapes]
+    head_config = ours_config(m, model.lm_head[2], model.lm_head[1], BF16, pf, pl)
 
     def step() -> list[torch.Tensor]:
         first = []
@@ -414,6 +418,14 @@ def _dtype_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
     return names
 
 
+def _counts(p: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
+    """``"0,2,8"`` -> ``["0", "2", "8"]``; anything but comma-separated integers >= 0: ``p.error`` naming ``flag``."""
+    counts = [v.strip() for v in value.split(",") if v.strip()]
+    if not all(v.isdigit() for v in counts):
+        p.error(f"{flag}: expected comma-separated integers >= 0; got {value!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens) of the stack runs")
@@ -429,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
                                                     "'ours pfN'), e.g. 0,2,8")
+    p.add_argument("--preload", default="", help="also time ours with these SmallMConfig.PRELOAD values in its "
+                   "unrolled-GEMV rows (rows 'ours plN'), e.g. 1,2,8")
     p.add_argument("--fast-accum", action="store_true", help="also time fp8 on cuBLAS with fast accumulation "
                    "(rows 'cuBLAS fast': DYNAMO_ONCE_FP8_FAST_ACCUM=1)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"dtypes of the stack runs (of {', '.join(DTYPES)})")
@@ -437,10 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     ms, sweep_ms = common.int_list(p, "--ms", a.ms), common.int_list(p, "--sweep-ms", a.sweep_ms)
-    pfs = [v.strip() for v in a.prefetch.split(",") if v.strip()]
-    if not all(v.isdigit() for v in pfs):
-        p.error(f"--prefetch: expected comma-separated integers >= 0; got {a.prefetch!r}")
-    impls = list(IMPLS) + [f"ours pf{v}" for v in pfs] + ([FAST] if a.fast_accum else [])
+    pfs, pls = (_counts(p, flag, value) for flag, value in (("--prefetch", a.prefetch), ("--preload", a.preload)))
+    impls = list(IMPLS) + [f"ours pf{v}" for v in pfs] + [f"ours pl{v}" for v in pls] + ([FAST] if a.fast_accum else [])
     sweep_dtypes, dtypes = (_dtype_list(p, flag, value) for flag, value in
                             (("--sweep-dtypes", a.sweep_dtypes), ("--dtypes", a.dtypes)))
     if not torch.cuda.is_available():
@@ -478,6 +490,9 @@ def main(argv: list[str] | None = None) -> None:
              "ours pfN: the table's configs with PREFETCH = N (BLOCK_K steps of each program's weights prefetched into "
              "L2 before it waits for the kernel before), on every shape (fp8's cuBLAS shapes take int8's row); "
              "every small-M GEMM launches with programmatic dependent launch on Hopper"]
+    if pls:
+        notes.append("ours plN: the table's configs, its unrolled-GEMV rows with PRELOAD = N (BLOCK_K steps of each "
+                     "program's weights loaded into registers before it waits for the kernel before)")
     if a.fast_accum:
         notes.append("cuBLAS fast: fp8 as the cuBLAS rows with DYNAMO_ONCE_FP8_FAST_ACCUM=1 (torch._scaled_mm's "
                      "use_fast_accum; the lm_head is bf16 either way); its correct column: within 2**-6 of the largest "

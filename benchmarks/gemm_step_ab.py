@@ -12,7 +12,8 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
-config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch);
+config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch),
+``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait);
 ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
 launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
 dtype (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the
@@ -79,12 +80,12 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
-_OVERRIDE = re.compile(r"^(prefetch|inductor_pdl)=(\d+)$")
+_OVERRIDE = re.compile(r"^(prefetch|preload|inductor_pdl)=(\d+)$")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
-    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N`` and
-    ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
+    """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N``,
+    ``preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
@@ -92,20 +93,29 @@ def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
 
 
 def variant_option(text: str, name: str) -> int | None:
-    """The variant's ``name=N`` item (``prefetch``, ``inductor_pdl``; the last one given), or None: none given."""
+    """The variant's ``name=N`` item (``prefetch``, ``preload``, ``inductor_pdl``; the last one given), or None: none
+    given."""
     items = map(_OVERRIDE.match, text.partition("=")[2].split(";"))
     found = [int(m.group(2)) for m in items if m and m.group(1) == name]
     return found[-1] if found else None
 
 
-def _prefetching(config: SmallMConfig | None, prefetch: int) -> SmallMConfig | None:
-    """``config`` with ``PREFETCH = prefetch`` (None, a cuBLAS row: as it is)."""
-    return config and dataclasses.replace(config, PREFETCH=prefetch)
+def _prefetching(config: SmallMConfig | None, prefetch: int | None = None,
+                 preload: int | None = None) -> SmallMConfig | None:
+    """``config`` with ``PREFETCH = prefetch`` and, an unrolled GEMV's, ``PRELOAD = preload`` (either None: as it
+    is; a config of None, a cuBLAS row: None)."""
+    if config is not None and prefetch is not None:
+        config = dataclasses.replace(config, PREFETCH=prefetch)
+    if config is not None and config.UNROLL and preload is not None:
+        config = dataclasses.replace(config, PRELOAD=preload)
+    return config
 
 
-def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int) -> tuple[SmallMRule, ...]:
-    """``table`` with ``PREFETCH = prefetch`` in every config (cuBLAS rows as they are)."""
-    return tuple(dataclasses.replace(r, config=_prefetching(r.config, prefetch)) for r in table)
+def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int | None,
+                  preload: int | None = None) -> tuple[SmallMRule, ...]:
+    """``table`` with ``PREFETCH = prefetch`` in every config and ``PRELOAD = preload`` in every unrolled GEMV's
+    (either None: as it is; cuBLAS rows as they are)."""
+    return tuple(dataclasses.replace(r, config=_prefetching(r.config, prefetch, preload)) for r in table)
 
 
 def set_inductor_pdl(on: bool) -> None:
@@ -149,10 +159,11 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
 
     _, rules = parse_variant(variant)
     table, gated = patched_table(rules), dict(small_m_gemm.GATED_ROWS)
-    prefetch = variant_option(variant, "prefetch")
-    if prefetch is not None:
-        table = with_prefetch(table, prefetch)
-        gated = {dtype: tuple((m, _prefetching(c, prefetch)) for m, c in rows) for dtype, rows in gated.items()}
+    prefetch, preload = variant_option(variant, "prefetch"), variant_option(variant, "preload")
+    if prefetch is not None or preload is not None:
+        table = with_prefetch(table, prefetch, preload)
+        gated = {dtype: tuple((m, _prefetching(c, prefetch, preload)) for m, c in rows)
+                 for dtype, rows in gated.items()}
     pdl = variant_option(variant, "inductor_pdl")
     if pdl is not None:
         set_inductor_pdl(bool(pdl))

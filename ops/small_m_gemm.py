@@ -265,9 +265,11 @@ def _small_m_gemv_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, GATED: tl.constexpr,
-    H: tl.constexpr, QUANT_A: tl.constexpr = False,
+    H: tl.constexpr, QUANT_A: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
 ):
     # GATED: as _small_m_gemm_kernel's, BLOCK_N gate rows and their up rows (two accumulators).
+    # PRELOAD: the first PRELOAD loop steps' weight tiles loaded into registers before the wait for the kernel
+    # before (the weights do not depend on it; SmallMConfig.PRELOAD), the rest after it (without PDL: first).
     # QUANT_A (8-bit w): a is in a float dtype, quantized to w's dtype as loaded with the static per-tensor scale
     # a_scale_ptr[0] (quantize_by_scale: ops.static_scaled_{fp8,int8}_quant's values), once an element (a's row
     # read and quantized flat, then broadcast over the tile's rows); the epilogue then scales by that scale.
@@ -278,7 +280,14 @@ def _small_m_gemv_kernel(
         row = row.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < (N // 2 if GATED else N)
-    if PDL:  # no weight prefetch before the wait (SmallMConfig.PREFETCH: it made the 1B's step slower)
+    # weight tiles before the wait: in registers, not prefetched into L2 (SmallMConfig.PREFETCH's form, which made
+    # the 1B's step slower); GATED: the up rows' tiles too
+    pre, pre_up = (), ()
+    for i in tl.static_range(PRELOAD):
+        pre = pre + (_w_tile(w_ptr, offs_n, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
+        if GATED:
+            pre_up = pre_up + (_w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc_type = tl.int32 if INTEGER else tl.float32
@@ -286,24 +295,24 @@ def _small_m_gemv_kernel(
     acc_up = tl.zeros_like(acc)  # GATED only
     for k in tl.static_range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         # BYTES (8-bit weights): a's row read in w's layout (each row of the tile the same addresses, from L1), no
         # shared-memory broadcast and barrier a step; else read once and broadcast
         if BYTES and not QUANT_A:
             a_ptrs = a_ptr + row * stride_am + (offs_k[None, :] + 0 * offs_n[:, None])
         else:
             a_ptrs = a_ptr + row * stride_am + offs_k
-        up_ptrs = w_ptr + (offs_n + N // 2)[:, None] * stride_wn + offs_k[None, :]  # GATED only
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        if k // BLOCK_K < PRELOAD:
+            w = pre[k // BLOCK_K]
             if GATED:
-                w_up = tl.load(up_ptrs, eviction_policy="evict_first")
+                w_up = pre_up[k // BLOCK_K]
+        else:
+            w = _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+            if GATED:
+                w_up = _w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
             a = tl.load(a_ptrs, eviction_policy="evict_last")
         else:
             k_ok = offs_k < K
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            if GATED:
-                w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             a = tl.load(a_ptrs, mask=k_ok[None, :] if BYTES and not QUANT_A else k_ok, other=0.0,
                         eviction_policy="evict_last")
         if QUANT_A:  # products exact in the accumulator (8-bit x 8-bit), summed as the fma of the BYTES form
@@ -326,6 +335,17 @@ def _small_m_gemv_kernel(
                  mask=n_ok[None, :])
 
 
+@triton.jit
+def _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The GEMV's weight tile of rows ``offs_n`` (``n_ok``: those that exist) and K columns ``k ... k + BLOCK_K``
+    (streamed once: ``evict_first``); EVEN: no mask (every row and column exists)."""
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k + tl.arange(0, BLOCK_K))[None, :]
+    if EVEN:
+        return tl.load(w_ptrs, eviction_policy="evict_first")
+    k_ok = (k + tl.arange(0, BLOCK_K)) < K
+    return tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+
+
 # The unrolled GEMV over ROWS (2, 4 or 8) rows of a a program (SmallMConfig.UNROLL with BLOCK_M > 1): each weight tile
 # is loaded and converted once and multiplied into ROWS accumulators, each [BLOCK_N, BLOCK_K] in the tile's layout,
 # where one row a program reads each weight once from HBM and ROWS - 1 times from L2, each read with its own load
@@ -343,7 +363,7 @@ def _small_m_gemv_rows_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_wn, K: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, BYTES: tl.constexpr, DP4A: tl.constexpr, PRELOAD: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, ROWS)
@@ -353,6 +373,9 @@ def _small_m_gemv_rows_kernel(
         row = row.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
     n_ok = offs_n < N
+    pre = ()
+    for i in tl.static_range(PRELOAD):  # as the one-row kernel's
+        pre = pre + (_w_tile(w_ptr, offs_n, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -360,11 +383,10 @@ def _small_m_gemv_rows_kernel(
     acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     for k in tl.static_range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        if k // BLOCK_K < PRELOAD:
+            w = pre[k // BLOCK_K]
         else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0, eviction_policy="evict_first")
+            w = _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K, EVEN)  # EVEN: N % BLOCK_N == K % BLOCK_K == 0
         if not DP4A:
             w = w.to(tl.int32 if INTEGER else tl.float32)  # once for every row
         a_ptrs = a_ptr + row * stride_am + offs_k
@@ -526,6 +548,10 @@ class SmallMConfig:
             one a loop step (the rolled GEMV form's). ``num_stages`` does not apply. ``BLOCK_M`` rows of a a
             program (at most ``UNROLL_MAX_ROWS``): 1 (a row a program: the only form the gated, quantizing and
             rotary GEMVs have) or more, each weight tile loaded once for all of them.
+        PRELOAD: ``UNROLL`` only: loop steps of each program's weights loaded into registers before the program
+            waits for the kernel before it (programmatic dependent launch): the read of this GEMV's first weights
+            overlaps the previous kernel's tail, with no instruction added (``PREFETCH``'s L2 prefetch, the dot
+            tiles' form, adds one a cache line). 0 (default): every load after the wait. The same results.
     """
 
     BLOCK_M: int
@@ -539,6 +565,7 @@ class SmallMConfig:
     SERIAL: bool = False
     SWAP: bool = False
     UNROLL: bool = False
+    PRELOAD: int = 0
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -552,8 +579,12 @@ class SmallMConfig:
         if self.UNROLL and (self.DOT or self.BLOCK_M > UNROLL_MAX_ROWS or self.SPLIT_K != 1):
             raise ValueError(f"SmallMConfig: UNROLL (the unrolled GEMV) needs DOT=False, BLOCK_M <= {UNROLL_MAX_ROWS} "
                              f"and SPLIT_K=1; got {self}")
-        if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0:
-            raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH >= 0; got {self}")
+        if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0 or self.PRELOAD < 0:
+            raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH and PRELOAD >= 0; "
+                             f"got {self}")
+        if self.PRELOAD and not self.UNROLL:
+            raise ValueError(f"SmallMConfig: PRELOAD (weights loaded before the wait) is the unrolled GEMV's "
+                             f"(UNROLL=True); got {self}")
 
 
 #: M at most this takes the Triton kernel in the public ops (``small_m_config``'s default); above, cuBLAS.
@@ -851,13 +882,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     quant_a = a.element_size() != w.element_size()
+    preload = min(c.PRELOAD, cdiv(k, c.BLOCK_K))  # loop steps before the wait (at most all of them)
     if c.UNROLL and c.BLOCK_M > 1:
         assert not gated and not quant_a, "the gated and quantizing GEMVs take a row a program (BLOCK_M = 1)"
         even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0
         _small_m_gemv_rows_kernel[(cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N),)](
             a, w, a_scale, w_scale, bias, out, m, n, a.stride(0), w.stride(0), K=k, ROWS=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.dtype == torch.int8,
-            DP4A=_dp4a_fits(c, a, w, even), num_warps=c.num_warps, enable_fp_fusion=False, **flags,
+            DP4A=_dp4a_fits(c, a, w, even), PRELOAD=preload, num_warps=c.num_warps, enable_fp_fusion=False, **flags,
         )
         return out
     if c.UNROLL:
@@ -866,7 +898,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
             a, w, a_scale, w_scale, bias, out, amax, m, n, a.stride(0), w.stride(0), K=k, BLOCK_N=c.BLOCK_N,
             BLOCK_K=c.BLOCK_K, INTEGER=w.dtype == torch.int8, EVEN=even, BYTES=w.element_size() == 1,
             DP4A=not quant_a and _dp4a_fits(c, a, w, even), GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
-            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, **flags,
+            num_warps=c.num_warps, enable_fp_fusion=False, QUANT_A=quant_a, PRELOAD=preload, **flags,
         )
         return out
     assert not quant_a, "a float a with 8-bit weights: the unrolled GEMV's form only"

@@ -21,10 +21,12 @@ pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("bf16_dot_in_the_in
 act_and_mul = importlib.import_module("ops.silu_and_mul")
 
 # GATED_ROWS' bf16 GEMV row, a GEMV of two rows with K in several steps, and a dot tile with K in two steps and an
-# uneven last one.
+# uneven last one; that GEMV with its first two
+# steps' weights loaded first (PRELOAD).
 CONFIGS = list(dict.fromkeys(
     [c for _, c in GATED_ROWS[torch.bfloat16] if c is not None]
-    + [SmallMConfig(1, 4, 64, DOT=False, UNROLL=True), SmallMConfig(16, 32, 128, num_stages=2)]))
+    + [SmallMConfig(1, 4, 64, DOT=False, UNROLL=True), SmallMConfig(16, 32, 128, num_stages=2),
+       SmallMConfig(1, 4, 64, DOT=False, UNROLL=True, PRELOAD=2)]))
 # (M, K, D): one token, three rows (masked in a tile, one program a row in the GEMV), D = 40: no tile of 32 columns
 # divides it.
 SHAPES = [(1, 208, 48), (3, 256, 40)]

@@ -24,10 +24,12 @@ gated_quant = importlib.import_module("ops.gated_quant")
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 # The table's gate-up rows of the 8-bit dtypes (split K and SERIAL dropped: gated_config), a GEMV of two rows,
-# a dot tile with K in two steps and an uneven last one.
+# a dot tile with K in two steps and an uneven last one; that GEMV with
+# three steps' weights loaded first (PRELOAD).
 CONFIGS = list(dict.fromkeys(
     [r.config for r in SMALL_M_TABLE if r.config is not None and set(r.dtypes) & {INT8, FP8} and r.min_n >= 16384]
-    + [SmallMConfig(1, 2, 64, DOT=False, UNROLL=True), SmallMConfig(16, 32, 128, num_stages=2)]))
+    + [SmallMConfig(1, 2, 64, DOT=False, UNROLL=True), SmallMConfig(16, 32, 128, num_stages=2),
+       SmallMConfig(1, 2, 64, DOT=False, UNROLL=True, PRELOAD=3)]))
 # (M, K, D): one token, rows masked in a tile, a block boundary; D = 40: no tile of 32 columns divides it.
 SHAPES = [(1, 208, 48), (3, 256, 40), (17, 128, 64)]
 

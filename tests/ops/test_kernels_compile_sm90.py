@@ -165,3 +165,32 @@ def test_dot_tile_pdl_form_prefetches_its_weights_before_the_wait_and_loads_noth
     gemv = dict(_flags(False, False, None, True), K=4096, BLOCK_N=8, BLOCK_K=512, BYTES=True, DP4A=False)
     assert "prefetch.global.L2" not in _compile(gemm_mod._small_m_gemv_kernel, _types(False, "*bf16"), gemv,
                                                 num_warps=4).asm["ptx"]
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-row", "two-rows"])
+@pytest.mark.parametrize("preload", [0, 2, 8], ids=["none", "two-steps", "all"])
+def test_gemv_preload_loads_its_weights_before_the_wait(preload, rows):
+    """``SmallMConfig.PRELOAD``: the unrolled GEMV issues its first ``PRELOAD`` loop steps' weight loads (of 4,
+    K = 2048 in steps of 512) ahead of ``griddepcontrol.wait``, the rest and ``a`` after it; 0: no load ahead."""
+    int8 = False
+    consts = dict(_flags(int8, False, None, True), K=2048, BLOCK_N=8, BLOCK_K=512, BYTES=True, DP4A=False,
+                  PRELOAD=min(preload, 4))
+    if rows > 1:
+        kernel = gemm_mod._small_m_gemv_rows_kernel
+        # fp8 over several rows: a broadcast, not read in w's layout (BYTES is int8's there, as the launcher has it)
+        consts = {k: v for k, v in consts.items() if k not in ("GATED", "H")} | dict(ROWS=rows, BYTES=False)
+        types = {k: v for k, v in _types(int8, "*bf16").items() if k != "amax_ptr"}
+    else:
+        kernel, types = gemm_mod._small_m_gemv_kernel, _types(int8, "*bf16")
+    ptx = _compile(kernel, types, consts, num_warps=4).asm["ptx"]
+    head, _, tail = ptx.partition("griddepcontrol.wait")
+    # each thread loads its 8 x 512 / 128 = 32 weight bytes a step as wide loads: the same count each step
+    ahead, after = head.count("ld.global"), tail.count("ld.global")
+    if preload == 0:
+        assert ahead == 0 and after > 0
+    else:
+        steps = min(preload, 4)
+        assert ahead > 0 and after > 0
+        # the weight loads ahead are `steps` of the 4 steps' (a's loads and the scales' are all after)
+        per_step = ahead // steps
+        assert ahead == steps * per_step and after >= (4 - steps) * per_step + 1

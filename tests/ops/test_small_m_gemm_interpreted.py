@@ -29,10 +29,15 @@ TABLE_CONFIGS = list(dict.fromkeys(rule.config for rule in SMALL_M_TABLE if rule
 # The swapped product (w @ a.T), with and without split K, beside the table's rows
 SWAP_CONFIGS = [SmallMConfig(32, 64, 64, SWAP=True), SmallMConfig(16, 64, 32, SPLIT_K=2, SWAP=True)]
 # The unrolled GEMV (K a compile-time constant): K = 208 ends in a partial step of 16 (or 80) at either block
-# and over 2, 4 and 8 rows of a a program (M = 5: two 4-row blocks, the second masked past its first row; one 8-row)
+# and over 2, 4 and 8 rows of a a program (M = 5: two 4-row blocks, the second masked past its first row; one 8-row);
+# with weight tiles loaded before the others (PRELOAD): two of four steps, and more than there are (all, the partial
+# last step's masked tile among them)
 UNROLL_CONFIGS = [SmallMConfig(1, 4, 64, DOT=False, UNROLL=True), SmallMConfig(1, 16, 128, DOT=False, UNROLL=True),
                   SmallMConfig(2, 8, 64, DOT=False, UNROLL=True), SmallMConfig(4, 4, 128, DOT=False, UNROLL=True),
-                  SmallMConfig(8, 16, 64, DOT=False, UNROLL=True)]
+                  SmallMConfig(8, 16, 64, DOT=False, UNROLL=True),
+                  SmallMConfig(1, 4, 64, DOT=False, UNROLL=True, PRELOAD=2),
+                  SmallMConfig(1, 16, 128, DOT=False, UNROLL=True, PRELOAD=8),
+                  SmallMConfig(2, 8, 64, DOT=False, UNROLL=True, PRELOAD=3)]
 
 U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
