@@ -14,6 +14,8 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
 config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch),
 ``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait);
+``attn_preload=0`` / ``=1`` sets ``preload`` in every row of the decode attention's tables
+(``ops.paged_decode_config.DECODE_TABLE`` and ``DECODE_TABLE_FP8``: the first K and V chunk read before the wait);
 ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
 launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
 dtype (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the
@@ -26,6 +28,7 @@ Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -39,7 +42,8 @@ import torch
 from benchmarks import common
 from benchmarks.gemm import DTYPES  # the sweep's dtype names, the same in a rule
 from dispatcher import compat, plugins
-from ops import small_m_gemm
+from ops import paged_decode_config, small_m_gemm
+from ops.paged_decode_config import DecodeRule
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
 _CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?$")
@@ -80,12 +84,12 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
-_OVERRIDE = re.compile(r"^(prefetch|preload|inductor_pdl)=(\d+)$")
+_OVERRIDE = re.compile(r"^(prefetch|preload|attn_preload|inductor_pdl)=(\d+)$")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
     """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N``,
-    ``preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
+    ``preload=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
@@ -93,8 +97,8 @@ def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
 
 
 def variant_option(text: str, name: str) -> int | None:
-    """The variant's ``name=N`` item (``prefetch``, ``preload``, ``inductor_pdl``; the last one given), or None: none
-    given."""
+    """The variant's ``name=N`` item (``prefetch``, ``preload``, ``attn_preload``, ``inductor_pdl``; the last one
+    given), or None: none given."""
     items = map(_OVERRIDE.match, text.partition("=")[2].split(";"))
     found = [int(m.group(2)) for m in items if m and m.group(1) == name]
     return found[-1] if found else None
@@ -116,6 +120,11 @@ def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int | None,
     """``table`` with ``PREFETCH = prefetch`` in every config and ``PRELOAD = preload`` in every unrolled GEMV's
     (either None: as it is; cuBLAS rows as they are)."""
     return tuple(dataclasses.replace(r, config=_prefetching(r.config, prefetch, preload)) for r in table)
+
+
+def attention_preload(table: tuple[DecodeRule, ...], on: bool) -> tuple[DecodeRule, ...]:
+    """A decode attention table with ``preload`` set to ``on`` in every row's config."""
+    return tuple(dataclasses.replace(r, config=dataclasses.replace(r.config, preload=on)) for r in table)
 
 
 def set_inductor_pdl(on: bool) -> None:
@@ -167,7 +176,11 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     pdl = variant_option(variant, "inductor_pdl")
     if pdl is not None:
         set_inductor_pdl(bool(pdl))
-    with mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
+    attn = variant_option(variant, "attn_preload")
+    decode_tables = {name: attention_preload(getattr(paged_decode_config, name), bool(attn))
+                     for name in ("DECODE_TABLE", "DECODE_TABLE_FP8")} if attn is not None else {}
+    with mock.patch.multiple(paged_decode_config, **decode_tables) if decode_tables else contextlib.nullcontext(), \
+            mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
             mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
         rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,

@@ -173,7 +173,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False,
+    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):
     # One program: sequence b, KV head kvh (its GROUP query heads), split s of the sequence's pages.
     # SPLIT False (one split): mid_o_ptr is the output itself (q's dtype), no merge follows, mid_lse is not written.
@@ -186,16 +186,30 @@ def _decode_split_kernel(
     # An fp8 cache (ops.kv_quant): scale holds k_scale, each split's output is times v_scale, and the new key and
     # value are written times k_inv, v_inv.
     # PDL (DecodePlan.pdl): launched early behind the kernel before (q's rotary, a GEMM): wait for its end before
-    # any load, then let the kernel after this one (the o projection) launch in turn.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # any load of what it writes, then let the kernel after this one (the o projection) launch in turn.
+    # PRELOAD (FUSED_WRITE only; DecodeConfig.preload): the split's first chunk of K and V (and the sequence's
+    # length and block-table entries) loaded before that wait: none of it is written in the step before this
+    # launch (the cache's only new slot is this launch's to write, and the loop masks it), so its latency overlaps
+    # the kernel before's tail instead of following it.
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
+    if PDL and not PRELOAD:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b)
     start, p0, end = _split_range(seq_len, s, num_splits, window, PAGE, SPLIT, USE_WINDOW)
     last = seq_len - 1  # the new token's position
+    table_ptr = block_table_ptr + b * stride_bt
+    first = (0, 0, 0)  # PRELOAD: the first chunk's (K, V, mask)
+    if PRELOAD:
+        n_mask, off, kv_mask = _chunk_addresses(table_ptr, kvh, p0 * PAGE, start, end, last, stride_c_b, stride_c_s,
+                                                stride_c_h, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, FUSED_WRITE)
+        first = (tl.load(cache_ptr + off, mask=kv_mask, other=0.0),
+                 tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0), n_mask)
+    if PDL and PRELOAD:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -211,10 +225,10 @@ def _decode_split_kernel(
         k_new, v_new = _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
                                      stride_c_half, stride_c_b, stride_c_s, stride_c_h,
                                      (p0 * PAGE <= last) & (last < end), k_inv, v_inv, HEAD_D, BLOCK_D, PAGE)
-    m_i, l_i, acc = _attend_range(q, k_new, v_new, cache_ptr, block_table_ptr + b * stride_bt, kvh, start, p0, end,
-                                  last, stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
+    m_i, l_i, acc = _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end,
+                                  last, stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap, first,
                                   BLOCK_G, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, USE_SOFTCAP, IEEE, FUSED_WRITE,
-                                  CONVERT_V)
+                                  CONVERT_V, PRELOAD)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
@@ -269,58 +283,88 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, 
 
 @triton.jit
 def _attend_range(q, k_new, v_new, cache_ptr, table_ptr, kvh, start, p0, end, last,
-                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap,
+                  stride_c_half, stride_c_b, stride_c_s, stride_c_h, scale, soft_cap, first,
                   BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-                  FUSED_WRITE: tl.constexpr, CONVERT_V: tl.constexpr = False):
+                  FUSED_WRITE: tl.constexpr, CONVERT_V: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """The online softmax of q over positions ``[max(start, p0 * PAGE), end)``: ``(m, l, acc)``. FUSED_WRITE: the
     position ``last`` from k_new / v_new (registers), not the cache (whose slot this launch writes). CONVERT_V (an
-    fp8 cache, on a GPU): each value tile converted to fp16 as loaded (``DecodeConfig.convert_v``)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    d_mask = offs_d < HEAD_D
+    fp8 cache, on a GPU): each value tile converted to fp16 as loaded (``DecodeConfig.convert_v``). PRELOAD: the
+    first chunk's ``(K, V, mask)`` are ``first``, already loaded; the loop starts at the second."""
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pos = p0 * PAGE
+    if PRELOAD:  # the split's first chunk, read before the kernel's PDL wait (it may hold nothing: masked)
+        k, v, n_mask = first
+        p, alpha, m_i, l_i = _chunk_scores(q, k, n_mask, m_i, l_i, scale, soft_cap, USE_SOFTCAP, IEEE, FUSED_WRITE)
+        acc = _chunk_values(acc, alpha, p, v, q.dtype, IEEE, CONVERT_V)
+        pos += BLOCK_N
     # Chunks to the split's end (its last page's or the sequence's): each holds a valid key (BLOCK_N >= PAGE).
-    for pos0 in range(p0 * PAGE, end, BLOCK_N):
-        k_pos = pos0 + offs_n
-        n_mask = (k_pos < end) & (k_pos >= start)
-        if FUSED_WRITE:  # the new token's position is added after the loop, from registers
-            n_mask = n_mask & (k_pos != last)
-        block = tl.load(table_ptr + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
-        if EVEN_D:  # a mask constant along each row: 16-byte vector loads of K and V
-            kv_mask = n_mask[:, None]
-        else:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8: to q's
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = qk * scale  # [BLOCK_G, BLOCK_N]
-        if USE_SOFTCAP:
-            qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)  # tanh
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = m_new
-        if FUSED_WRITE:  # a chunk may hold no key but the new token's: all -inf, which must add nothing
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(qk - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+    for pos0 in range(pos, end, BLOCK_N):
+        n_mask, off, kv_mask = _chunk_addresses(table_ptr, kvh, pos0, start, end, last, stride_c_b, stride_c_s,
+                                                stride_c_h, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, FUSED_WRITE)
+        k = tl.load(cache_ptr + off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        p, alpha, m_new, l_i = _chunk_scores(q, k, n_mask, m_i, l_i, scale, soft_cap, USE_SOFTCAP, IEEE, FUSED_WRITE)
         v = tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0)
-        v = (f16_from_e4m3(v) if CONVERT_V else v).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = _chunk_values(acc, alpha, p, v, q.dtype, IEEE, CONVERT_V)
         m_i = m_new
     if FUSED_WRITE:
         m_i, l_i, acc = _add_new_token(q, k_new, v_new, m_i, l_i, acc, (p0 * PAGE <= last) & (last < end), scale,
                                        soft_cap, USE_SOFTCAP)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _chunk_addresses(table_ptr, kvh, pos0, start, end, last, stride_c_b, stride_c_s, stride_c_h,
+                     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_D: tl.constexpr, FUSED_WRITE: tl.constexpr):
+    """Positions ``pos0 ... pos0 + BLOCK_N`` of KV head kvh: which are attended (``n_mask``: in ``[start, end)``, and
+    with FUSED_WRITE not ``last``), their K offsets in the cache's first half and the loads' mask."""
+    offs_d = tl.arange(0, BLOCK_D)
+    k_pos = pos0 + tl.arange(0, BLOCK_N)
+    n_mask = (k_pos < end) & (k_pos >= start)
+    if FUSED_WRITE:  # the new token's position is added after the loop, from registers
+        n_mask = n_mask & (k_pos != last)
+    block = tl.load(table_ptr + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    off = block[:, None] * stride_c_b + (k_pos % PAGE)[:, None] * stride_c_s + kvh * stride_c_h + offs_d[None, :]
+    if EVEN_D:  # a mask constant along each row: 16-byte vector loads of K and V
+        kv_mask = n_mask[:, None]
+    else:
+        kv_mask = n_mask[:, None] & (offs_d < HEAD_D)[None, :]
+    return n_mask, off, kv_mask
+
+
+@triton.jit
+def _chunk_scores(q, k, n_mask, m_i, l_i, scale, soft_cap, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                  FUSED_WRITE: tl.constexpr):
+    """One chunk's softmax step from its keys ``k`` (the cache's dtype; fp8 converted to q's): ``(p, alpha, m, l)``,
+    the probabilities, the rescale of the running sums, the new running max and sum."""
+    k = k.to(q.dtype)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale  # [BLOCK_G, BLOCK_N]
+    if USE_SOFTCAP:
+        qk = soft_cap * (2.0 * tl.sigmoid(2.0 * qk / soft_cap) - 1.0)  # tanh
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = m_new
+    if FUSED_WRITE:  # a chunk may hold no key but the new token's: all -inf, which must add nothing
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(qk - m_ref[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _chunk_values(acc, alpha, p, v, dtype: tl.constexpr, IEEE: tl.constexpr, CONVERT_V: tl.constexpr):
+    """``acc`` rescaled by ``alpha`` plus ``p @ v`` (``v`` in the cache's dtype: fp8 converted to ``dtype``, q's)."""
+    v = (f16_from_e4m3(v) if CONVERT_V else v).to(dtype)
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -654,7 +698,8 @@ def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: boo
             s(0), d, s(1), s(2), s(3), s(4), bt.stride(0), *mo_strides, *ml_strides, s(5),
             *kv_strides, s(6), s(7), s(8), s(9), s(10), s(11), plan.num_splits, plan.heads_first)
     return _decode_split_launch.bind(plan.split_grid, args, **plan.split_constexprs, USE_SOFTCAP=use_softcap,
-                                     USE_WINDOW=use_window, IEEE=ieee, FUSED_WRITE=fused_write)
+                                     USE_WINDOW=use_window, IEEE=ieee, FUSED_WRITE=fused_write,
+                                     PRELOAD=plan.config.preload and fused_write)
 
 
 def _bind_merge(plan: DecodePlan) -> BoundLaunch:

@@ -54,6 +54,11 @@ class DecodeConfig:
             at once): its programs wait for the kernel before them, then let the next one launch. In a decode step
             that hides the launch latency of the attention kernel and of the o projection's GEMV after it
             (``DYNAMO_ONCE_PDL=0`` turns PDL off everywhere).
+        preload: with ``fused_write`` (where no slot the kernel reads is written in the step before it), each
+            program loads its split's first chunk of K and V, with the sequence's length and block-table entries,
+            before it waits for the kernel before (with ``pdl``), so that their latency overlaps that kernel's end
+            rather than following it. Without ``fused_write``, nothing: the cache-write launch before the kernel
+            writes the new token's slot, which the first chunk may hold. The same results.
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -73,6 +78,7 @@ class DecodeConfig:
     fused_write: bool = False
     convert_v: bool = False
     pdl: bool = True
+    preload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):

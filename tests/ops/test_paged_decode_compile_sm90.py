@@ -20,7 +20,8 @@ _POINTERS = dict(q_ptr="*bf16", cache_ptr="*fp8e4nv", block_table_ptr="*i32", se
 _FLOATS = ("scale", "soft_cap", "k_inv", "v_inv", "v_scale")
 
 
-def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS):
+def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS,
+             preload: bool = False):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
@@ -29,7 +30,7 @@ def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: di
     kernel = paged_attention._decode_split_kernel
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=False, EVEN_D=True,
                   USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False, FUSED_WRITE=fused_write, FUSED_MERGE=False,
-                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl)
+                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl, PRELOAD=preload)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in _FLOATS else "i32")
            for n in kernel.arg_names}
     # what a launch on Llama-3-8B's cache specializes as 16-divisible: the pointers and the cache's strides
@@ -68,3 +69,17 @@ def test_pdl_form_waits_before_its_first_global_load(fused_write):
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
     assert 0 <= wait < trigger < first_load
     assert "griddepcontrol" not in _compile(False, fused_write, pointers=bf16).asm["ptx"]
+
+
+def test_preload_form_reads_the_cache_before_the_wait_and_q_after_it():
+    """``DecodeConfig.preload`` (with the fused write): the sequence length, its block-table entries and the first
+    chunk of K and V are loaded ahead of ``griddepcontrol.wait``; q and the new key and value (which the kernel
+    before writes) after it, the trigger after the wait."""
+    bf16 = dict(_POINTERS, cache_ptr="*bf16")
+    ptx = _compile(False, True, pdl=True, pointers=bf16, preload=True).asm["ptx"]
+    head, _, tail = ptx.partition("griddepcontrol.wait")
+    assert tail and "griddepcontrol.launch_dependents" in tail and "launch_dependents" not in head
+    # ahead: the length, the table entries of the chunk's 64 tokens and its K and V rows (16-byte vectors)
+    assert head.count("ld.global.v4") >= 2 and head.count("ld.global") > head.count("ld.global.v4")
+    # after: q, the new key and value, and the loop's chunks
+    assert tail.count("ld.global") > 0

@@ -102,6 +102,28 @@ def test_fused_forms_equal_the_references(splits, kw, form):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("merge", [True, False], ids=["merge+write", "write"])
+@pytest.mark.parametrize("kw", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("splits", [1, 2, 8])
+def test_preloaded_first_chunk_equals_the_references(splits, kw, merge):
+    """``DecodeConfig.preload`` (the split's first chunk read before the kernel's PDL wait, then the loop from the
+    second): splits whose first chunk is their only one, holds only the new token, or nothing (empty splits)."""
+    bt = new_batch([0, 5, 38, 7, 3, 4, 16])
+    check(bt, DecodeConfig(num_splits=splits, BLOCK_N=8, fused_merge=merge, fused_write=True, preload=True),
+          repeats=2, **kw)
+
+
+def test_preload_takes_effect_with_the_fused_write_only():
+    """Without the fused write a cache-write launch precedes the kernel and writes a slot its first chunk may hold:
+    no preload there, whatever the config says."""
+    bt = new_batch([5, 9])
+    plan = DecodePlan(bt.table, bt.seq_lens, bt.heads, bt.kv_heads, bt.head, 4, CPU,
+                      config=DecodeConfig(num_splits=2, preload=True, **FUSED))
+    assert plan.launches(False, False, False, True)[0].kwargs["PRELOAD"] is True
+    assert plan.launches(False, False, False, False)[0].kwargs["PRELOAD"] is False
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_page_16_gqa_and_a_head_size_no_power_of_two(splits, group):
@@ -201,18 +223,20 @@ def test_one_split_has_no_merge_and_no_counters():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("form", FORMS + [(False, False)], ids=FORM_IDS + ["three launches"])
+@pytest.mark.parametrize("form", FORMS + [(False, False), (True, True, True)],
+                         ids=FORM_IDS + ["three launches", "merge+write+preload"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 8, 32, 128])
 def test_cuda_fused_forms_equal_the_references(num_seqs, form, dtype):
     """On the GPU, where splits really race: every table split count (1 to 32 at 1 to 128 sequences), many
-    launches in a row (each must find the counters at 0), eager and in a CUDA graph replayed several times."""
+    launches in a row (each must find the counters at 0), eager and in a CUDA graph replayed several times; with
+    the first chunk preloaded (``DecodeConfig.preload``) too."""
     gen = torch.Generator().manual_seed(num_seqs)
     contexts = torch.randint(0, 600, (num_seqs,), generator=gen).tolist()
     bt = new_batch(contexts, page=16, kv_heads=8, group=4, head=128, seed=num_seqs)
     bt = dataclasses.replace(bt, **{f: getattr(bt, f).to("cuda", dtype) for f in ("q", "cache", "k", "v")},
                              **{f: getattr(bt, f).cuda() for f in ("table", "seq_lens", "slots")})
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    cfg = DecodeConfig(fused_merge=form[0], fused_write=form[1])
+    cfg = DecodeConfig(fused_merge=form[0], fused_write=form[1], preload=form[2:] == (True,))
     for kw in ({}, {"sliding_window": 37}, {"logits_soft_cap": 5.0}):
         ref, ref_cache = expected(bt, **kw)
         cache = bt.cache.clone()
