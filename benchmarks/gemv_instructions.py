@@ -78,7 +78,8 @@ def compile_cubin(dtype: torch.dtype, block_n: int, block_k: int, num_warps: int
     consts = dict(K=k, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=dtype == torch.int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
                   BYTES=bytes_form, DP4A=bytes_form and dtype == torch.int8 and small_m_gemm._dp4a_tile(tile),
-                  GATED=gated, H=tl.bfloat16 if gated else None, QUANT_A=quant_a)  # H: the gated form's activation
+                  GATED=gated, H=tl.bfloat16 if gated else None, QUANT_A=quant_a,
+                  PRELOAD=0)  # H: the gated form's activation
     if gated and dtype == torch.bfloat16:
         consts["amax_ptr"] = None
     if quant_a:
@@ -101,7 +102,7 @@ def compile_rows_cubin(dtype: torch.dtype, rows: int, block_n: int, block_k: int
     int8 = dtype == torch.int8
     consts = dict(K=k, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INTEGER=int8, SCALED=dtype != torch.bfloat16,
                   A_PER_TOKEN=False, W_PER_CHANNEL=False, HAS_BIAS=False, EVEN=True, INT64=False, PDL=True,
-                  BYTES=int8, DP4A=int8 and small_m_gemm._dp4a_tile(tile))
+                  BYTES=int8, DP4A=int8 and small_m_gemm._dp4a_tile(tile), PRELOAD=0)
     sig = {name: v.format(t=_TRITON_TYPES[dtype]) for name, v in _SIG.items() if name != "amax_ptr"} \
         | {name: "constexpr" for name in consts}
     return _compile_sm90(kernel, sig, consts, num_warps)
