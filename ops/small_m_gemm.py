@@ -72,6 +72,7 @@ __all__ = [
     "gated_runtime_config",
     "GATED_ROWS",
     "gated_row",
+    "preload_steps",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -620,14 +621,20 @@ _I8, _F8, _F16 = (torch.int8,), (torch.float8_e4m3fn,), (torch.bfloat16, torch.f
 SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # M = 1, 8-bit weights: the unrolled GEMV with one fma (fp8) or dp4a (int8) a weight element, from the separated
     # sweep of it beside cuBLAS and swapped 16-row dot tiles (results/gemm_sweep_separated_m1.csv), µs ours / cuBLAS
-    # (int8: / the M <= 16 dot row below). Every 8B shape faster than both.
-    _R(1, _I8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 16.1 / 19.0
-    _R(1, _I8, 0.0, 16384, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 28.7 / 31.7
-    _R(1, _I8, 0.0, 0, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 8.0 / 10.3, o 6.3 / 8.4
-    _R(1, _F8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 16.6 / 20.1
-    _R(1, _F8, 0.0, 16384, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # gate-up 29.3 / 30.6
-    _R(1, _F8, 0.0, 6144, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 8.5 / 10.2
-    _R(1, _F8, 0.0, 0, _C(1, 16, 1024, DOT=False, num_warps=8, num_stages=1, UNROLL=True)),  # o 6.5 / 7.5
+    # (int8: / the M <= 16 dot row below). Every 8B shape faster than both. Each with two loop steps' weights read
+    # before its PDL wait (PRELOAD, at most half a program's steps: preload_steps): the fp8 8B's step at batch 1 3.7%
+    # faster on an H100 (results/gemm_step_ab_preload_8b_fp8_h100.md), the bf16 8B's 1.3% (..._preload_8b_h100.md).
+    _R(1, _I8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),  # down 16.1 / 19.0
+    # gate-up 28.7 / 31.7
+    _R(1, _I8, 0.0, 16384, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    # qkv 8.0 / 10.3, o 6.3 / 8.4
+    _R(1, _I8, 0.0, 0, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    _R(1, _F8, 2.0, 0, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),  # down 16.6 / 20.1
+    # gate-up 29.3 / 30.6
+    _R(1, _F8, 0.0, 16384, _C(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    # qkv 8.5 / 10.2
+    _R(1, _F8, 0.0, 6144, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    _R(1, _F8, 0.0, 0, _C(1, 16, 1024, DOT=False, num_warps=8, num_stages=1, UNROLL=True, PRELOAD=2)),  # o 6.5 / 7.5
     # M = 2, Llama-3-8B's shapes (N >= 4096): the unrolled GEMV, a row a program, or over both rows for qkv, from the
     # sweep of it on an H100 (results/gemm_sweep_separated_rows_int8_h100.md, µs ours / the M <= 16 row below) and the
     # 8B int8 step at batch 2 (results/gemm_step_ab_rows{,_r1}_int8_h100.md, four alternating runs: 3628.3-3672.2 µs
@@ -650,10 +657,11 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # M = 1, bf16 / fp16: the unrolled GEMV (UNROLL) in its plain form, from the separated sweeps of it (results/
     # gemm_sweep_separated_unroll.csv, gemm_sweep_llama-3.2-1b_separated_unroll.csv), µs ours / cuBLAS, 8B then 1B:
     # faster on every shape.
-    _R(1, _F16, 2.0, 0, _C(1, 2, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 30.5 / 32.6,
-    # 10.1 / 13.5
-    _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 14.6 / 16.0,
-    # 5.1 / 6.7; o 10.7 / 13.5, 4.1 / 6.1; gate-up 55.3 / 62.3, 17.5 / 18.6; lm_head 231.3 / 252.4, 117.9 / 129.4
+    # down 30.5 / 32.6, 10.1 / 13.5
+    _R(1, _F16, 2.0, 0, _C(1, 2, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    # qkv 14.6 / 16.0, 5.1 / 6.7; o 10.7 / 13.5, 4.1 / 6.1; gate-up 55.3 / 62.3, 17.5 / 18.6; lm_head 231.3 / 252.4,
+    # 117.9 / 129.4
+    _R(1, _F16, 0.0, 0, _C(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
     # M = 2, bf16 / fp16, Llama-3-8B's shapes (N >= 4096), as int8's above: µs ours / the M <= 16 row (cuBLAS for qkv)
     # in the H100 sweep (results/gemm_sweep_separated_rows_bf16_h100.md); the 8B step at batch 2 5777.8 / 5780.5 µs
     # against 5930.9 / 5891.1 (results/gemm_step_ab_rows_bf16_h100.md; this table against the one before on another
@@ -758,8 +766,8 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
 #: M 2-16 run the unfused pair.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
-_GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
-_GATED_GEMV_FP8 = SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
+_GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)
+_GATED_GEMV_FP8 = SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
     torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
     torch.float8_e4m3fn: ((1, _GATED_GEMV_FP8), (16, _GATED_16), (32, None), (64, _GATED_64)),
@@ -844,6 +852,16 @@ def _dp4a_fits(c: SmallMConfig, a: torch.Tensor, w: torch.Tensor, even: bool) ->
             and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, w)))
 
 
+def preload_steps(config: SmallMConfig, k: int) -> int:
+    """The unrolled GEMV's loop steps loaded before the PDL wait (``config.PRELOAD``) at this K: at most half of a
+    program's steps, none where it has fewer than four. On an H100 (results/gemm_step_ab_preload*_h100.md, level-3
+    decode steps at batch 1) two of four or more steps took 1.3% off the 8B's and 3.7% off the fp8 8B's step, all of
+    a program's steps made the 1B's 3% slower (and the 8B's bf16 stack 2.4%, results/gemm_preload_h100.md), and one
+    of two was level with none on the 1B (1050.8 / 1052.4 µs against 1046.5 / 1050.4)."""
+    steps = cdiv(k, config.BLOCK_K)
+    return min(config.PRELOAD, steps // 2) if steps >= 4 else 0
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
             out_dtype: torch.dtype, bias: torch.Tensor | None, config: SmallMConfig,
             gated: tuple[torch.dtype, torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -882,7 +900,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         if pdl and c.PREFETCH else 0
     a_scale = a_scale.reshape(-1) if scaled else None  # [M, 1] -> [M]: a view of a contiguous scale
     quant_a = a.element_size() != w.element_size()
-    preload = min(c.PRELOAD, cdiv(k, c.BLOCK_K))  # loop steps before the wait (at most all of them)
+    preload = preload_steps(c, k)
     if c.UNROLL and c.BLOCK_M > 1:
         assert not gated and not quant_a, "the gated and quantizing GEMVs take a row a program (BLOCK_M = 1)"
         even = n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0

@@ -15,7 +15,7 @@ from test_scaled_mm import U32, U_OUT, _bound
 
 import ops
 from dispatcher import envs
-from ops.small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig
+from ops.small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig, preload_steps
 
 scaled_mm = importlib.import_module("ops.scaled_mm")
 
@@ -293,6 +293,20 @@ def test_config_checks():
     for bad in (dict(DOT=True, BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=16), dict(SPLIT_K=2)):
         with pytest.raises(ValueError, match="UNROLL .* needs DOT=False, BLOCK_M <= 8 and SPLIT_K=1"):
             SmallMConfig(**{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "DOT": False, **bad}, UNROLL=True)
+    with pytest.raises(ValueError, match="PRELOAD .* is the unrolled GEMV's"):
+        SmallMConfig(16, 32, 128, PRELOAD=2)
+    with pytest.raises(ValueError, match="PREFETCH and PRELOAD >= 0"):
+        SmallMConfig(1, 16, 64, DOT=False, UNROLL=True, PRELOAD=-1)
+
+
+def test_preload_takes_at_most_half_of_a_programs_steps_and_none_under_four():
+    """What the launcher preloads of ``SmallMConfig.PRELOAD`` at a K: all of a program's steps made the step slower,
+    one of two no faster (``preload_steps``' measurements)."""
+    two = SmallMConfig(1, 8, 512, DOT=False, UNROLL=True, PRELOAD=2)
+    eight = SmallMConfig(1, 8, 512, DOT=False, UNROLL=True, PRELOAD=8)
+    assert [preload_steps(two, k) for k in (1024, 1536, 2048, 4096, 14336)] == [0, 0, 2, 2, 2]
+    assert [preload_steps(eight, k) for k in (1536, 2048, 3072, 4096, 14336)] == [0, 2, 3, 4, 8]
+    assert preload_steps(SmallMConfig(1, 8, 512, DOT=False, UNROLL=True), 4096) == 0
 
 
 @pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False), ("off", False)])
