@@ -58,7 +58,8 @@ class DecodeConfig:
             program loads its split's first chunk of K and V, with the sequence's length and block-table entries,
             before it waits for the kernel before (with ``pdl``), so that their latency overlaps that kernel's end
             rather than following it. Without ``fused_write``, nothing: the cache-write launch before the kernel
-            writes the new token's slot, which the first chunk may hold. The same results.
+            writes the new token's slot, which the first chunk may hold. The same results. Off in every row: on an
+            H100 it made the 1B's level-3 step at batch 1 3% slower (results/gemm_step_ab_preload_1b_h100.md).
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,

@@ -552,7 +552,9 @@ class SmallMConfig:
         PRELOAD: ``UNROLL`` only: loop steps of each program's weights loaded into registers before the program
             waits for the kernel before it (programmatic dependent launch): the read of this GEMV's first weights
             overlaps the previous kernel's tail, with no instruction added (``PREFETCH``'s L2 prefetch, the dot
-            tiles' form, adds one a cache line). 0 (default): every load after the wait. The same results.
+            tiles' form, adds one a cache line). 0 (the dataclass's default): every load after the wait; the
+            table's one-token rows take 2, of which the launcher gives at most half a program's steps
+            (:func:`preload_steps`, which says what was measured). The same results.
     """
 
     BLOCK_M: int
