@@ -187,10 +187,8 @@ def _decode_split_kernel(
     # value are written times k_inv, v_inv.
     # PDL (DecodePlan.pdl): launched early behind the kernel before (q's rotary, a GEMM): wait for its end before
     # any load of what it writes, then let the kernel after this one (the o projection) launch in turn.
-    # PRELOAD (FUSED_WRITE only; DecodeConfig.preload): the split's first chunk of K and V (and the sequence's
-    # length and block-table entries) loaded before that wait: none of it is written in the step before this
-    # launch (the cache's only new slot is this launch's to write, and the loop masks it), so its latency overlaps
-    # the kernel before's tail instead of following it.
+    # PRELOAD (FUSED_WRITE only; DecodeConfig.preload): the split's first K / V chunk, its length and table entries
+    # read before that wait (nothing a kernel of the step writes: the new slot is this launch's, masked in the loop).
     b = tl.where(heads_first != 0, tl.program_id(1), tl.program_id(0))
     kvh = tl.where(heads_first != 0, tl.program_id(0), tl.program_id(1))
     s = tl.program_id(2)
@@ -203,10 +201,8 @@ def _decode_split_kernel(
     table_ptr = block_table_ptr + b * stride_bt
     first = (0, 0, 0)  # PRELOAD: the first chunk's (K, V, mask)
     if PRELOAD:
-        n_mask, off, kv_mask = _chunk_addresses(table_ptr, kvh, p0 * PAGE, start, end, last, stride_c_b, stride_c_s,
-                                                stride_c_h, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, FUSED_WRITE)
-        first = (tl.load(cache_ptr + off, mask=kv_mask, other=0.0),
-                 tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0), n_mask)
+        first = _load_chunk(cache_ptr, table_ptr, kvh, p0 * PAGE, start, end, last, stride_c_half, stride_c_b,
+                            stride_c_s, stride_c_h, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, FUSED_WRITE)
     if PDL and PRELOAD:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -333,6 +329,17 @@ def _chunk_addresses(table_ptr, kvh, pos0, start, end, last, stride_c_b, stride_
     else:
         kv_mask = n_mask[:, None] & (offs_d < HEAD_D)[None, :]
     return n_mask, off, kv_mask
+
+
+@triton.jit
+def _load_chunk(cache_ptr, table_ptr, kvh, pos0, start, end, last, stride_c_half, stride_c_b, stride_c_s, stride_c_h,
+                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_D: tl.constexpr, FUSED_WRITE: tl.constexpr):
+    """The chunk at ``pos0``'s ``(K, V, n_mask)`` (:func:`_chunk_addresses`' positions), in the cache's dtype."""
+    n_mask, off, kv_mask = _chunk_addresses(table_ptr, kvh, pos0, start, end, last, stride_c_b, stride_c_s,
+                                            stride_c_h, HEAD_D, BLOCK_D, PAGE, BLOCK_N, EVEN_D, FUSED_WRITE)
+    return (tl.load(cache_ptr + off, mask=kv_mask, other=0.0),
+            tl.load(cache_ptr + stride_c_half + off, mask=kv_mask, other=0.0), n_mask)
 
 
 @triton.jit
