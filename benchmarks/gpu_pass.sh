@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -254,6 +254,13 @@ for step in $steps; do
                 PASSES_TIMEOUT=220 bash "$0" passesi
               timeout 120 python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
                 --mode "level 3 +ops +passes -quant_gemm" --out "$R/kernel_profile_pdlinline" > /dev/null 2>&1 ;;
+    preload)  # issue 16: the GEMV's weights read before its PDL wait (SmallMConfig.PRELOAD, the table's one-token rows)
+              # against none, in the level-3 step at batch 1 of each model (PRELOAD_MODELS), a fresh process a run
+              for m in ${PRELOAD_MODELS:-llama-3.2-1b llama-3-8b-int8 llama-3-8b-fp8}; do
+                STEPAB_MODEL=$m STEPAB_BATCHES=1 STEPAB_ROUNDS=2 STEPAB_VARIANTS="default= off=preload=0" \
+                  STEPAB_TIMEOUT=${PRELOAD_TIMEOUT:-200} bash "$0" stepab
+                mv "$R/gemm_step_ab" "$R/preload_$m"
+              done ;;
     stepab)   # issue 12/16: small-M table variants inside the decode step (STEPAB_VARIANTS: NAME=RULES words, see
               # benchmarks/gemm_step_ab.py), alternating, a fresh process a run
               args=(); for v in ${STEPAB_VARIANTS:-table=}; do args+=(--variant "$v"); done
