@@ -153,10 +153,13 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda", trials: 
     return nbytes / (us * 1e-6) / 1e9
 
 
-def int_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
-    """A flag's comma-separated positive integers, or the parser's error naming the flag (exit 2)."""
+def int_list(p: argparse.ArgumentParser, flag: str, value: str, counts: bool = False) -> list[int]:
+    """A flag's comma-separated positive integers (``counts``: integers >= 0, none at all allowed, as an optional
+    flag's empty default), or the parser's error naming the flag (exit 2)."""
     vals = [v.strip() for v in value.split(",") if v.strip()]
-    if not vals or not all(v.isdigit() and int(v) > 0 for v in vals):
+    if counts and not all(v.isdigit() for v in vals):
+        p.error(f"{flag}: expected comma-separated integers >= 0; got {value!r}")
+    if not counts and (not vals or not all(v.isdigit() and int(v) > 0 for v in vals)):
         p.error(f"{flag}: expected comma-separated positive integers; got {value!r}")
     return [int(v) for v in vals]
 

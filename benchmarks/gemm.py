@@ -418,14 +418,6 @@ def _dtype_list(p: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
     return names
 
 
-def _counts(p: argparse.ArgumentParser, flag: str, value: str) -> list[str]:
-    """``"0,2,8"`` -> ``["0", "2", "8"]``; anything but comma-separated integers >= 0: ``p.error`` naming ``flag``."""
-    counts = [v.strip() for v in value.split(",") if v.strip()]
-    if not all(v.isdigit() for v in counts):
-        p.error(f"{flag}: expected comma-separated integers >= 0; got {value!r}")
-    return counts
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default="1,8,32,128", help="M (tokens) of the stack runs")
@@ -451,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     ms, sweep_ms = common.int_list(p, "--ms", a.ms), common.int_list(p, "--sweep-ms", a.sweep_ms)
-    pfs, pls = (_counts(p, flag, value) for flag, value in (("--prefetch", a.prefetch), ("--preload", a.preload)))
+    pfs, pls = (common.int_list(p, flag, value, counts=True) for flag, value in
+                (("--prefetch", a.prefetch), ("--preload", a.preload)))
     impls = list(IMPLS) + [f"ours pf{v}" for v in pfs] + [f"ours pl{v}" for v in pls] + ([FAST] if a.fast_accum else [])
     sweep_dtypes, dtypes = (_dtype_list(p, flag, value) for flag, value in
                             (("--sweep-dtypes", a.sweep_dtypes), ("--dtypes", a.dtypes)))

@@ -104,7 +104,7 @@ def variant_option(text: str, name: str) -> int | None:
     return found[-1] if found else None
 
 
-def _prefetching(config: SmallMConfig | None, prefetch: int | None = None,
+def _early_reads(config: SmallMConfig | None, prefetch: int | None = None,
                  preload: int | None = None) -> SmallMConfig | None:
     """``config`` with ``PREFETCH = prefetch`` and, an unrolled GEMV's, ``PRELOAD = preload`` (either None: as it
     is; a config of None, a cuBLAS row: None)."""
@@ -119,7 +119,7 @@ def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int | None,
                   preload: int | None = None) -> tuple[SmallMRule, ...]:
     """``table`` with ``PREFETCH = prefetch`` in every config and ``PRELOAD = preload`` in every unrolled GEMV's
     (either None: as it is; cuBLAS rows as they are)."""
-    return tuple(dataclasses.replace(r, config=_prefetching(r.config, prefetch, preload)) for r in table)
+    return tuple(dataclasses.replace(r, config=_early_reads(r.config, prefetch, preload)) for r in table)
 
 
 def attention_preload(table: tuple[DecodeRule, ...], on: bool) -> tuple[DecodeRule, ...]:
@@ -171,7 +171,7 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     prefetch, preload = variant_option(variant, "prefetch"), variant_option(variant, "preload")
     if prefetch is not None or preload is not None:
         table = with_prefetch(table, prefetch, preload)
-        gated = {dtype: tuple((m, _prefetching(c, prefetch, preload)) for m, c in rows)
+        gated = {dtype: tuple((m, _early_reads(c, prefetch, preload)) for m, c in rows)
                  for dtype, rows in gated.items()}
     pdl = variant_option(variant, "inductor_pdl")
     if pdl is not None:
