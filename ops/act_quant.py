@@ -28,7 +28,7 @@ from .quant_int8 import INT8_MIN_SCALE
 from .gelu_and_mul import gelu_and_mul_ref
 from .silu_and_mul import GELU, GELU_TANH, SILU, act_and_mul_config, act_needs_int64, launch_act_and_mul, \
     silu_and_mul_ref
-from .triton_utils import cdiv, known_int, pdl_args, pdl_launch, tl, triton, triton_op, use_triton
+from .triton_utils import cdiv, known_int, pdl_args, tl, triton, triton_op, use_triton
 
 __all__ = [
     "act_and_mul_static_quant",
@@ -137,8 +137,7 @@ def _launch_act_and_mul_quant(
         config = per_token_quant_config(known_d) if scale is None else \
             act_and_mul_config(d, x.element_size(), known_rows)
     block_d, rows, num_warps = config
-    if pdl is None:
-        pdl = pdl_launch(x2, known_rows * known_d if known_rows is not None and known_d is not None else None)
+    known_n = known_rows * known_d if known_rows is not None and known_d is not None else None
     wrap_triton(_act_and_mul_quant_kernel)[(cdiv(n_rows, rows), 1 if scale is None else cdiv(d, block_d))](
         x2, scale if scale_out is None else scale_out, q, n_rows, d, x2.stride(0),
         MIN_S=INT8_MIN_SCALE if int8 else MIN_SCALE,
@@ -149,7 +148,7 @@ def _launch_act_and_mul_quant(
         ROWS=rows,
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         num_warps=num_warps,
-        **pdl_args(pdl, x2),
+        **pdl_args(pdl, x2, known_n),
     )
     return q, scale_out
 

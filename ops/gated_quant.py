@@ -31,7 +31,7 @@ from .quant_int8 import INT8_MIN_SCALE
 from .scaled_mm import FP8_MM_ALIGN, INT8_MM_ALIGN, check_args, cuda_at_least, fp8_scaled_mm, fp8_scaled_mm_ref, \
     int8_scaled_mm, int8_scaled_mm_ref
 from .small_m_gemm import gated_runtime_config, small_m_gated_scaled_mm
-from .triton_utils import cdiv, next_power_of_2, pdl_args, pdl_launch, tl, triton
+from .triton_utils import cdiv, next_power_of_2, pdl_args, tl, triton
 
 __all__ = ["gated_scaled_mm_dynamic_quant", "gated_scaled_mm_dynamic_quant_ref", "gated_scaled_mm_static_quant",
            "gated_scaled_mm_static_quant_ref", "launch_gated_quant", "GATED_QUANT_BLOCK"]
@@ -85,7 +85,7 @@ def launch_gated_quant(h: torch.Tensor, amax: torch.Tensor,
     _gated_quant_kernel[(m, cdiv(d, GATED_QUANT_BLOCK))](
         h, amax, q, scale, d, blocks, MIN_S=INT8_MIN_SCALE if int8 else MIN_SCALE, INT8=int8,
         BLOCK_D=GATED_QUANT_BLOCK, BLOCK_P=min(_MAX_BLOCK_P, next_power_of_2(blocks)), num_warps=4,
-        **pdl_args(pdl_launch(h, m * d), h),
+        **pdl_args(None, h, m * d),
     )
     return q, scale
 

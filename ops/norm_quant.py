@@ -33,7 +33,7 @@ from .quant_fp8 import (
 )
 from .quant_int8 import INT8_MIN_SCALE, dynamic_scaled_int8_quant_ref, static_scaled_int8_quant_ref
 from .rms_norm import MAX_KERNEL_COLS, fused_add_rms_norm_ref, rms_norm_config, rms_norm_ref
-from .triton_utils import SMALL_ELEMENTS, cdiv, known_int, needs_int64, pdl_args, pdl_launch, tl, triton, triton_op, \
+from .triton_utils import SMALL_ELEMENTS, cdiv, known_int, needs_int64, pdl_args, tl, triton, triton_op, \
     use_triton
 
 __all__ = [
@@ -206,7 +206,6 @@ def _launch_rms_norm_quant(
     known_rows = known_int(n_rows)
     block_n, rows, num_warps = config or norm_quant_config(n_cols, x.element_size(), known_rows)
     small = _few_tokens(known_rows, block_n)
-    pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     int8 = quant_dtype == torch.int8
     if col_split is None:
         col_split = norm_quant_col_split(block_n, known_rows, dynamic=scale is None)
@@ -226,7 +225,7 @@ def _launch_rms_norm_quant(
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small and col_split == 1,
         num_warps=num_warps,
-        **pdl_args(pdl, x2),
+        **pdl_args(pdl, x2, known_rows * block_n if known_rows is not None else None),
     )
     return q, scale_out, res_out
 

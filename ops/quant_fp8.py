@@ -47,7 +47,6 @@ from .triton_utils import (
     needs_int64,
     next_power_of_2,
     pdl_args,
-    pdl_launch,
     tl,
     triton,
     triton_op,
@@ -356,7 +355,7 @@ def _launch_static_fp8_quant(x: torch.Tensor, scale: torch.Tensor, config: tuple
     wrap_triton(_static_fp8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block),
         EVEN=known_n is not None and known_n % block == 0, num_warps=num_warps,
-        **pdl_args(pdl_launch(x, known_n) if pdl is None else pdl, x),
+        **pdl_args(pdl, x, known_n),
     )
     return q
 
@@ -369,7 +368,7 @@ def _launch_dynamic_fp8_quant(x: torch.Tensor, single_config: tuple[int, int, in
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = x.numel()
     known_n = known_int(n)
-    pdl = pdl_args(pdl_launch(x, known_n), x)
+    pdl = pdl_args(None, x, known_n)
     if single_config is not None or (known_n is not None and known_n <= _SINGLE_PROGRAM_MAX):
         block, num_blocks, num_warps = single_config or dynamic_fp8_quant_single_config(known_n, x.element_size())
         wrap_triton(_dynamic_fp8_quant_single_kernel)[(1,)](
@@ -436,7 +435,7 @@ def launch_per_token_quant(x: torch.Tensor, q_dtype: torch.dtype, min_scale: flo
         x2, q, scale, n_rows, n_cols, x2.stride(0), MIN_S=min_scale, BLOCK=block, ROWS=rows,
         ONE_PASS=known_cols is not None and known_cols <= block, INT8=q_dtype == torch.int8,
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * n_cols), num_warps=num_warps,
-        **pdl_args(pdl_launch(x, known_n), x),
+        **pdl_args(None, x, known_n),
     )
     return q, scale
 

@@ -28,7 +28,7 @@ from torch.library import wrap_triton
 
 from dispatcher.passes.native_forms import register_native_form
 
-from .triton_utils import cdiv, known_int, needs_int64, pdl_args, pdl_launch, tl, triton, triton_op, use_triton
+from .triton_utils import cdiv, known_int, needs_int64, pdl_args, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 from .quant_fp8 import check_quant_input, launch_per_token_quant, static_fp8_quant_config
 
@@ -93,7 +93,7 @@ def _launch_static_int8_quant(x: torch.Tensor, scale: torch.Tensor, config: tupl
     wrap_triton(_static_int8_quant_kernel)[(cdiv(n, block),)](
         x, scale, q, n, BLOCK=block, INT64=needs_int64(n, block),
         EVEN=known_n is not None and known_n % block == 0, num_warps=num_warps,
-        **pdl_args(pdl_launch(x, known_n), x),
+        **pdl_args(None, x, known_n),
     )
     return q
 

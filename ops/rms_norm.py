@@ -30,7 +30,6 @@ from .triton_utils import (
     needs_int64,
     next_power_of_2,
     pdl_args,
-    pdl_launch,
     tl,
     triton,
     triton_op,
@@ -162,7 +161,6 @@ def _launch_rms_norm(
     known_rows = known_int(n_rows)
     block_n, rows, num_warps = config or rms_norm_config(n_cols, x.element_size(), known_rows)
     small = known_rows is not None and known_rows * block_n <= SMALL_ELEMENTS
-    pdl = pdl_launch(x2, known_rows * block_n if known_rows is not None else None) if pdl is None else pdl
     wrap_triton(_rms_norm_kernel)[(cdiv(n_rows, rows),)](
         x2,
         r2,
@@ -181,7 +179,7 @@ def _launch_rms_norm(
         INT64=needs_int64(n_rows * x2.stride(0), n_rows * r2.stride(0), n_rows * n_cols),
         EVICT_FIRST=not small,
         num_warps=num_warps,
-        **pdl_args(pdl, x2),
+        **pdl_args(pdl, x2, known_rows * block_n if known_rows is not None else None),
     )
     return out, res_out
 

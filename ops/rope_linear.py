@@ -29,7 +29,7 @@ from dispatcher import envs
 from .linear import linear
 from .rotary_embedding import rotary_embedding_ref, rotate_heads_in_place
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config, small_m_operands
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, pdl_available, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, tl, triton
 
 __all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
 
@@ -149,7 +149,7 @@ def rope_small_m_mm(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
     args = (x, weight, out, positions.reshape(-1), cache)
     flags = dict(HALF=head_size // 2, EVEN=(n // 2) % pairs == 0 and k % config.BLOCK_K == 0, num_warps=config.num_warps,
                  INT64=needs_int64(m * x.stride(0), n * weight.stride(0)), enable_fp_fusion=False,
-                 **pdl_args(pdl_available(x), x))
+                 **pdl_args(None, x, any_size=True))
     strides = (x.stride(0), weight.stride(0), cache.stride(0))
     if config.UNROLL:
         _rope_gemv_kernel[(m * cdiv(n // 2, pairs),)](*args, m, n, rot_heads * head_size, *strides, K=k, BLOCK_N=pairs,

@@ -18,7 +18,7 @@ from torch.library import wrap_triton
 
 from dispatcher.passes.native_forms import register_native_form
 
-from .triton_utils import cdiv, known_int, next_power_of_2, pdl_args, pdl_launch, tl, triton, triton_op, use_triton
+from .triton_utils import cdiv, known_int, next_power_of_2, pdl_args, tl, triton, triton_op, use_triton
 from .custom_op import CustomOp
 
 __all__ = [
@@ -117,7 +117,7 @@ def _launch_rotary_embedding(
     n_q_heads, n_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size
     block_h, consts = _launch_consts(n_q_heads + n_k_heads, head_size, rot_dim, is_neox)
     known_t = known_int(pos.shape[0])
-    pdl = pdl_launch(q2, known_t * (n_q_heads + n_k_heads) * head_size if known_t is not None else None)
+    known_n = known_t * (n_q_heads + n_k_heads) * head_size if known_t is not None else None
     wrap_triton(_rotary_embedding_kernel)[(pos.shape[0], cdiv(n_q_heads + n_k_heads, block_h))](
         pos,
         q2,
@@ -133,7 +133,7 @@ def _launch_rotary_embedding(
         n_q_heads,
         n_k_heads,
         **consts,
-        **pdl_args(pdl, q2),
+        **pdl_args(None, q2, known_n),
     )
     return q_out, k_out
 

@@ -22,7 +22,6 @@ from .triton_utils import (
     needs_int64,
     next_power_of_2,
     pdl_args,
-    pdl_launch,
     tl,
     triton,
     triton_op,
@@ -157,9 +156,8 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
     n_rows = x2.shape[0]
     known_rows = known_int(n_rows)
     block_d, rows, num_warps = config or act_and_mul_config(d, x.element_size(), known_rows)
-    if pdl is None:
-        known_d = known_int(d)
-        pdl = pdl_launch(x2, known_rows * known_d if known_rows is not None and known_d is not None else None)
+    known_d = known_int(d)
+    known_n = known_rows * known_d if known_rows is not None and known_d is not None else None
     grid = (cdiv(n_rows, rows), cdiv(d, block_d))
     launch = functools.partial(_act_and_mul_launch, grid) if direct else wrap_triton(_act_and_mul_kernel)[grid]
     launch(
@@ -174,7 +172,7 @@ def launch_act_and_mul(x: torch.Tensor, act: int, config: tuple[int, int, int] |
         INT64=act_needs_int64(n_rows, x2.stride(0), d),
         EVEN=act_tiles_even(known_rows, d, rows, block_d),
         num_warps=num_warps,
-        **pdl_args(pdl, x2),
+        **pdl_args(pdl, x2, known_n),
     )
     return out
 

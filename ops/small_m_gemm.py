@@ -49,7 +49,7 @@ import torch
 from dispatcher import envs
 
 from .quant_fp8 import quantize_by_scale
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, pdl_available, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, tl, triton
 
 __all__ = [
     "SmallMConfig",
@@ -891,11 +891,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
     scaled = a_scale is not None
     # PDL at every size: the next kernel launches once every program of this one has started (signalled), so
     # its programs only take the slots this one's last wave frees.
-    pdl = pdl_available(a)
+    pdl_flags = pdl_args(None, a, any_size=True)
+    pdl = pdl_flags["PDL"]
     flags = dict(
         SCALED=scaled, A_PER_TOKEN=scaled and a_scale.dim() == 2, W_PER_CHANNEL=scaled and w_scale.shape[0] != 1,
         HAS_BIAS=bias is not None, INT64=needs_int64(m * a.stride(0), n * w.stride(0), c.SPLIT_K * m * n),
-        **pdl_args(pdl, a),
+        **pdl_flags,
     )
     line = max(1, _LINE_BYTES // w.element_size())  # weight elements a 128-byte line
     pf_lines = next_power_of_2(min(cdiv(c.PREFETCH * c.BLOCK_K, line), cdiv(k_split, line))) \

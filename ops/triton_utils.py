@@ -163,9 +163,11 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
     own PDL option is on in that compile, whatever the size, as Inductor launches its own kernels
     (:func:`pdl_available`). ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
-    if n is not None and n <= SMALL_ELEMENTS:  # pdl_available tells eager from traced: one test a launch
-        return pdl_available(x)
-    return _traced(x) and pdl_available(x)
+    return _pdl_launch(x, n, _traced(x))
+
+
+def _pdl_launch(x: torch.Tensor, n: int | None, traced: bool) -> bool:
+    return (traced or (n is not None and n <= SMALL_ELEMENTS)) and _pdl_available(x, traced)
 
 
 def pdl_available(x: torch.Tensor) -> bool:
@@ -173,9 +175,12 @@ def pdl_available(x: torch.Tensor) -> bool:
     a Hopper or newer GPU, ``DYNAMO_ONCE_PDL`` not 0; eager (CUDA-graph capture included), or traced while Inductor
     compiles with its PDL option on (level 3 sets it): Inductor then launches the kernel, with PDL through
     ``dispatcher.compat.launch_user_kernels_with_pdl``, where it runs the op as its Triton kernels."""
+    return _pdl_available(x, _traced(x))
+
+
+def _pdl_available(x: torch.Tensor, traced: bool) -> bool:
     if x.device.type != "cuda" or not envs.pdl():
         return False
-    traced = _traced(x)
     if traced and not compat.inductor_pdl_enabled():
         return False
     if not _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()):
@@ -190,12 +195,22 @@ def _traced(x: torch.Tensor) -> bool:
     return not compat.is_real_tensor(x) or torch.compiler.is_compiling()
 
 
-def pdl_args(pdl: bool, x: torch.Tensor) -> dict[str, bool]:
+_NO_PDL, _PDL_TRACED, _PDL_EAGER = {"PDL": False}, {"PDL": True}, {"PDL": True, "launch_pdl": True}
+
+
+def pdl_args(pdl: bool | None, x: torch.Tensor, n: int | None = None, *, any_size: bool = False) -> dict[str, bool]:
     """A kernel's ``PDL`` constexpr and, eager and on, the launch option that goes with it (traced, ``x`` a traced
-    tensor, Inductor launches the kernel and gives it the option: ``pdl_available``)."""
+    tensor, Inductor launches the kernel and gives it the option: ``pdl_available``); unpack it into the launch.
+
+    ``pdl`` None: decided here, by :func:`pdl_launch`'s rule for a kernel covering ``n`` elements or, ``any_size``,
+    :func:`pdl_available`'s; whether ``x`` is traced is then asked once a launch, not twice.
+    """
+    traced = _traced(x)
+    if pdl is None:
+        pdl = _pdl_available(x, traced) if any_size else _pdl_launch(x, n, traced)
     if not pdl:
-        return {"PDL": False}
-    return {"PDL": True} if _traced(x) else {"PDL": True, "launch_pdl": True}
+        return _NO_PDL
+    return _PDL_TRACED if traced else _PDL_EAGER
 
 
 # ------------------------------------------------------------ fast launches
