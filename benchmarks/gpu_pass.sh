@@ -255,9 +255,12 @@ for step in $steps; do
               timeout 120 python3 -m benchmarks.kernel_profile --models llama-3-8b-fp8 --batches 1,8 \
                 --mode "level 3 +ops +passes -quant_gemm" --out "$R/kernel_profile_pdlinline" > /dev/null 2>&1 ;;
     preload)  # issue 16: the GEMV's weights read before its PDL wait (SmallMConfig.PRELOAD, the table's one-token rows)
-              # against none, in the level-3 step at batch 1 of each model (PRELOAD_MODELS), a fresh process a run
+              # against none, in the level-3 step at batch 1 of each model (PRELOAD_MODELS), a fresh process a run;
+              # PRELOAD_BATCHES=1,2 PRELOAD_VARIANTS="default= off=preload=0 pl2=preload=2" also times the M = 2 rows
+              # (no PRELOAD in the table) with two steps preloaded
               for m in ${PRELOAD_MODELS:-llama-3.2-1b llama-3-8b-int8 llama-3-8b-fp8}; do
-                STEPAB_MODEL=$m STEPAB_BATCHES=1 STEPAB_ROUNDS=2 STEPAB_VARIANTS="default= off=preload=0" \
+                STEPAB_MODEL=$m STEPAB_BATCHES=${PRELOAD_BATCHES:-1} STEPAB_ROUNDS=2 \
+                  STEPAB_VARIANTS="${PRELOAD_VARIANTS:-default= off=preload=0}" \
                   STEPAB_TIMEOUT=${PRELOAD_TIMEOUT:-200} bash "$0" stepab
                 mv "$R/gemm_step_ab" "$R/preload_$m"
               done ;;
