@@ -205,9 +205,13 @@ def pdl_args(pdl: bool | None, x: torch.Tensor, n: int | None = None, *, any_siz
     ``pdl`` None: decided here, by :func:`pdl_launch`'s rule for a kernel covering ``n`` elements or, ``any_size``,
     :func:`pdl_available`'s; whether ``x`` is traced is then asked once a launch, not twice.
     """
-    traced = _traced(x)
     if pdl is None:
+        if x.device.type != "cuda" or not envs.pdl():  # before the traced test, as in pdl_available
+            return _NO_PDL
+        traced = _traced(x)
         pdl = _pdl_available(x, traced) if any_size else _pdl_launch(x, n, traced)
+    elif pdl:
+        traced = _traced(x)
     if not pdl:
         return _NO_PDL
     return _PDL_TRACED if traced else _PDL_EAGER

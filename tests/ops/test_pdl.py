@@ -228,6 +228,21 @@ def test_a_traced_pdl_launch_leaves_the_launch_option_to_inductor():
     assert pdl_args(False, fake) == pdl_args(False, torch.ones(2)) == {"PDL": False}
 
 
+def test_pdl_args_decides_by_the_launch_rule_when_not_told(monkeypatch):
+    """``pdl_args(None, x, n)`` is ``pdl_args(pdl_launch(x, n), x)`` (``any_size``: ``pdl_available``'s): a CPU
+    tensor never takes PDL, nor anything with ``DYNAMO_ONCE_PDL=0``; on a CUDA GPU, the same answer as the rule."""
+    from ops.triton_utils import pdl_args, pdl_available, pdl_launch
+
+    assert pdl_args(None, torch.ones(2), 2) == pdl_args(None, torch.ones(2), any_size=True) == {"PDL": False}
+    if torch.cuda.is_available():
+        x = torch.ones(2, device="cuda")
+        for n in (2, None, 1 << 30):
+            assert pdl_args(None, x, n) == pdl_args(pdl_launch(x, n), x)
+        assert pdl_args(None, x, any_size=True) == pdl_args(pdl_available(x), x)
+        monkeypatch.setenv("DYNAMO_ONCE_PDL", "0")
+        assert pdl_args(None, x, 2) == pdl_args(None, x, any_size=True) == {"PDL": False}
+
+
 def _ops_chain(x, w, positions, cos_sin, scale):
     """Library ops (inlined into their kernels by a compile) between native ops, each reading the one before."""
     from ops import rms_norm, rotary_embedding, static_scaled_fp8_quant
