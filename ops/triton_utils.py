@@ -178,8 +178,13 @@ def pdl_available(x: torch.Tensor) -> bool:
     return _pdl_available(x, _traced(x))
 
 
+def _pdl_possible(x: torch.Tensor) -> bool:
+    """The checks of :func:`pdl_available` that need no traced test: a CUDA tensor, ``DYNAMO_ONCE_PDL`` not 0."""
+    return x.device.type == "cuda" and envs.pdl()
+
+
 def _pdl_available(x: torch.Tensor, traced: bool) -> bool:
-    if x.device.type != "cuda" or not envs.pdl():
+    if not _pdl_possible(x):
         return False
     if traced and not compat.inductor_pdl_enabled():
         return False
@@ -206,7 +211,7 @@ def pdl_args(pdl: bool | None, x: torch.Tensor, n: int | None = None, *, any_siz
     :func:`pdl_available`'s; whether ``x`` is traced is then asked once a launch, not twice.
     """
     if pdl is None:
-        if x.device.type != "cuda" or not envs.pdl():  # before the traced test, as in pdl_available
+        if not _pdl_possible(x):  # no traced test where PDL is off anyway
             return _NO_PDL
         traced = _traced(x)
         pdl = _pdl_available(x, traced) if any_size else _pdl_launch(x, n, traced)
