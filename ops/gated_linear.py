@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .linear import linear
 from .silu_and_mul import SILU, launch_act_and_mul, silu_and_mul_ref
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, gated_runtime_config, small_m_gated_mm, small_m_operands
+from .small_m_gemm import SmallMConfig, gated_runtime_config, small_m_gated_mm, small_m_operands, triton_max_m
 from .triton_utils import use_triton
 
 __all__ = ["GATED_LINEAR_DTYPES", "gated_linear", "gated_linear_ref", "gated_linear_uses_small_m"]
@@ -61,7 +61,7 @@ def _gated_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if config is not None:
         return small_m_gated_mm(x, weight, config)
     # ops.linear where its small-M table may apply; a prefill's GEMM straight to cuBLAS (the same call)
-    h = linear(x, weight) if x.shape[0] <= SMALL_M_MAX else F.linear(x, weight)
+    h = linear(x, weight) if x.shape[0] <= triton_max_m(x.dtype) else F.linear(x, weight)
     # ops.silu_and_mul's kernel without PDL, as Inductor launches the activation it replaces: launched early, it
     # let the down projection's small-M GEMM launch early too, and the H100's batch-8 step of Llama-3.2-1B took
     # 3.5% longer (results/gatedlin_kernel_profile_1b_h100.md; with DYNAMO_ONCE_PDL=0 no slower).

@@ -1,12 +1,12 @@
 """``ops.linear``: ``x @ weight.T (+ bias)`` for bf16 / fp16, the small-M Triton GEMM at decode sizes, cuBLAS elsewhere.
 
-At decode sizes a linear layer's GEMM is a read of its weight, and cuBLAS's kernels for ``M <= 16`` leave bandwidth
+At decode sizes a linear layer's GEMM is a read of its weight, and cuBLAS's kernels for ``M <= 32`` leave bandwidth
 unused on some of Llama's shapes (measured on the H200, ``benchmarks.gemm``: the 8B's o_proj 11.3 µs ours against
 13.3 µs cuBLAS). This op is what the ``small_m_linear`` graph pass (``dispatcher.passes``) puts in place of a
 compiled graph's ``mm(x, weight.T)`` / ``addmm(bias, x, weight.T)``: an opaque op, so that the choice is made at
 run time on the concrete M (a level-3 graph serves every token count):
 
-- CUDA, M <= ``SMALL_M_MAX``, a config in ``ops.small_m_gemm.SMALL_M_TABLE`` for the shape, ``x`` with unit
+- CUDA, M <= ``ops.small_m_gemm.triton_max_m(x.dtype)`` (32), a config in ``ops.small_m_gemm.SMALL_M_TABLE`` for the shape, ``x`` with unit
   column stride and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0: :func:`ops.small_m_mm` (fp32
   sums in its own order, one rounding; a bias is added in fp32 before it);
 - anything else: ``torch.nn.functional.linear``, the very call the graph made before the rewrite (bit for bit).
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .small_m_gemm import SmallMConfig, runtime_config, small_m_mm, small_m_operands
+from .small_m_gemm import SmallMConfig, runtime_config, small_m_mm, small_m_operands, triton_max_m
 
 __all__ = ["LINEAR_DTYPES", "linear", "linear_uses_small_m"]
 
@@ -27,7 +27,7 @@ LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 def _config(x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig | None:
     """The small-M kernel's config for these operands, or None: ``F.linear``. M first: a prefill pays one test."""
-    return runtime_config(x, weight) if small_m_operands(x, weight) else None
+    return runtime_config(x, weight) if small_m_operands(x, weight, triton_max_m(x.dtype)) else None
 
 
 def linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:

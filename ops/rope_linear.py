@@ -28,7 +28,7 @@ from dispatcher import envs
 
 from .linear import linear
 from .rotary_embedding import rotary_embedding_ref, rotate_heads_in_place
-from .small_m_gemm import SMALL_M_MAX, SmallMConfig, _gemv_step, _k_loop, small_m_config, small_m_operands
+from .small_m_gemm import SmallMConfig, _gemv_step, _k_loop, small_m_config, small_m_operands, triton_max_m
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, tl, triton
 
 __all__ = ["ROPE_LINEAR_DTYPES", "rope_linear", "rope_linear_ref", "rope_linear_uses_small_m", "rope_small_m_mm"]
@@ -206,7 +206,7 @@ def _rope_linear_impl(x: torch.Tensor, weight: torch.Tensor, positions: torch.Te
     config = _config(x, weight, head_size)
     if config is not None:
         return rope_small_m_mm(x, weight, positions, cos_sin_cache, head_size, rot_heads, config)
-    out = linear(x, weight) if x.shape[0] <= SMALL_M_MAX else F.linear(x, weight)
+    out = linear(x, weight) if x.shape[0] <= triton_max_m(x.dtype) else F.linear(x, weight)
     rotate_heads_in_place(positions, out, cos_sin_cache, head_size, rot_heads)
     return out
 

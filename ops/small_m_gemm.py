@@ -57,10 +57,12 @@ __all__ = [
     "SMALL_M_MAX",
     "UNROLL_MAX_ROWS",
     "INT8_TRITON_MAX_M",
+    "F16_TRITON_MAX_M",
     "TRITON_MAX_M",
     "SMALL_M_TABLE",
     "small_m_config",
     "small_m_operands",
+    "triton_max_m",
     "small_m_scaled_mm",
     "small_m_quant_scaled_mm",
     "small_m_mm",
@@ -595,10 +597,14 @@ SMALL_M_MAX = 16
 #: int8 takes it up to this M (decode batches): cuBLASLt's int8 GEMM behind ``torch._int_mm`` was 2.3-2.9x slower
 #: than the kernel at every 8B shape at M <= 16 (padded to 24 rows), far from its bf16 and fp8 GEMMs.
 INT8_TRITON_MAX_M = 128
+#: bf16 / fp16 (``ops.linear`` and the linear ops built on it) take it up to this M: the swapped dot tiles beat
+#: cuBLAS on the 8B's shapes at M = 32 (the table's rows say by how much), not at 64.
+F16_TRITON_MAX_M = 32
 #: Per operand dtype, the largest M the public ops take the kernel for (a dtype not here: ``SMALL_M_MAX``); the
 #: table's rows above it are for ``benchmarks.gemm``'s crossover (``benchmarks.gemm_step_ab`` raises an entry to A/B
 #: such a row inside a decode step).
-TRITON_MAX_M: dict[torch.dtype, int] = {torch.int8: INT8_TRITON_MAX_M}
+TRITON_MAX_M: dict[torch.dtype, int] = {torch.int8: INT8_TRITON_MAX_M, torch.bfloat16: F16_TRITON_MAX_M,
+                                         torch.float16: F16_TRITON_MAX_M}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,12 +648,17 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # 8B int8 step at batch 2 (results/gemm_step_ab_rows{,_r1}_int8_h100.md, four alternating runs: 3628.3-3672.2 µs
     # against 3685.5-3696.6; qkv on a row a program too: 3660.2 / 3667.3). At batch 3 and 4 the sweep's picks on 2 and
     # 4 rows a program were no faster in the step than the dot tiles; at 8 the GEMV over 8 rows was 26% slower
-    # (results/gemm_step_ab_rows_first_int8_h100.md).
-    _R(2, _I8, 2.0, 4096, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 22.2 / 23.8
+    # (results/gemm_step_ab_rows_first_int8_h100.md). Each with two loop steps preloaded (PRELOAD, as at M = 1): the
+    # int8 8B step at batch 2 3429.5 / 3423.6 µs against 3540.0 / 3531.7 (H100, results/
+    # gemm_step_ab_preload_m2_8b_int8_h100.md); bf16's M = 2 rows stay without: its 8B step was 0.8% slower with
+    # (5800.6 / 5776.8 against 5757.2 / 5733.5, gemm_step_ab_preload_m2_8b_h100.md).
+    # down 22.2 / 23.8
+    _R(2, _I8, 2.0, 4096, _C(1, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
     # gate-up 40.4 / 42.5: the int8 model's gate-up runs the gated form (GATED_ROWS) where gemm_act_quant is on
-    _R(2, _I8, 0.0, 16384, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),
-    _R(2, _I8, 0.0, 6144, _C(2, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 10.5 / 11.7
-    _R(2, _I8, 0.0, 4096, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 7.6 / 9.2
+    _R(2, _I8, 0.0, 16384, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    # qkv 10.5 / 11.7
+    _R(2, _I8, 0.0, 6144, _C(2, 4, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),
+    _R(2, _I8, 0.0, 4096, _C(1, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)),  # o 7.6 / 9.2
     # int8: torch._int_mm (M padded to 24) is 2.3-2.9x slower at every shape.
     # down at M <= 16 with its two splits summed in the kernel (SERIAL): the 8B int8 step at batch 8 / 16 3818.4 /
     # 4066.7 and 3816.6 / 4065.0 µs against 3838.2 / 4090.1 and 3838.1 / 4089.3 (H100,
@@ -692,6 +703,18 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # o 11.9 / 13.5, 6.0 / 6.2
     _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head: 238.2 / 247.6, 121.2 / 126.9
     _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8; gate-up 58.9 / 57.1, 18.8 / 18.8 (best configs)
+    # bf16 / fp16 at M = 17-32 (up to F16_TRITON_MAX_M), Llama-3-8B's shapes: the product swapped (w @ a.T: the
+    # weight rows the wgmma's tall side), from the separated sweep at M = 32 on an H100
+    # (results/gemm_sweep_best_bf16_m32_separated_h100.md), µs ours / cuBLAS. The 8B step
+    # (results/gemm_step_ab_bf16_m32_h100.md, two alternating runs) at batch 24 6213.0 / 6213.4 µs against 6483.9 /
+    # 6437.7 with cuBLAS, at 32 6424.5 / 6431.3 against 6654.4 / 6656.7. At M = 64 the sweep's down and lm_head picks
+    # (44.0 / 46.1, 350.5 / 373.0) moved the step at batch 48 and 64 by < 0.1%
+    # (results/gemm_step_ab_bf16_m64_h100.md): cuBLAS above 32.
+    _R(32, _F16, 2.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 42.6 / 44.7
+    _R(32, _F16, 0.0, 65536, _C(32, 256, 128, num_warps=8, num_stages=3, SWAP=True)),  # lm_head 342.3 / 366.2
+    _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
+    _R(32, _F16, 0.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # qkv 20.4 / 21.9, o 14.3 / 14.3
+    _R(32, _F16, 0.0, 0, None),  # narrower shapes (Llama-3.2-1B's qkv, o, down): unmeasured at M > 16, cuBLAS
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
     # down at M <= 32 and <= 128: the two splits summed in the kernel (SERIAL), not by a second kernel: in the int8
@@ -707,7 +730,6 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(128, _I8, 0.0, 0, _C(64, 32, 256, num_warps=4, num_stages=4)),  # o: 9.7 / 23.4
     # Past the ops' range: untuned, for the benchmark's crossover.
     _R(32, _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
-    _R(32, _F16, 0.0, 0, _C(32, 64, 64, num_warps=4, num_stages=4)),
     _R(64, _F8, 0.0, 0, _C(64, 64, 128, num_warps=4, num_stages=4)),
     _R(64, _F16, 0.0, 0, _C(64, 64, 64, num_warps=4, num_stages=4)),
 )
@@ -737,14 +759,19 @@ def small_m_operands(x: torch.Tensor, weight: torch.Tensor, max_m: int = SMALL_M
     return x.shape[0] <= max_m and x.is_cuda and x.stride(1) == 1 and weight.is_contiguous()
 
 
+def triton_max_m(dtype: torch.dtype) -> int:
+    """The largest M the public ops take the kernel for with ``dtype`` operands: ``TRITON_MAX_M``'s entry, else
+    ``SMALL_M_MAX``."""
+    return TRITON_MAX_M.get(dtype, SMALL_M_MAX)
+
+
 def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
     """The kernel's config for these CUDA operands at an op's call, or None: the cuBLAS path (no Triton,
-    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above the table: ``TRITON_MAX_M``'s entry, else ``SMALL_M_MAX``).
-    Sizes are concrete here: the ops that call it (``ops.scaled_mm``, ``ops.linear``) run eagerly."""
+    ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above :func:`triton_max_m`). Sizes are concrete here: the ops that call it
+    (``ops.scaled_mm``, ``ops.linear``) run eagerly."""
     if not HAS_TRITON:
         return None
-    max_m = TRITON_MAX_M.get(a.dtype, SMALL_M_MAX)
-    config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=max_m)
+    config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=triton_max_m(a.dtype))
     return config if config is not None and envs.small_m_gemm() else None
 
 

@@ -15,7 +15,7 @@ pattern's inner nodes), for bf16 and fp16 operands:
 - then ``dynamo_once::silu_and_mul`` as the model calls it (custom ops on; the pass keeps the Triton ops opaque).
 
 It runs before ``small_m_linear``, which would otherwise take the GEMM first. Compiles for a size above
-``ops.SMALL_M_MAX`` are left alone: the op would only add a call. This module names ops, never models.
+``small_m_linear.MAX_TOKENS`` are left alone: the op would only add a call. This module names ops, never models.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Two stages, both Inductor patterns:
 
 A split of three parts of a no-bias GEMM of a 2-d bf16 / fp16 input, NeoX rotation of the whole head: anything
 else is left as it is. Runs before ``small_m_linear``, which would take the GEMM first; compiles for more than
-``ops.SMALL_M_MAX`` tokens are left alone. This module names ops, never models.
+``small_m_linear.MAX_TOKENS`` tokens are left alone. This module names ops, never models.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """``ops.linear``: on the GPU, the small-M Triton GEMM at decode sizes where the table has a config (Llama 3 1B and
-8B shapes, within the bf16 GEMM bound), ``F.linear`` bit for bit above ``SMALL_M_MAX``, with the switch off and for
+8B shapes, within the bf16 GEMM bound), ``F.linear`` bit for bit above the bf16 range (``triton_max_m``), with the
+switch off and for
 a strided input, and the same replayed from a CUDA graph; on any machine, ``F.linear`` bit for bit, the fake
 kernel (opcheck) and errors that name the argument.
 """
@@ -13,11 +14,13 @@ from ops_testing import spy_on_rows
 from test_small_m_gemm import _assert_mm_within_bound
 
 import ops
+from ops.small_m_gemm import triton_max_m
 
 linear_module = importlib.import_module("ops.linear")
 BF16, FP16 = torch.bfloat16, torch.float16
-# (K, N): Llama 3.2 1B's qkv, o, gate_up, down; the 8B's qkv, o, down.
-SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (4096, 6144), (4096, 4096), (14336, 4096)]
+# (K, N): Llama 3.2 1B's qkv, o, gate_up, down; the 8B's qkv, o, gate_up, down.
+SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (4096, 6144), (4096, 4096), (4096, 28672),
+          (14336, 4096)]
 SHAPE_IDS = [f"{k}to{n}" for k, n in SHAPES]
 
 
@@ -37,12 +40,15 @@ def triton_calls(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k,n", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 17, 32])
 def test_decode_sizes_take_the_table(m, k, n, triton_calls):
-    """Where the table has a config the kernel runs, within the bf16 GEMM bound; elsewhere cuBLAS, bit for bit."""
+    """Where the table has a config the kernel runs, within the bf16 GEMM bound; elsewhere cuBLAS, bit for bit. From
+    M = 17 (the swapped dot tiles, up to bf16's range) every 8B shape takes the kernel."""
     x, w, _ = _operands(m, k, n)
     out = ops.linear(x, w)
-    if ops.small_m_config(m, n, k, BF16) is None:
+    config = ops.small_m_config(m, n, k, BF16, max_m=triton_max_m(BF16))
+    assert config is not None or m <= 16 or n < 4096
+    if config is None:
         assert triton_calls == [] and torch.equal(out, F.linear(x, w))
     else:
         assert triton_calls == [m]
@@ -60,7 +66,7 @@ def test_bias_and_fp16(dtype, triton_calls):
 
 @pytest.mark.cuda
 def test_cublas_above_small_m_switched_off_and_for_strided_rows(monkeypatch, triton_calls):
-    x, w, _ = _operands(ops.SMALL_M_MAX + 1, 2048, 2048)
+    x, w, _ = _operands(triton_max_m(BF16) + 1, 4096, 4096)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
     wide = torch.randn(4, 4096, device="cuda").to(BF16)[:, ::2]  # column stride 2
     assert torch.equal(ops.linear(wide, w), F.linear(wide, w))
@@ -113,6 +119,6 @@ def test_errors_name_the_argument(change, exc, match):
 
 
 def test_errors_above_small_m_too():
-    """The op's body takes F.linear at once above SMALL_M_MAX; the public call still checks its arguments."""
+    """The op's body takes F.linear at once above the kernel's range; the public call still checks its arguments."""
     with pytest.raises(TypeError, match="x and weight must both be bfloat16 or float16; got torch.float32"):
-        ops.linear(torch.zeros(ops.SMALL_M_MAX + 1, 8), torch.zeros(4, 8, dtype=BF16))
+        ops.linear(torch.zeros(triton_max_m(BF16) + 1, 8), torch.zeros(4, 8, dtype=BF16))
