@@ -68,7 +68,7 @@ def test_bias_and_fp16(dtype, triton_calls):
 def test_cublas_above_small_m_switched_off_and_for_strided_rows(monkeypatch, triton_calls):
     x, w, _ = _operands(triton_max_m(BF16) + 1, 4096, 4096)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
-    wide = torch.randn(4, 4096, device="cuda").to(BF16)[:, ::2]  # column stride 2
+    wide = torch.randn(4, 8192, device="cuda").to(BF16)[:, ::2]  # column stride 2
     assert torch.equal(ops.linear(wide, w), F.linear(wide, w))
     monkeypatch.setenv("DYNAMO_ONCE_SMALL_M_GEMM", "0")
     x, w, _ = _operands(1, 2048, 2048)
