@@ -15,7 +15,7 @@ from test_scaled_mm import U32, U_OUT, _bound
 
 import ops
 from dispatcher import envs
-from ops.small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig, preload_steps
+from ops.small_m_gemm import INT8_TRITON_MAX_M, SMALL_M_MAX, SMALL_M_TABLE, SmallMConfig, preload_steps, triton_max_m
 
 scaled_mm = importlib.import_module("ops.scaled_mm")
 
@@ -278,6 +278,20 @@ def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
             assert ops.small_m_config(largest, n, k, dtype, max_m=largest) is not None
             assert ops.small_m_config(largest + 1, n, k, dtype, max_m=largest + 1) is None
     assert ops.small_m_config(1, 4096, 4096, torch.float32) is None
+
+
+def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
+    """bf16 / fp16 run the kernel up to ``triton_max_m`` (32): at 17-32 rows the 8B's shapes (N >= 4096, the lm_head
+    too) take the swapped dot tiles, narrower shapes (the 1B's qkv, o and down) and every shape past 32 cuBLAS."""
+    for dtype in (BF16, torch.float16):
+        top = triton_max_m(dtype)
+        assert top == 32 and top > SMALL_M_MAX
+        for k, n in SHAPES_8B + [(4096, 128256), (2048, 3072), (2048, 2048), (8192, 2048)]:
+            for m in (SMALL_M_MAX + 1, top):
+                config = ops.small_m_config(m, n, k, dtype, max_m=top)
+                assert (config is not None and config.SWAP and config.BLOCK_M == top) == (n >= 4096)
+                assert config is None or n >= 4096
+            assert ops.small_m_config(top + 1, n, k, dtype, max_m=top) is None
     assert ops.small_m_config(0, 4096, 4096, INT8) is None
 
 
