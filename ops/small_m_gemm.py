@@ -708,7 +708,7 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # (results/gemm_sweep_best_bf16_m32_separated_h100.md), µs ours / cuBLAS. The 8B step
     # (results/gemm_step_ab_bf16_m32_h100.md, two alternating runs) at batch 24 6213.0 / 6213.4 µs against 6483.9 /
     # 6437.7 with cuBLAS, at 32 6424.5 / 6431.3 against 6654.4 / 6656.7. At M = 64 the sweep's down and lm_head picks
-    # (44.0 / 46.1, 350.5 / 373.0) moved the step at batch 48 and 64 by < 0.1%
+    # (44.0 / 46.1, 350.5 / 373.0) moved the step at batch 48 and 64 by < 0.2%
     # (results/gemm_step_ab_bf16_m64_h100.md): cuBLAS above 32.
     _R(32, _F16, 2.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 42.6 / 44.7
     _R(32, _F16, 0.0, 65536, _C(32, 256, 128, num_warps=8, num_stages=3, SWAP=True)),  # lm_head 342.3 / 366.2
