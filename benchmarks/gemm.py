@@ -12,11 +12,12 @@ at each M of ``--ms`` (default 1, 8, 32, 128):
   epilogue; per-token activation and per-channel weight scales, as the int8 checkpoints have) against ours.
 
 The quantized stacks keep the lm_head in bf16, as checkpoints leave it unquantized: ``F.linear`` in the cuBLAS rows,
-``small_m_mm`` in ours. Ours takes the config table's row for each GEMM, also above ``ops.SMALL_M_MAX`` (where the
-public ops switch to cuBLAS; beyond the table its largest-M row), so that the rows show the crossover. Only the
-GEMMs are timed (no activation quantization). ``weight_bytes``: every weight read once; ``pct_of_copy_bw``:
-weight_bytes / time / the device-to-device copy bandwidth measured in the same run; ``correct``: ours against
-cuBLAS on layer 0 and the lm_head (int8 bit for bit, fp8 / bf16 within 2**-6 of the largest output).
+``small_m_mm`` in ours. Ours takes the config table's row for each GEMM, also above the public ops' range
+(``ops.small_m_gemm.triton_max_m``, where they switch to cuBLAS; beyond the table its largest-M row), so that the
+rows show the crossover. Only the GEMMs are timed (no activation quantization). ``weight_bytes``: every weight read
+once; ``pct_of_copy_bw``: weight_bytes / time / the device-to-device copy bandwidth measured in the same run;
+``correct``: ours against cuBLAS on layer 0 and the lm_head (int8 bit for bit, fp8 / bf16 within 2**-6 of the
+largest output).
 
 ``--sweep``: for each distinct (N, K) of the stack (the lm_head in bf16 only) and M of ``--sweep-ms`` (1, 4, 16),
 every config of a small grid (``sweep_grid``: ~30 a dtype, GEMV and tl.dot forms, split K) for int8, fp8 and bf16,
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 import ops
 from benchmarks import common
-from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig
+from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig, triton_max_m
 
 BF16, FP8, INT8 = torch.bfloat16, torch.float8_e4m3fn, torch.int8
 DTYPES = {"bf16": BF16, "fp8": FP8, "int8": INT8}
@@ -476,8 +477,9 @@ def main(argv: list[str] | None = None) -> None:
              "small_m_mm in ours",
              "fp8: per-tensor scales both sides (cuBLAS's fast layout); int8: per-token x per-channel, cuBLAS = "
              "ops.int8_scaled_mm with DYNAMO_ONCE_SMALL_M_GEMM=0 (torch._int_mm, M <= 16 padded to 24, fp32 epilogue)",
-             f"ours: the config table's row (SMALL_M_MAX = {ops.SMALL_M_MAX}: the public ops take ours up to there; "
-             f"rows above show the crossover); GEMMs only, no activation quantization",
+             "ours: the config table's row (the public ops take ours up to M = "
+             + ", ".join(f"{name} {triton_max_m(d)}" for name, d in DTYPES.items())
+             + "; rows above show the crossover); GEMMs only, no activation quantization",
              "correct: ours against cuBLAS on layer 0 and the lm_head (int8 bit for bit, else within 2**-6 of the "
              "largest output)",
              "ours pfN: the table's configs with PREFETCH = N (BLOCK_K steps of each program's weights prefetched into "

@@ -18,8 +18,8 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 (``ops.paged_decode_config.DECODE_TABLE`` and ``DECODE_TABLE_FP8``: the first K and V chunk read before the wait);
 ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
 launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
-dtype (``small_m_gemm.TRITON_MAX_M``; fp8 and bf16: ``SMALL_M_MAX`` = 16) raises that range to its ``max_m`` for the
-run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
+dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises that range to its
+``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
