@@ -16,6 +16,9 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 ``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait);
 ``attn_preload=0`` / ``=1`` sets ``preload`` in every row of the decode attention's tables
 (``ops.paged_decode_config.DECODE_TABLE`` and ``DECODE_TABLE_FP8``: the first K and V chunk read before the wait);
+``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` sets ``DecodeConfig`` fields (integers; a bool field 0 or 1;
+``num_splits=none``) in the row of each of those tables with that ``max_seqs`` and ``max_head_size``
+(``attn_rule=8:128:num_splits=4``: the batch-8 row over four splits, where the decode kernel may launch with PDL);
 ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
 launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
 dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises that range to its
@@ -85,15 +88,73 @@ def parse_rule(text: str) -> SmallMRule:
 
 
 _OVERRIDE = re.compile(r"^(prefetch|preload|attn_preload|inductor_pdl)=(\d+)$")
+_ATTN_RULE = "attn_rule="
+_DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
 
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
     """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N``,
-    ``preload=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`)."""
+    ``preload=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`), nor
+    ``attn_rule=...`` items (:func:`attention_tables`; checked here)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
-    return name, [parse_rule(r) for r in rules.split(";") if r and not _OVERRIDE.match(r)]
+    items = [r for r in rules.split(";") if r and not _OVERRIDE.match(r)]
+    attention_tables(text)
+    return name, [parse_rule(r) for r in items if not r.startswith(_ATTN_RULE)]
+
+
+def _decode_field(name: str, value: str, text: str) -> Any:
+    """One ``FIELD=VALUE`` of an ``attn_rule`` item as the ``DecodeConfig`` field's value."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(paged_decode_config.DecodeConfig)}
+    if name not in kinds:
+        raise ValueError(f"an attn_rule field must be one of {', '.join(kinds)}; got {name!r} in {text!r}")
+    if kinds[name] == "bool":
+        if value not in ("0", "1"):
+            raise ValueError(f"attn_rule's {name} must be 0 or 1; got {value!r} in {text!r}")
+        return value == "1"
+    if value == "none" and "None" in kinds[name]:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"attn_rule's {name} must be a non-negative integer; got {value!r} in {text!r}")
+    return int(value)
+
+
+def parse_attn_rule(text: str) -> tuple[int, int, dict[str, Any]]:
+    """``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` -> (max_seqs, max_head_size, fields); ValueError naming
+    the item."""
+    parts = text[len(_ATTN_RULE):].split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or not parts[2]:
+        raise ValueError(f"an attn_rule item must be attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...; got {text!r}")
+    pairs = [item.partition("=") for item in parts[2].split(",")]
+    if any(not sep for _, sep, _ in pairs):
+        raise ValueError(f"attn_rule's fields must be FIELD=VALUE, comma-separated; got {text!r}")
+    return int(parts[0]), int(parts[1]), {k: _decode_field(k, v, text) for k, _, v in pairs}
+
+
+def attention_tables(variant: str) -> dict[str, tuple[DecodeRule, ...]]:
+    """The decode attention tables a variant changes (``paged_decode_config``'s names -> the changed table): its
+    ``attn_rule`` items applied in order, then ``attn_preload``; ValueError where an item's row is in neither table
+    or its fields make no valid config."""
+    tables = {name: getattr(paged_decode_config, name) for name in _DECODE_TABLES}
+    changed = set()
+    for item in variant.partition("=")[2].split(";"):
+        if not item.startswith(_ATTN_RULE):
+            continue
+        max_seqs, max_head, fields = parse_attn_rule(item)
+        hits = [name for name, table in tables.items()
+                if any((r.max_seqs, r.max_head_size) == (max_seqs, max_head) for r in table)]
+        if not hits:
+            raise ValueError(f"no decode table has a row of max_seqs {max_seqs} and max_head_size {max_head}: {item!r}")
+        for name in hits:
+            tables[name] = tuple(dataclasses.replace(r, config=dataclasses.replace(r.config, **fields))
+                                 if (r.max_seqs, r.max_head_size) == (max_seqs, max_head) else r for r in tables[name])
+        changed.update(hits)
+    attn = variant_option(variant, "attn_preload")
+    if attn is not None:
+        tables = {name: attention_preload(table, bool(attn)) for name, table in tables.items()}
+        changed.update(tables)
+    return {name: tables[name] for name in changed}
 
 
 def variant_option(text: str, name: str) -> int | None:
@@ -176,9 +237,7 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
     pdl = variant_option(variant, "inductor_pdl")
     if pdl is not None:
         set_inductor_pdl(bool(pdl))
-    attn = variant_option(variant, "attn_preload")
-    decode_tables = {name: attention_preload(getattr(paged_decode_config, name), bool(attn))
-                     for name in ("DECODE_TABLE", "DECODE_TABLE_FP8")} if attn is not None else {}
+    decode_tables = attention_tables(variant)
     with mock.patch.multiple(paged_decode_config, **decode_tables) if decode_tables else contextlib.nullcontext(), \
             mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \

@@ -643,10 +643,40 @@ def test_gemm_step_ab_raises_the_ops_range_to_its_rules():
     assert torch.float8_e4m3fn not in small_m_gemm.TRITON_MAX_M and SMALL_M_MAX == 16
 
 
+def test_gemm_step_ab_attn_rule_sets_fields_of_the_decode_tables_row():
+    """``attn_rule=8:128:num_splits=4,pdl=0`` changes those fields of the batch-8 row (head size 128) of the bf16 and
+    fp8 cache tables, and nothing else; later items apply after it (attn_preload sets every row's preload)."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import paged_decode_config as pdc
+
+    text = "s4=attn_rule=8:128:num_splits=4,pdl=0;bf16:32:0:0:cublas"
+    name, rules = ab.parse_variant(text)
+    assert name == "s4" and len(rules) == 1 and rules[0].config is None
+    tables = ab.attention_tables(text)
+    assert set(tables) == {"DECODE_TABLE", "DECODE_TABLE_FP8"}
+    for key, table in tables.items():
+        before = getattr(pdc, key)
+        changed = [i for i, (a, b) in enumerate(zip(before, table)) if a != b]
+        assert len(table) == len(before) and len(changed) == 1
+        row = table[changed[0]]
+        assert (row.max_seqs, row.max_head_size) == (8, 128)
+        assert row.config.num_splits == 4 and row.config.pdl is False
+        assert row.config.BLOCK_N == before[changed[0]].config.BLOCK_N
+    assert ab.attention_tables("base=") == {}
+    preloaded = ab.attention_tables("p=attn_rule=1:128:num_splits=8;attn_preload=1")
+    assert all(r.config.preload for t in preloaded.values() for r in t)
+    assert preloaded["DECODE_TABLE"][0].config.num_splits == 8
+    assert ab.attention_tables("w=attn_rule=32:128:num_splits=none")["DECODE_TABLE"][3].config.num_splits is None
+
+
 @pytest.mark.parametrize("text, says", [
     ("gu32", "NAME=RULES"), ("a=int8:32:0", "5 fields"), ("a=int4:32:0:0:cublas", "dtype must be one of"),
     ("a=int8:x:0:0:cublas", "must be integers"), ("a=int8:32:0:0:64by64", "config must be 'cublas'"),
-    ("a=int8:32:0:0:48x64x128", "power of 2"),
+    ("a=int8:32:0:0:48x64x128", "power of 2"), ("a=attn_rule=8:128", "attn_rule=MAX_SEQS:MAX_HEAD_SIZE"),
+    ("a=attn_rule=8:128:splits=4", "field must be one of num_splits"), ("a=attn_rule=8:128:pdl=2", "0 or 1"),
+    ("a=attn_rule=8:128:num_splits=x", "non-negative integer"), ("a=attn_rule=8:128:num_splits", "FIELD=VALUE"),
+    ("a=attn_rule=9:128:num_splits=4", "no decode table has a row of max_seqs 9"),
+    ("a=attn_rule=8:128:num_splits=3", "num_splits must be a power of two"),
 ])
 def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
     from benchmarks import gemm_step_ab as ab
