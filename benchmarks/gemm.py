@@ -285,7 +285,11 @@ _SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, Tru
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
     GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
-    over 1-8 rows of a a program (at most M's, rounded up to a power of 2)."""
+    over 1-8 rows of a a program (at most M's, rounded up to a power of 2); ``"swap"``: the swapped dot tiles alone,
+    as tall as M (16-64 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17."""
+    if forms == "swap":
+        bm = min(64, max(16, 1 << (m - 1).bit_length()))
+        return [SmallMConfig(*r) for r in dict.fromkeys([(bm,) + r[1:] for r in _SWAP_16 + _SWAP_MID])]
     if forms in ("unroll", "m1"):
         return [SmallMConfig(*r) for r in _GEMV_1 + (_SWAP_16 if forms == "m1" else [])] if m == 1 else []
     if forms == "rows":  # the unrolled GEMV over 2, 4, 8 rows a program (those up to M's), and a row a program
@@ -426,10 +430,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows"), help="sweep: every "
-                   "family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row dot tiles (m1: "
-                   "M = 1), or the unrolled GEMV over 1-8 rows a program (rows: M >= 1), beside cuBLAS and the "
-                   "table's pick")
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap"), help="sweep: "
+                   "every family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row dot tiles "
+                   "(m1: M = 1), the unrolled GEMV over 1-8 rows a program (rows: M >= 1), or the swapped dot tiles "
+                   "as tall as M (swap), beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
@@ -464,9 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if a.quick else "" if a.model == "llama-3-8b" else f"_{a.model}"
     label = "tiny" if a.quick else a.model
     if a.sweep:
-        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes, suffix + ("_separated" if a.separated else "")
-              + {"all": "", "unroll": "_unroll", "m1": "_m1", "rows": "_rows"}[a.sweep_forms], a.separated,
-              a.sweep_forms)
+        forms_suffix = "" if a.sweep_forms == "all" else f"_{a.sweep_forms}"
+        sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes,
+              suffix + ("_separated" if a.separated else "") + forms_suffix, a.separated, a.sweep_forms)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls, dtypes)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "
