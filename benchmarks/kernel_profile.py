@@ -58,40 +58,48 @@ def kernel_events(fn: Callable[[], Any], replays: int) -> list[tuple[str, float,
     return sorted(out, key=lambda e: e[1])
 
 
+def _own_time(events: list[tuple[str, float, float]]) -> tuple[list[float], dict[str, float], dict[str, int]]:
+    """Walks the union of kernel intervals (kernels of a stream overlap under PDL): each kernel's own time (the part
+    of it no kernel before covered: what it adds to the busy time; a kernel launched early and waiting owns only
+    what runs past its predecessor's end), the idle time right before each kind's kernels, and per kind the kernels
+    that started before the ones before them ended."""
+    own, end = [], None
+    idle_before: dict[str, float] = defaultdict(float)
+    early: dict[str, int] = defaultdict(int)
+    for name, s, e in events:
+        if end is not None and s < end:
+            early[kind_of(name)] += 1
+        elif end is not None:
+            idle_before[kind_of(name)] += s - end
+        own.append(max(0.0, e - max(s, end if end is not None else s)))
+        end = e if end is None else max(end, e)
+    return own, idle_before, early
+
+
 def summarize(graph: str, events: list[tuple[str, float, float]], replays: int
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows per kind (and a ``total`` row with span and idle) and per kernel name, per replay."""
-    busy, end = 0.0, None
-    idle_before: dict[str, float] = defaultdict(float)  # idle time right before a kernel, by the kernel's kind
-    early: dict[str, int] = defaultdict(int)  # kernels started before the ones before them ended (PDL), by kind
-    for name, s, e in events:  # the union of kernel intervals (kernels of a stream overlap under PDL)
-        if end is not None and s < end:
-            early[kind_of(name)] += 1
-        if end is None or s >= end:
-            if end is not None:
-                idle_before[kind_of(name)] += s - end
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
+    own, idle_before, early = _own_time(events)
+    busy = sum(own)
     span = (events[-1][2] - events[0][1]) if events else 0.0
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for name, s, e in events:
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for (name, s, e), mine in zip(events, own):
         for table, key in ((by_kind, kind_of(name)), (by_name, name)):
             table[key][0] += 1
             table[key][1] += e - s
+            table[key][2] += mine
     n = replays
     kinds = [{"graph": graph, "kind": "total", "kernels": round(len(events) / n, 1),
-              "us": round(sum(e - s for _, s, e in events) / n, 1), "span_us": round(span / n, 1),
-              "idle_us": round((span - busy) / n, 1), "early": round(sum(early.values()) / n, 1)}]
-    kinds += [{"graph": graph, "kind": k, "kernels": round(c / n, 1), "us": round(t / n, 1), "span_us": "",
-               "idle_us": round(idle_before[k] / n, 1), "early": round(early[k] / n, 1)}
-              for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])]
+              "us": round(sum(e - s for _, s, e in events) / n, 1), "own_us": round(busy / n, 1),
+              "span_us": round(span / n, 1), "idle_us": round((span - busy) / n, 1),
+              "early": round(sum(early.values()) / n, 1)}]
+    kinds += [{"graph": graph, "kind": k, "kernels": round(c / n, 1), "us": round(t / n, 1), "own_us": round(o / n, 1),
+               "span_us": "", "idle_us": round(idle_before[k] / n, 1), "early": round(early[k] / n, 1)}
+              for k, (c, t, o) in sorted(by_kind.items(), key=lambda kv: -kv[1][2])]
     top = [{"graph": graph, "kernel": name[:90], "kind": kind_of(name), "count": round(c / n, 1),
-            "us": round(t / n, 1), "mean_us": round(t / c, 2)}
-           for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]]
+            "us": round(t / n, 1), "own_us": round(o / n, 1), "mean_us": round(t / c, 2)}
+           for name, (c, t, o) in sorted(by_name.items(), key=lambda kv: -kv[1][2])[:25]]
     return kinds, top
 
 
@@ -237,7 +245,9 @@ def main(argv: list[str] | None = None) -> None:
                  "graph; stack: benchmarks.gemm's 8B linear stack",
                  "span: first kernel start to last kernel end; idle: time in the span with no kernel running (a kind's "
                  "row: the idle time right before its kernels); early: kernels that started before the kernel before "
-                 "them ended (launched early, programmatic dependent launch)",
+                 "them ended (launched early, programmatic dependent launch); us: the kernels' durations (under PDL "
+                 "an early kernel's includes its wait); own_us: the part of each kernel no kernel before it covered "
+                 "(its share of the span: total own_us + idle_us = span_us)",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
                  f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, Inductor's PDL {inductor_pdl}"]
         common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,

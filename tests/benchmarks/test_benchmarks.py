@@ -482,14 +482,20 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
     events += [(n, s + 20.0, e + 20.0) for n, s, e in events]
     kinds, top = kp.summarize("g", events, replays=2)
     total = kinds[0]
-    assert total == {"graph": "g", "kind": "total", "kernels": 3.0, "us": 14.0, "span_us": 17.5, "idle_us": 4.5,
-                     "early": 1.0}
+    assert total == {"graph": "g", "kind": "total", "kernels": 3.0, "us": 14.0, "own_us": 13.0, "span_us": 17.5,
+                     "idle_us": 4.5, "early": 1.0}
     assert {r["kind"]: r["us"] for r in kinds[1:]} == {"gemm": 7.0, "inductor": 4.0, "attention": 3.0}
+    # own time: the GEMM's first µs ran beside the Inductor kernel, so it owns 6 of its 7; own + idle = span
+    assert {r["kind"]: r["own_us"] for r in kinds[1:]} == {"gemm": 6.0, "inductor": 4.0, "attention": 3.0}
     # started before the kernel before it ended: the GEMM of each replay
     assert {r["kind"]: r["early"] for r in kinds[1:]} == {"gemm": 1.0, "inductor": 0.0, "attention": 0.0}
     # a kind's idle: the gaps right before its kernels (2 before each attention, 5 before the second replay's first)
     assert {r["kind"]: r["idle_us"] for r in kinds[1:]} == {"gemm": 0.0, "inductor": 2.5, "attention": 2.0}
     assert top[0]["kernel"] == "nvjet_tst_128x8" and top[0]["count"] == 1.0 and top[0]["mean_us"] == 7.0
+    assert top[0]["own_us"] == 6.0
+    # a kernel launched early that ends before the one before it owns nothing of the span
+    inner, _ = kp.summarize("h", [("nvjet_a", 0.0, 10.0), ("triton_red_0", 2.0, 9.0)], replays=1)
+    assert {r["kind"]: r["own_us"] for r in inner} == {"total": 10.0, "gemm": 10.0, "inductor": 0.0}
 
 
 @pytest.mark.parametrize("script, argv, says", [
