@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -338,6 +338,16 @@ for step in $steps; do
                   --batches ${KPM_BATCHES:-1} ${KPM_ARGS:-} --mode "$md" --tag "$md" --out "$R/kprofmode$i" > "$R/kprofmode$i.log" 2>&1
                 grep -E "\| total \||Error" "$R/kprofmode$i.log" | tail -6
               done ;;
+    next16)   # issue 16 in one call (~8 min on an H100): the targets, the 8B's kernel profile at 1-128 (own_us: each kind's
+              # share of the span), the swapped dot tiles swept at 2-16 rows (bf16), and the batch-8 attention row over
+              # four splits (with PDL) A/B'd in the 8B's step
+              TARGET_TIMEOUT=${TARGET_TIMEOUT:-100} bash "$0" targets
+              timeout 120 python3 -m benchmarks.kernel_profile --models llama-3-8b --batches 1,8,32,128 \
+                --out "$R/kernel_profile_8b" > "$R/kernel_profile_8b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_8b.log"
+              SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-120} SWEEP_MS=${SWEEP_MS:-2,4,8,16} SWEEP_DTYPES=bf16 \
+                SWEEP_ARGS="--separated --sweep-forms swap" bash "$0" gemmsweep
+              STEPAB_MODEL=llama-3-8b STEPAB_BATCHES=4,8 STEPAB_TIMEOUT=${STEPAB_TIMEOUT:-200} STEPAB_VARIANTS="default= \
+                s4=attn_rule=8:128:num_splits=4 s4b128=attn_rule=8:128:num_splits=4,BLOCK_N=128,num_stages=3" bash "$0" stepab ;;
     *) echo "unknown step $step" ;;
   esac
 done
