@@ -37,6 +37,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -223,12 +224,13 @@ def raised_ranges(rules: list[SmallMRule]) -> dict[torch.dtype, int]:
     return out
 
 
-def run_child(variant: str, model: str, batches: list[int], context: int, iters: int) -> None:
-    """In this process: the step at every batch under the variant's table; one JSON line of rows on stdout."""
-    from benchmarks import decode
-
+@contextlib.contextmanager
+def applied(variant: str) -> Iterator[None]:
+    """The variant in place for the block: its small-M table (the rules over the table as it is now), ``GATED_ROWS``,
+    the ops' raised ranges and the decode attention tables; an ``inductor_pdl`` item sets Inductor's option for this
+    process's compiles (not undone)."""
     _, rules = parse_variant(variant)
-    table, gated = patched_table(rules), dict(small_m_gemm.GATED_ROWS)
+    table, gated = patched_table(rules, small_m_gemm.SMALL_M_TABLE), dict(small_m_gemm.GATED_ROWS)
     prefetch, preload = variant_option(variant, "prefetch"), variant_option(variant, "preload")
     if prefetch is not None or preload is not None:
         table = with_prefetch(table, prefetch, preload)
@@ -242,6 +244,14 @@ def run_child(variant: str, model: str, batches: list[int], context: int, iters:
             mock.patch.object(small_m_gemm, "SMALL_M_TABLE", table), \
             mock.patch.dict(small_m_gemm.GATED_ROWS, gated), \
             mock.patch.dict(small_m_gemm.TRITON_MAX_M, raised_ranges(rules)):
+        yield
+
+
+def run_child(variant: str, model: str, batches: list[int], context: int, iters: int) -> None:
+    """In this process: the step at every batch under the variant's table; one JSON line of rows on stdout."""
+    from benchmarks import decode
+
+    with applied(variant):
         rows, _, _ = decode.bench_model(model, batches, context, 0, torch.device("cuda"), torch.bfloat16,
                                         ["level 3"], iters, None)
     print(json.dumps([{"batch": r["batch"], "us_per_step": r["us_per_step"]} for r in rows if r["mode"] == "level 3"]))

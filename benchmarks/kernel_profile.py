@@ -207,12 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inductor-pdl", type=int, choices=(0, 1), default=None,
                    help="Inductor's kernels launched without (0) / with (1) programmatic dependent launch (its "
                         "triton.enable_pdl option; default: the library's, on at level 3 unless DYNAMO_ONCE_PDL=0)")
+    p.add_argument("--variant", default=None, help="a benchmarks.gemm_step_ab variant in place for the run "
+                   "(NAME=RULES: small-M table rules, prefetch=N, preload=N, attn_rule=..., ...)")
     p.add_argument("--tag", default="", help="a label for the graphs of this run (e.g. the variant)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     if not (a.mode in ("level 3", "level 3 piecewise") or a.mode.startswith(("level 3 +", "level 3 -"))):
         p.error(f"--mode: expected a level-3 mode of benchmarks.decode ('level 3', 'level 3 piecewise', "
                 f"'level 3 +ops', 'level 3 +NAME', ...); got {a.mode!r}")
+    if a.variant is not None:
+        try:
+            gemm_step_ab.parse_variant(a.variant)
+        except ValueError as e:
+            p.error(f"--variant: {e}")
     if not torch.cuda.is_available():
         p.error("the kernel profile needs a CUDA GPU; torch.cuda.is_available() is False")
     print(common.env_header("cuda"), flush=True)
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             builders.append(lambda name=name: {f"{name} prefill {a.prefill}{tag}": prefill_run(name, a.prefill,
                                                                                                a.mode)})
     kinds, tops = [], []
-    with gemm_table(a.fp8_ours, a.prefetch):
+    with gemm_table(a.fp8_ours, a.prefetch), \
+            gemm_step_ab.applied(a.variant) if a.variant is not None else contextlib.nullcontext():
         for build in builders:
             torch._dynamo.reset()
             for label, run in build().items():
@@ -249,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                  "an early kernel's includes its wait); own_us: the part of each kernel no kernel before it covered "
                  "(its share of the span: total own_us + idle_us = span_us)",
                  f"variant: fp8 GEMMs {'on the small-M kernel at M <= 16' if a.fp8_ours else 'as the table says'}, "
-                 f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, Inductor's PDL {inductor_pdl}"]
+                 f"PREFETCH {'as the table says' if a.prefetch is None else a.prefetch}, Inductor's PDL {inductor_pdl}"
+                 + (f"; gemm_step_ab variant {a.variant}" if a.variant is not None else "")]
         common.write_results("kernel_profile", kinds, notes=notes, device="cuda", out_dir=a.out,
                              title="Kernel time by kind, per graph replay")
         common.write_results("kernel_profile_top", tops, notes=notes, device="cuda", out_dir=a.out,

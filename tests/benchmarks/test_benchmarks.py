@@ -502,6 +502,7 @@ def test_kernel_profile_counts_busy_time_once_and_idle_between_kernels():
     ("kernel_profile", ["--models", "tiny-llama"], "CUDA"),
     ("kernel_profile", ["--mode", "level 3 piecewise"], "CUDA"),
     ("kernel_profile", ["--mode", "level 1"], "--mode: expected a level-3 mode"),
+    ("kernel_profile", ["--variant", "a=attn_rule=9:128:num_splits=4"], "--variant: no decode table has a row"),
     ("gemm_step_ab", ["--variant", "table="], "CUDA only"),
     ("attention_operands", [], "needs a CUDA GPU"),
     ("l2_prefetch", [], "needs a CUDA GPU"),
@@ -676,6 +677,25 @@ def test_gemm_step_ab_attn_rule_sets_fields_of_the_decode_tables_row():
     assert all(r.config.preload for t in preloaded.values() for r in t)
     assert preloaded["DECODE_TABLE"][0].config.num_splits == 8
     assert ab.attention_tables("w=attn_rule=32:128:num_splits=none")["DECODE_TABLE"][3].config.num_splits is None
+
+
+def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
+    """What the step A/B and the kernel profile run under: the variant's GEMM rule (over the table as it is, the ops'
+    range raised to it) and attention row inside the block, the library's own tables after it."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import paged_decode_config as pdc
+    from ops import small_m_gemm as smg
+
+    variant = "v=bf16:64:0:0:64x64x128,w4,s4,x;attn_rule=8:128:num_splits=4"
+    before = (smg.SMALL_M_TABLE, dict(smg.TRITON_MAX_M), pdc.DECODE_TABLE, pdc.DECODE_TABLE_FP8)
+    assert smg.small_m_config(48, 4096, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16)) is None
+    with ab.applied(variant):
+        config = smg.small_m_config(48, 4096, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16))
+        assert config is not None and config.SWAP and config.BLOCK_M == 64
+        assert pdc.decode_config(8, 128).num_splits == 4 and pdc.decode_config(8, 128, kv_fp8=True).num_splits == 4
+        assert pdc.decode_config(32, 128) == before[2][3].config
+    assert (smg.SMALL_M_TABLE, dict(smg.TRITON_MAX_M), pdc.DECODE_TABLE, pdc.DECODE_TABLE_FP8) == before
+    assert pdc.decode_config(8, 128).num_splits == 8
 
 
 @pytest.mark.parametrize("text, says", [
