@@ -27,7 +27,8 @@ LINEAR_DTYPES = (torch.bfloat16, torch.float16)
 
 def _config(x: torch.Tensor, weight: torch.Tensor) -> SmallMConfig | None:
     """The small-M kernel's config for these operands, or None: ``F.linear``. M first: a prefill pays one test."""
-    return runtime_config(x, weight) if small_m_operands(x, weight, triton_max_m(x.dtype)) else None
+    max_m = triton_max_m(x.dtype)
+    return runtime_config(x, weight, max_m) if small_m_operands(x, weight, max_m) else None
 
 
 def linear_uses_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:

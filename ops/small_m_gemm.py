@@ -765,13 +765,14 @@ def triton_max_m(dtype: torch.dtype) -> int:
     return TRITON_MAX_M.get(dtype, SMALL_M_MAX)
 
 
-def runtime_config(a: torch.Tensor, w: torch.Tensor) -> SmallMConfig | None:
+def runtime_config(a: torch.Tensor, w: torch.Tensor, max_m: int | None = None) -> SmallMConfig | None:
     """The kernel's config for these CUDA operands at an op's call, or None: the cuBLAS path (no Triton,
     ``DYNAMO_ONCE_SMALL_M_GEMM=0``, or M above :func:`triton_max_m`). Sizes are concrete here: the ops that call it
-    (``ops.scaled_mm``, ``ops.linear``) run eagerly."""
+    (``ops.scaled_mm``, ``ops.linear``) run eagerly. ``max_m``: that range when the caller has it already."""
     if not HAS_TRITON:
         return None
-    config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype, max_m=triton_max_m(a.dtype))
+    config = small_m_config(a.shape[0], w.shape[0], w.shape[1], a.dtype,
+                            max_m=triton_max_m(a.dtype) if max_m is None else max_m)
     return config if config is not None and envs.small_m_gemm() else None
 
 

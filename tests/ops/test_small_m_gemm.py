@@ -292,6 +292,9 @@ def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
                 assert (config is not None and config.SWAP and config.BLOCK_M == top) == (n >= 4096)
                 assert config is None or n >= 4096
             assert ops.small_m_config(top + 1, n, k, dtype, max_m=top) is None
+    # the small_m_linear pass rewrites compiles up to the same size (the dispatcher names no ops module)
+    from dispatcher.passes import small_m_linear
+    assert small_m_linear.MAX_TOKENS == triton_max_m(BF16)
     assert ops.small_m_config(0, 4096, 4096, INT8) is None
 
 
