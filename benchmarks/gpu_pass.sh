@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -348,6 +348,20 @@ for step in $steps; do
                 SWEEP_ARGS="--separated --sweep-forms swap" bash "$0" gemmsweep
               STEPAB_MODEL=llama-3-8b STEPAB_BATCHES=4,8 STEPAB_TIMEOUT=${STEPAB_TIMEOUT:-200} STEPAB_VARIANTS="default= \
                 s4=attn_rule=8:128:num_splits=4 s4b128=attn_rule=8:128:num_splits=4,BLOCK_N=128,num_stages=3" bash "$0" stepab ;;
+    swap16)   # issue 16, after next16's sweep (the swapped 16-row tiles won every bf16 8B shape at 4-16 rows): that row
+              # A/B'd in the 8B's and the 1B's steps at 4-16, the swapped tiles swept at 64 / 128 rows (bf16) and at
+              # 8 / 16 (fp8, int8), and the attention configs swept at batch 32 / 128 (contexts 512, 2048). Each part
+              # in its own folder of $R.
+              x16="bf16:16:0:4096:16x64x128,w4,s6,x"
+              for m in llama-3-8b llama-3.2-1b; do
+                R=$R/stepab_$m STEPAB_MODEL=$m STEPAB_BATCHES=4,8,16 STEPAB_TIMEOUT=${STEPAB_TIMEOUT:-150} \
+                  STEPAB_VARIANTS="default= x16=$x16" bash "$0" stepab
+              done
+              R=$R/sweep_bf16 SWEEP_TIMEOUT=90 SWEEP_MS=64,128 SWEEP_DTYPES=bf16 SWEEP_ARGS="--separated --sweep-forms swap" \
+                bash "$0" gemmsweep
+              R=$R/sweep_8bit SWEEP_TIMEOUT=90 SWEEP_MS=8,16 SWEEP_DTYPES=fp8,int8 SWEEP_ARGS="--separated --sweep-forms swap" \
+                bash "$0" gemmsweep
+              R=$R/attn ATTN_TIMEOUT=170 ATTN_DEADLINE=120 ATTN_ARGS="--batches 32,128 --contexts 512,2048" bash "$0" attn ;;
     *) echo "unknown step $step" ;;
   esac
 done
