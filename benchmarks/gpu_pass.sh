@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -362,6 +362,21 @@ for step in $steps; do
               R=$R/sweep_8bit SWEEP_TIMEOUT=90 SWEEP_MS=8,16 SWEEP_DTYPES=fp8,int8 SWEEP_ARGS="--separated --sweep-forms swap" \
                 bash "$0" gemmsweep
               R=$R/attn ATTN_TIMEOUT=170 ATTN_DEADLINE=120 ATTN_ARGS="--batches 32,128 --contexts 512,2048" bash "$0" attn ;;
+    swap16b)  # after swap16 (the bf16 rows at 3-16 now the swapped 16-row tiles): their CUDA tests; at batch 2 the same
+              # tile for gate-up and the lm_head (8B, 1B); fp8's qkv and down on swapped tiles (the 8-bit sweep's picks);
+              # the 8B's and the 1B's steps and the 8B's kernel profile with the table as it is
+              FAILED_TIMEOUT=200 FAILED_WORKERS=8 FAILED_TESTS="tests/ops/test_small_m_gemm.py tests/ops/test_linear.py \
+                tests/ops/test_gated_linear.py tests/ops/test_rope_linear.py tests/models/test_llama.py" bash "$0" failed
+              for m in llama-3-8b llama-3.2-1b; do
+                R=$R/stepab_m2_$m STEPAB_MODEL=$m STEPAB_BATCHES=2 STEPAB_TIMEOUT=80 \
+                  STEPAB_VARIANTS="default= m2=bf16:2:0:16384:16x64x128,w4,s6,x" bash "$0" stepab
+              done
+              q="fp8:16:0:16384:cublas;fp8:16:0:6144:16x64x128,w4,s6,x"
+              R=$R/stepab_fp8 STEPAB_MODEL=llama-3-8b-fp8 STEPAB_BATCHES=4,8,16 STEPAB_TIMEOUT=150 \
+                STEPAB_VARIANTS="default= fq=$q fqd=$q;fp8:16:2.0:0:16x64x256/2,w4,s4,x,r" bash "$0" stepab
+              R=$R/after TARGET_TIMEOUT=100 TARGET_MODELS="llama-3-8b llama-3.2-1b" bash "$0" targets
+              timeout 90 python3 -m benchmarks.kernel_profile --models llama-3-8b --batches 8 \
+                --out "$R/kernel_profile_8b" > "$R/kernel_profile_8b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_8b.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -680,29 +680,46 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # against 5930.9 / 5891.1 (results/gemm_step_ab_rows_bf16_h100.md; this table against the one before on another
     # machine: 5850.2 against 5929.6, gemm_step_ab_rows_bf16_final_h100.md). On the 1B's shapes the same rows made its
     # batch-2 step slower (1258.0 / 1281.2 against 1252.9 / 1254.3, gemm_step_ab_rows_bf16_1b_h100.md), hence
-    # N >= 4096; gate-up stays on cuBLAS (78.3 against 78.5), the lm_head on the M <= 16 dot tile.
+    # N >= 4096. Gate-up and the lm_head (N >= 16384) take the M <= 16 row's swapped 16-row tile: 79.69 / 82.09 µs
+    # (cuBLAS) and 338.74 / 344.14 (the unswapped tile before) in the H100 sweep
+    # (results/gemm_sweep_best_bf16_swap_m2_16_h100.md); the 8B step at batch 2 5614.8 / 5612.0 µs against 5743.0 /
+    # 5715.6, the 1B's 1243.6 / 1233.3 against 1231.7 / 1234.4 (results/gemm_step_ab_bf16_swap_m2_{8b,1b}_h100.md).
     _R(2, _F16, 2.0, 4096, _C(1, 4, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # down 41.7 / 42.3
-    _R(2, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head, the M <= 16 row's tile
-    _R(2, _F16, 0.0, 16384, None),  # gate-up
+    _R(2, _F16, 0.0, 16384, _C(16, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # gate-up, lm_head
     _R(2, _F16, 0.0, 6144, _C(2, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # qkv 19.0 / 20.9
     _R(2, _F16, 0.0, 4096, _C(1, 8, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True)),  # o 13.4 / 14.9
-    # fp8: cuBLAS's per-tensor GEMM is as fast except for the long-K down_proj.
-    # Its four splits summed in the kernel (SERIAL): the 8B fp8 step at batch 8 / 16 3925.9 / 4203.5 and 3950.4 /
-    # 4207.7 µs against 3956.3 / 4240.6 and 3952.7 / 4241.2 (H100, results/gemm_step_ab_serial_fp8_h100.md).
-    _R(16, _F8, 2.0, 0, _C(16, 32, 256, SPLIT_K=4, num_warps=4, num_stages=4, SERIAL=True)),  # down: 18.2 / 19.6
-    _R(16, _F8, 0.0, 0, None),  # qkv 9.9 / 10.4 (M=16: 10.4 / 9.6), o 8.1 / 7.4, gate-up 30.1 / 30.3
-    # bf16 / fp16 (ops.linear, which the small_m_linear graph pass puts in place of a compiled linear's GEMM), from
-    # the separated sweeps (results/gemm_sweep_separated.csv, gemm_sweep_llama-3.2-1b_separated.csv: each call after
-    # a small kernel, as in a decode step; back to back, the kernel's PDL overlap flattered it by up to 1.3 µs), µs
-    # ours / cuBLAS at M = 1, 8B then 1B.
+    # fp8: the product swapped on 16-row tiles for the long-K down_proj (two splits summed in the kernel, SERIAL) and
+    # qkv; cuBLAS's per-tensor GEMM for gate-up and o. From the separated sweep of the swapped tiles at 8 and 16 rows
+    # on an H100 (results/gemm_sweep_best_8bit_swap_m8_16_h100.md), µs at M = 8 ours / cuBLAS or the row before
+    # (four unswapped splits): down 23.56 / 24.87 (the sweep's tile summed by a second kernel), qkv 11.44 / 12.06
+    # (M = 16: this row's tile 11.54 / 12.00), gate-up 41.81 / 41.59, o 9.08 / 8.56. The fp8 8B step at batch 4 / 8 /
+    # 16 3486.8 / 3581.0 / 3846.3 and 3492.1 / 3588.7 / 3847.9 µs against 3697.5 / 3833.9 / 4104.8 and 3703.4 /
+    # 3846.6 / 4101.1 with the rows before; qkv's row alone 3673.8 / 3803.7 / 4050.0 and 3654.6 / 3776.1 / 4053.4
+    # (H100, results/gemm_step_ab_fp8_swap16_h100.md).
+    _R(16, _F8, 2.0, 0, _C(16, 64, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True, SWAP=True)),  # down
+    _R(16, _F8, 0.0, 16384, None),  # gate-up
+    _R(16, _F8, 0.0, 6144, _C(16, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # qkv
+    _R(16, _F8, 0.0, 0, None),  # o
+    # bf16 / fp16 (ops.linear, which the small_m_linear graph pass puts in place of a compiled linear's GEMM) at
+    # M = 3-16 on shapes of N >= 4096 (all the 8B's; the 1B's gate-up and lm_head): the product swapped on 16-row
+    # tiles, the weight rows the wgmma's tall side, from the separated sweep of those tiles at 2-16 rows on an H100
+    # (results/gemm_sweep_best_bf16_swap_m2_16_h100.md), µs ours / the rows below or cuBLAS at M = 8: qkv 20.18 /
+    # 21.41 (cuBLAS), o 14.29 / 15.41, gate-up 80.51 / 82.75 (cuBLAS; the sweep's best 80.42 on 128 columns), down
+    # 43.37 / 43.89, lm_head 342.84 / 347.97. The 8B step at batch 4 / 8 / 16 5658.6 / 5764.6 / 6022.3 and 5661.8 /
+    # 5743.9 / 6011.9 µs against 5943.7 / 5949.4 / 6226.6 and 5943.2 / 5940.6 / 6196.6 with the rows below (H100,
+    # results/gemm_step_ab_bf16_swap16_8b_h100.md); the 1B's 1261.3 / 1283.8 / 1342.2 and 1263.5 / 1281.1 / 1334.7
+    # against 1279.4 / 1296.7 / 1343.3 and 1264.7 / 1291.1 / 1340.4 (..._1b_h100.md).
+    _R(16, _F16, 0.0, 4096, _C(16, 64, 128, num_warps=4, num_stages=6, SWAP=True)),
+    # The narrower shapes (the 1B's), from the separated sweeps (results/gemm_sweep_separated.csv,
+    # gemm_sweep_llama-3.2-1b_separated.csv: each call after a small kernel, as in a decode step; back to back, the
+    # kernel's PDL overlap flattered it by up to 1.3 µs), µs ours / cuBLAS at M = 1, 8B then 1B.
     # The two splits summed in the kernel (SERIAL), not by a second kernel: 1.5-2.0% off the 8B's and the 1B's steps at
     # batch 8 and 16 (H100, two alternating runs each: 8B 6182.3 / 6181.3 against 6309.4 / 6311.1 µs at batch 8;
     # results/gemm_step_ab_serial_bf16_{8b,1b}_h100.md).
     _R(16, _F16, 1.0, 0, _C(16, 32, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True)),  # down 31.5 / 32.7,
     # 12.4 / 13.5;
     # o 11.9 / 13.5, 6.0 / 6.2
-    _R(16, _F16, 0.0, 65536, _C(16, 64, 128, num_warps=4, num_stages=4)),  # lm_head: 238.2 / 247.6, 121.2 / 126.9
-    _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8; gate-up 58.9 / 57.1, 18.8 / 18.8 (best configs)
+    _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8 (best configs)
     # bf16 / fp16 at M = 17-32 (up to F16_TRITON_MAX_M), Llama-3-8B's shapes: the product swapped (w @ a.T: the
     # weight rows the wgmma's tall side), from the separated sweep at M = 32 on an H100
     # (results/gemm_sweep_best_bf16_m32_separated_h100.md), µs ours / cuBLAS. The 8B step

@@ -261,13 +261,14 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
 
 
 def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
-    """Every small M has a config but the shapes where cuBLAS measured as fast: fp8's but down_proj's; bf16's gate-up
-    from M = 2 and its qkv from M = 3 (o, down and the lm_head take the kernel). At M = 1 every shape of every dtype
-    takes the unrolled GEMV; at M = 2 the 8B's int8 and bf16 shapes do, but bf16's gate-up and lm_head."""
+    """Every small M has a config but the shapes where cuBLAS measured as fast: fp8's gate-up and o (its down_proj and
+    qkv take the kernel); bf16 takes it on every 8B shape (N >= 4096) and on narrower ones where K >= N. At M = 1
+    every shape of every dtype takes the unrolled GEMV; at M = 2 the 8B's int8 and bf16 shapes do, but bf16's gate-up
+    and lm_head (the swapped dot tiles)."""
     for dtype in (INT8, FP8, BF16, torch.float16):
         largest = max(rule.max_m for rule in SMALL_M_TABLE if dtype in rule.dtypes)
         for k, n in SHAPES_8B + [(4096, 128256)]:  # and the lm_head
-            expected = k >= 2 * n if dtype == FP8 else k >= n or n >= 65536 if dtype != INT8 else True
+            expected = {INT8: True, FP8: k >= 2 * n or n == 6144}.get(dtype, n >= 4096 or k >= n)
             assert all((ops.small_m_config(m, n, k, dtype) is not None) == expected for m in range(3, SMALL_M_MAX + 1))
             two = ops.small_m_config(2, n, k, dtype)
             gemv = dtype == INT8 or (dtype != FP8 and n not in (28672, 128256))
