@@ -19,7 +19,10 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 ``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` sets ``DecodeConfig`` fields (integers; a bool field 0 or 1;
 ``num_splits=none``) in the row of each of those tables with that ``max_seqs`` and ``max_head_size``
 (``attn_rule=8:128:num_splits=4``: the batch-8 row over four splits, where the decode kernel may launch with PDL);
-``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
+``gated_row=DTYPE:MAX_M:CONFIG`` puts a row into ``GATED_ROWS`` (where the gated form, GEMM + SiLU-and-mul in one
+kernel, runs: ``gated_row=bf16:16:16x64x128,w4,s6,x``, bf16's gate-up at 2-16 tokens gated on the swapped tiles,
+not the GEMM then the activation; ``cublas``: the unfused ops there), before its dtype's first row of a ``max_m`` at
+least its own; ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
 launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
 dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises that range to its
 ``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
@@ -90,6 +93,7 @@ def parse_rule(text: str) -> SmallMRule:
 
 _OVERRIDE = re.compile(r"^(prefetch|preload|attn_preload|inductor_pdl)=(\d+)$")
 _ATTN_RULE = "attn_rule="
+_GATED_ROW = "gated_row="
 _DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
 
 
@@ -102,7 +106,26 @@ def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
     items = [r for r in rules.split(";") if r and not _OVERRIDE.match(r)]
     attention_tables(text)
-    return name, [parse_rule(r) for r in items if not r.startswith(_ATTN_RULE)]
+    gated_rows(text)
+    return name, [parse_rule(r) for r in items if not r.startswith((_ATTN_RULE, _GATED_ROW))]
+
+
+def gated_rows(variant: str) -> dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]]:
+    """``small_m_gemm.GATED_ROWS`` with the variant's ``gated_row=DTYPE:MAX_M:CONFIG`` items, each before its dtype's
+    first row of a ``max_m`` at least its own (ValueError naming a malformed item)."""
+    rows = dict(small_m_gemm.GATED_ROWS)
+    for item in variant.partition("=")[2].split(";"):
+        if not item.startswith(_GATED_ROW):
+            continue
+        fields = item[len(_GATED_ROW):].split(":")
+        if len(fields) != 3 or fields[0] not in DTYPES or not fields[1].isdigit():
+            raise ValueError(f"a gated_row item must be gated_row=DTYPE:MAX_M:CONFIG with DTYPE one of "
+                             f"{', '.join(DTYPES)}; got {item!r}")
+        dtype, max_m = DTYPES[fields[0]], int(fields[1])
+        current = rows.get(dtype, ())
+        at = next((i for i, (m, _) in enumerate(current) if m >= max_m), len(current))
+        rows[dtype] = current[:at] + ((max_m, parse_config(fields[2])),) + current[at:]
+    return rows
 
 
 def _decode_field(name: str, value: str, text: str) -> Any:
@@ -230,7 +253,7 @@ def applied(variant: str) -> Iterator[None]:
     the ops' raised ranges and the decode attention tables; an ``inductor_pdl`` item sets Inductor's option for this
     process's compiles (not undone)."""
     _, rules = parse_variant(variant)
-    table, gated = patched_table(rules, small_m_gemm.SMALL_M_TABLE), dict(small_m_gemm.GATED_ROWS)
+    table, gated = patched_table(rules, small_m_gemm.SMALL_M_TABLE), gated_rows(variant)
     prefetch, preload = variant_option(variant, "prefetch"), variant_option(variant, "preload")
     if prefetch is not None or preload is not None:
         table = with_prefetch(table, prefetch, preload)

@@ -698,6 +698,24 @@ def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
     assert pdc.decode_config(8, 128).num_splits == 8
 
 
+def test_gemm_step_ab_gated_row_runs_the_gated_form_where_it_says():
+    """``gated_row=bf16:16:...`` gates bf16's gate-up at 2-16 tokens on that config inside the block (M = 1 keeps its
+    GEMV row, 17 and up the unfused ops); ``cublas`` there: the unfused ops; the library's rows after the block."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import small_m_gemm as smg
+
+    before = dict(smg.GATED_ROWS)
+    assert smg.gated_row(8, torch.bfloat16) is None
+    with ab.applied("g=gated_row=bf16:16:16x64x128,w4,s6,x"):
+        config = smg.gated_row(8, torch.bfloat16)
+        assert config is not None and config.SWAP and (config.BLOCK_M, config.num_stages) == (16, 6)
+        assert smg.gated_row(1, torch.bfloat16) == before[torch.bfloat16][0][1]
+        assert smg.gated_row(17, torch.bfloat16) is None
+    assert dict(smg.GATED_ROWS) == before
+    off = ab.gated_rows("o=gated_row=int8:16:cublas")[torch.int8]
+    assert off[1] == (16, None) and off[2] == before[torch.int8][1]
+
+
 @pytest.mark.parametrize("text, says", [
     ("gu32", "NAME=RULES"), ("a=int8:32:0", "5 fields"), ("a=int4:32:0:0:cublas", "dtype must be one of"),
     ("a=int8:x:0:0:cublas", "must be integers"), ("a=int8:32:0:0:64by64", "config must be 'cublas'"),
@@ -706,6 +724,8 @@ def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
     ("a=attn_rule=8:128:num_splits=x", "non-negative integer"), ("a=attn_rule=8:128:num_splits", "FIELD=VALUE"),
     ("a=attn_rule=9:128:num_splits=4", "no decode table has a row of max_seqs 9"),
     ("a=attn_rule=8:128:num_splits=3", "num_splits must be a power of two"),
+    ("a=gated_row=bf16:16", "gated_row=DTYPE:MAX_M:CONFIG"), ("a=gated_row=int4:16:cublas", "gated_row=DTYPE"),
+    ("a=gated_row=bf16:16:64by64", "config must be 'cublas'"),
 ])
 def test_gemm_step_ab_names_a_bad_variant(text, says, capsys):
     from benchmarks import gemm_step_ab as ab
