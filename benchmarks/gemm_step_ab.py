@@ -22,8 +22,8 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 ``gated_row=DTYPE:MAX_M:CONFIG`` puts a row into ``GATED_ROWS`` (where the gated form, GEMM + SiLU-and-mul in one
 kernel, runs: ``gated_row=bf16:16:16x64x128,w4,s6,x``, bf16's gate-up at 2-16 tokens gated on the swapped tiles,
 not the GEMM then the activation; ``cublas``: the unfused ops there), before its dtype's first row of a ``max_m`` at
-least its own; ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with programmatic dependent
-launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
+least its own; ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with
+programmatic dependent launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
 dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises that range to its
 ``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
 

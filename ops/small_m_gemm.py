@@ -810,14 +810,21 @@ def runtime_config(a: torch.Tensor, w: torch.Tensor, max_m: int | None = None) -
 #: (results/gated_gemm_bf16{,_1b}_h100.md, µs gated / unfused): Llama-3.2-1B's gate-up at M 1 22.47 / 23.89,
 #: Llama-3-8B's 75.80 / 76.62; at M 2-16 the gated form on the plain table's tile lost or tied ("gated table":
 #: 27.59-27.98 / 27.27-28.00 and 86.09-86.80 / 84.46-85.52; the unfused pair there is cuBLAS then the activation), so
-#: M 2-16 run the unfused pair.
+#: M 2-16 run the unfused pair; the gated form on the swapped 16-row tile was slower in the 8B's step than that pair
+#: (the pair's GEMM now on those tiles too): 5807.2 / 5809.8 µs against 5749.2 / 5732.7 at batch 8, 6045.5 / 6053.7
+#: against 5998.8 / 5948.6 at 16 (H100, results/gemm_step_ab_bf16_gated_swap16_h100.md).
+#: fp8 at M 2-8: the gated form on swapped 16-row tiles of 128 weight rows (the 8-bit sweep's gate-up pick,
+#: results/gemm_sweep_best_8bit_swap_m8_16_h100.md): the fp8 8B step at batch 8 3570.2 / 3561.2 µs against 3616.0 /
+#: 3600.5 with ``_GATED_16``, at 16 slower (3897.1 / 3889.0 against 3872.2 / 3860.1; H100,
+#: results/gemm_step_ab_fp8_gated_swap16_h100.md), hence 2-8; 2-7 not timed.
 _GATED_16 = SmallMConfig(16, 64, 128, num_warps=4, num_stages=4)
+_GATED_SWAP_FP8 = SmallMConfig(16, 128, 256, num_warps=8, num_stages=3, SWAP=True)
 _GATED_64 = SmallMConfig(64, 128, 128, num_warps=4, num_stages=4)
 _GATED_GEMV_F16 = SmallMConfig(1, 2, 1024, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)
 _GATED_GEMV_FP8 = SmallMConfig(1, 16, 256, DOT=False, num_warps=4, num_stages=1, UNROLL=True, PRELOAD=2)
 GATED_ROWS: dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]] = {
     torch.int8: ((1, None), (16, _GATED_16), (64, _GATED_64)),
-    torch.float8_e4m3fn: ((1, _GATED_GEMV_FP8), (16, _GATED_16), (32, None), (64, _GATED_64)),
+    torch.float8_e4m3fn: ((1, _GATED_GEMV_FP8), (8, _GATED_SWAP_FP8), (16, _GATED_16), (32, None), (64, _GATED_64)),
     torch.bfloat16: ((1, _GATED_GEMV_F16),),
     torch.float16: ((1, _GATED_GEMV_F16),),
 }
