@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -377,6 +377,16 @@ for step in $steps; do
               R=$R/after TARGET_TIMEOUT=100 TARGET_MODELS="llama-3-8b llama-3.2-1b" bash "$0" targets
               timeout 90 python3 -m benchmarks.kernel_profile --models llama-3-8b --batches 8 \
                 --out "$R/kernel_profile_8b" > "$R/kernel_profile_8b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_8b.log" ;;
+    next16c)  # issue 16, after swap16 / swap16b (the swapped 16-row tiles in the bf16 and fp8 tables at 2-16): the 1B's
+              # narrower shapes on those tiles at 4-16 rows (bf16), fp8 on them at 32 rows (past fp8's range: a row there
+              # raises it in the step A/B), int8's gate-up gated on them A/B'd at batch 8 / 16, then every target
+              R=$R/sweep_1b SWEEP_TIMEOUT=90 SWEEP_MS=4,8,16 SWEEP_DTYPES=bf16 \
+                SWEEP_ARGS="--separated --sweep-forms swap --model llama-3.2-1b" bash "$0" gemmsweep
+              R=$R/sweep_fp8_32 SWEEP_TIMEOUT=90 SWEEP_MS=32 SWEEP_DTYPES=fp8 SWEEP_ARGS="--separated --sweep-forms swap" \
+                bash "$0" gemmsweep
+              R=$R/stepab_int8 STEPAB_MODEL=llama-3-8b-int8 STEPAB_BATCHES=8,16 STEPAB_TIMEOUT=120 \
+                STEPAB_VARIANTS="default= g8=gated_row=int8:16:16x128x256,w8,s3,x" bash "$0" stepab
+              R=$R/targets_all TARGET_TIMEOUT=100 bash "$0" targets ;;
     *) echo "unknown step $step" ;;
   esac
 done
