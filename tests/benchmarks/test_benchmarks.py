@@ -5,6 +5,7 @@ script measures every mode it names, checks its results where it claims to, and 
 """
 
 import csv
+import dataclasses
 import os
 
 import pytest
@@ -339,7 +340,10 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
     assert all(c.BLOCK_M >= m for m in (1, 4, 16) for c in gemm.sweep_grid(m))
     for m, rows in ((2, 16), (8, 16), (16, 16), (17, 32), (32, 32), (100, 64)):  # --sweep-forms swap: as tall as M
         swapped = gemm.sweep_grid(m, "swap")
-        assert swapped and len(swapped) <= 16 and all(c.SWAP and c.DOT and c.BLOCK_M == rows for c in swapped)
+        assert swapped and len(swapped) <= 20 and all(c.SWAP and c.DOT and c.BLOCK_M == rows for c in swapped)
+        split = {dataclasses.replace(c, SERIAL=False) for c in swapped if c.SPLIT_K > 1}
+        serial = {dataclasses.replace(c, SERIAL=True) for c in split}
+        assert split and {c for c in swapped if c.SPLIT_K > 1} == split | serial  # each split also summed in-kernel
 
 
 def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
