@@ -292,6 +292,25 @@ def run_variant(variant: str, model: str, batches: list[int], context: int, iter
     return json.loads(lines[-1])
 
 
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch and variant (in the order first run), the mean of its rounds' µs and its change against the first
+    variant's mean at that batch in % (negative: faster)."""
+    means: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        means.setdefault((r["batch"], r["variant"]), []).append(r["us_per_step"])
+    first: dict[int, float] = {}
+    for (batch, _), us in means.items():  # each batch's first variant is the first run there
+        first.setdefault(batch, sum(us) / len(us))
+    out = []
+    for batch in sorted({b for b, _ in means}):
+        for (b, name), us in means.items():
+            if b == batch:
+                mean = sum(us) / len(us)
+                out.append(dict(batch=batch, variant=name, rounds=len(us), mean_us=round(mean, 1),
+                                change_pct=round(100 * (mean / first[batch] - 1), 2)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3-8b-int8", help="a built-in model (its decode step at level 3)")
@@ -328,6 +347,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
              f"{a.iters} steps; a fresh process a run, the variants alternating", *texts]
     common.write_results("gemm_step_ab", rows, title="Small-M GEMM table variants inside the decode step",
                          notes=notes, device="cuda", out_dir=a.out)
+    common.write_results("gemm_step_ab_summary", summary(rows), title="Each variant's mean over its rounds",
+                         notes=[f"change_pct: against {variants[0][0]}'s mean at that batch (negative: faster)",
+                                *notes], device="cuda", out_dir=a.out)
     common.plot_lines("gemm_step_ab", [dict(r, line=f"{r['variant']} (round {r['round']})") for r in rows],
                       x="batch", y="us_per_step", series="line", logx=True, out_dir=a.out,
                       title=f"{a.model}: decode step per table variant", xlabel="batch", ylabel="µs per step")

@@ -702,6 +702,20 @@ def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
     assert pdc.decode_config(8, 128).num_splits == 8
 
 
+def test_gemm_step_ab_summary_gives_each_variants_mean_and_change():
+    """The summary a reader compares: per batch, each variant's mean over its rounds and its change in % against the
+    first variant's (this session's batch-8 pair of the 8B: the swapped tiles 3.21% faster)."""
+    from benchmarks import gemm_step_ab as ab
+
+    runs = [("default", 1, 8, 5949.4), ("default", 1, 16, 6226.6), ("x16", 1, 8, 5764.6), ("x16", 1, 16, 6022.3),
+            ("default", 2, 8, 5940.6), ("default", 2, 16, 6196.6), ("x16", 2, 8, 5743.9), ("x16", 2, 16, 6011.9)]
+    rows = [dict(variant=v, round=r, batch=b, us_per_step=us) for v, r, b, us in runs]
+    got = {(s["batch"], s["variant"]): (s["rounds"], s["mean_us"], s["change_pct"]) for s in ab.summary(rows)}
+    assert got[(8, "default")] == (2, 5945.0, 0.0) and got[(8, "x16")][:2] == (2, 5754.2)
+    assert got[(8, "x16")][2] == -3.21 and got[(16, "x16")][2] == -3.13
+    assert [s["batch"] for s in ab.summary(rows)] == [8, 8, 16, 16]
+
+
 def test_gemm_step_ab_gated_row_runs_the_gated_form_where_it_says():
     """``gated_row=bf16:16:...`` gates bf16's gate-up at 2-16 tokens on that config inside the block (M = 1 keeps its
     GEMV row, 17 and up the unfused ops); ``cublas`` there: the unfused ops; the library's rows after the block."""
