@@ -23,9 +23,11 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 kernel, runs: ``gated_row=bf16:16:16x64x128,w4,s6,x``, bf16's gate-up at 2-16 tokens gated on the swapped tiles,
 not the GEMM then the activation; ``cublas``: the unfused ops there), before its dtype's first row of a ``max_m`` at
 least its own; ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with
-programmatic dependent launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public ops' range for its
-dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises that range to its
-``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS inside the step.
+programmatic dependent launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public
+ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises
+that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS
+inside the step. Beside the runs, ``gemm_step_ab_summary``: each variant's mean over its rounds and its change in %
+against the first variant's, per batch.
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
