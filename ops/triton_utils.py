@@ -163,7 +163,7 @@ def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
     own PDL option is on in that compile, whatever the size, as Inductor launches its own kernels
     (:func:`pdl_available`). ``DYNAMO_ONCE_PDL=0`` turns it off.
     """
-    return _pdl_launch(x, n, _traced(x))
+    return _pdl_possible(x) and _pdl_launch(x, n, _traced(x))
 
 
 def _pdl_launch(x: torch.Tensor, n: int | None, traced: bool) -> bool:
@@ -175,7 +175,7 @@ def pdl_available(x: torch.Tensor) -> bool:
     a Hopper or newer GPU, ``DYNAMO_ONCE_PDL`` not 0; eager (CUDA-graph capture included), or traced while Inductor
     compiles with its PDL option on (level 3 sets it): Inductor then launches the kernel, with PDL through
     ``dispatcher.compat.launch_user_kernels_with_pdl``, where it runs the op as its Triton kernels."""
-    return _pdl_available(x, _traced(x))
+    return _pdl_possible(x) and _pdl_available(x, _traced(x))
 
 
 def _pdl_possible(x: torch.Tensor) -> bool:
@@ -184,8 +184,7 @@ def _pdl_possible(x: torch.Tensor) -> bool:
 
 
 def _pdl_available(x: torch.Tensor, traced: bool) -> bool:
-    if not _pdl_possible(x):
-        return False
+    """:func:`pdl_available`'s rule past :func:`_pdl_possible`, which every caller tests first (once a launch)."""
     if traced and not compat.inductor_pdl_enabled():
         return False
     if not _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()):
