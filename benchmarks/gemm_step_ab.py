@@ -297,20 +297,16 @@ def run_variant(variant: str, model: str, batches: list[int], context: int, iter
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch and variant (in the order first run), the mean of its rounds' µs and its change against the first
     variant's mean at that batch in % (negative: faster)."""
-    means: dict[tuple[int, str], list[float]] = {}
+    runs: dict[tuple[int, str], list[float]] = {}
     for r in rows:
-        means.setdefault((r["batch"], r["variant"]), []).append(r["us_per_step"])
+        runs.setdefault((r["batch"], r["variant"]), []).append(r["us_per_step"])
+    means = {key: sum(us) / len(us) for key, us in runs.items()}
     first: dict[int, float] = {}
-    for (batch, _), us in means.items():  # each batch's first variant is the first run there
-        first.setdefault(batch, sum(us) / len(us))
-    out = []
-    for batch in sorted({b for b, _ in means}):
-        for (b, name), us in means.items():
-            if b == batch:
-                mean = sum(us) / len(us)
-                out.append(dict(batch=batch, variant=name, rounds=len(us), mean_us=round(mean, 1),
-                                change_pct=round(100 * (mean / first[batch] - 1), 2)))
-    return out
+    for (batch, _), mean in means.items():  # each batch's first variant is the first run there
+        first.setdefault(batch, mean)
+    return [dict(batch=batch, variant=name, rounds=len(runs[batch, name]), mean_us=round(mean, 1),
+                 change_pct=round(100 * (mean / first[batch] - 1), 2))
+            for (batch, name), mean in sorted(means.items(), key=lambda kv: kv[0][0])]  # stable: run order kept
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
