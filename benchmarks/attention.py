@@ -24,10 +24,15 @@ seconds (default 220) bounds the whole sweep: at the deadline it stops and write
 prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
 geometric-mean loss over the contexts against each context's fastest.
 
+``--variant NAME=FIELD=VALUE,...`` (repeatable): at every shape, the table's config with those ``DecodeConfig`` fields
+changed (``p1=persistent=1``; ``ops.paged_decode_config.config_fields``), timed alternately with the table's own over
+``--rounds`` rounds on one case; saves ``attention_variants`` (each one's mean, its % of the copy bandwidth and its
+speed against the table's).
+
 ``--head-size 64``: Llama-3.2-1B's heads (32 query heads, 8 KV heads, head size 64; files end in ``_d64``).
 
 Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--head-size 128]
-[--sweep [--deadline 220]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
+[--sweep [--deadline 220]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 
 from benchmarks import common
 from ops.paged_attention import DecodePlan, paged_decode_launch, paged_decode_ref
-from ops.paged_decode_config import DecodeConfig, decode_config
+from ops.paged_decode_config import DecodeConfig, config_fields, decode_config
 
 HEADS, KV_HEADS, HEAD, PAGE = 32, 8, 128, 16  # Llama-3-8B (``--head-size 64``: Llama-3.2-1B); the engine's block size
 MODEL_OF_HEAD = {128: "Llama-3-8B", 64: "Llama-3.2-1B"}
@@ -167,6 +172,54 @@ def bench_table(batches: list[int], contexts: list[int], device: str, copy_gbps:
                          "pct_of_copy_bw": pct(b, ctx, us, copy_gbps), "copies": case.copies, "correct": ok})
             print(rows[-1], flush=True)
             del case
+            torch.cuda.empty_cache()
+    return rows
+
+
+def parse_variant(p: argparse.ArgumentParser, text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=FIELD=VALUE,...`` -> (name, DecodeConfig fields); a parser error (one line) naming ``--variant``."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name or name == "table":
+        p.error(f"--variant: NAME=FIELD=VALUE,... with a NAME other than 'table'; got {text!r}")
+    try:
+        return name, config_fields(fields)
+    except ValueError as e:
+        p.error(f"--variant: {e}")
+        raise  # p.error exits
+
+
+def bench_variants(batches: list[int], contexts: list[int], device: str, copy_gbps: float, replays: int,
+                   variants: list[tuple[str, dict[str, Any]]], rounds: int) -> list[dict[str, Any]]:
+    """At every shape, the table's config and each variant of it, alternately for ``rounds`` rounds: their mean µs,
+    % of the copy bandwidth, and ``vs_table`` (the table's µs over the variant's: > 1 faster)."""
+    rows = []
+    for b in batches:
+        table = decode_config(b, HEAD, _fp8())
+        configs: dict[str, DecodeConfig] = {"table": table}
+        for name, fields in variants:
+            try:
+                configs[name] = dataclasses.replace(table, **fields)
+            except ValueError as e:  # fields this batch's row cannot take (persistent over a fixed split count)
+                print(f"variant {name} at batch {b}: {e}", flush=True)
+        for ctx in contexts:
+            case = make_case(b, ctx, device)
+            ref = reference(case)
+            times: dict[str, list[float]] = {name: [] for name in configs}
+            correct: dict[str, bool] = {}
+            for _ in range(rounds):
+                for name, cfg in configs.items():
+                    us, ok, _ = time_config(case, cfg, replays, ref)
+                    times[name].append(us)
+                    correct[name] = correct.get(name, True) and ok
+            base = sum(times["table"]) / rounds
+            for name, ts in times.items():
+                us = sum(ts) / rounds
+                rows.append({"batch": b, "context": ctx, "variant": name, "us": round(us, 2),
+                             "pct_of_copy_bw": pct(b, ctx, us, copy_gbps), "vs_table": round(base / us, 3),
+                             "correct": correct[name], "runs_us": " ".join(f"{t:.2f}" for t in ts),
+                             "series": f"batch {b} {name}"})
+                print(rows[-1], flush=True)
+            del case, ref
             torch.cuda.empty_cache()
     return rows
 
@@ -370,8 +423,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="the cache's dtype: auto (bf16, as q) or fp8 (e4m3, scales 1; files end in _kvfp8)")
     p.add_argument("--head-size", type=int, default=128, choices=sorted(MODEL_OF_HEAD),
                    help="the heads' size: 128 (Llama-3-8B's) or 64 (Llama-3.2-1B's; files end in _d64); 32 q, 8 KV heads")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FIELD=VALUE,...",
+                   help="the table's config with these DecodeConfig fields changed, timed against it at every shape")
+    p.add_argument("--rounds", type=int, default=2, help="--variant: alternating rounds (each config timed once a round)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
+    variants = [parse_variant(p, v) for v in a.variant]
+    if a.rounds < 1:
+        p.error(f"--rounds: at least 1; got {a.rounds}")
     global CACHE_DTYPE, HEAD, SCALE, HEAD_TAG
     CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     HEAD, SCALE, HEAD_TAG = a.head_size, a.head_size**-0.5, "" if a.head_size == 128 else f"_d{a.head_size}"
@@ -395,6 +454,15 @@ def main(argv: list[str] | None = None) -> None:
     common.plot_lines("attention" + _tag(), rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,
                       title=f"Paged decode attention, {MODEL_OF_HEAD.get(HEAD, 'Llama')} shape ({common.device_name(device)})",
                       xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
+    if variants:
+        vrows = bench_variants(batches, contexts, device, copy_gbps, a.replays, variants, a.rounds)
+        common.write_results("attention_variants" + _tag(), vrows, title="Paged decode attention: the table's config "
+                             "and its variants", notes=[*notes[:2], f"alternating, {a.rounds} rounds; us: their mean; "
+                                                    "vs_table: the table's us / this one's"],
+                             device=device, out_dir=a.out)
+        common.plot_lines("attention_variants" + _tag(), vrows, x="context", y="pct_of_copy_bw", series="series",
+                          logx=True, out_dir=a.out, title="Paged decode attention: table and variants",
+                          xlabel="context (tokens)", ylabel="% of copy bandwidth", hlines={"target 85%": 85.0})
     if a.sweep:
         sweep(batches, contexts, device, copy_gbps, a.replays, a.deadline, a.out, a.compile_workers)
 

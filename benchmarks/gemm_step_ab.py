@@ -130,32 +130,17 @@ def gated_rows(variant: str) -> dict[torch.dtype, tuple[tuple[int, SmallMConfig 
     return rows
 
 
-def _decode_field(name: str, value: str, text: str) -> Any:
-    """One ``FIELD=VALUE`` of an ``attn_rule`` item as the ``DecodeConfig`` field's value."""
-    kinds = {f.name: str(f.type) for f in dataclasses.fields(paged_decode_config.DecodeConfig)}
-    if name not in kinds:
-        raise ValueError(f"an attn_rule field must be one of {', '.join(kinds)}; got {name!r} in {text!r}")
-    if kinds[name] == "bool":
-        if value not in ("0", "1"):
-            raise ValueError(f"attn_rule's {name} must be 0 or 1; got {value!r} in {text!r}")
-        return value == "1"
-    if value == "none" and "None" in kinds[name]:
-        return None
-    if not value.isdigit():
-        raise ValueError(f"attn_rule's {name} must be a non-negative integer; got {value!r} in {text!r}")
-    return int(value)
-
-
 def parse_attn_rule(text: str) -> tuple[int, int, dict[str, Any]]:
     """``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` -> (max_seqs, max_head_size, fields); ValueError naming
     the item."""
     parts = text[len(_ATTN_RULE):].split(":")
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or not parts[2]:
         raise ValueError(f"an attn_rule item must be attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...; got {text!r}")
-    pairs = [item.partition("=") for item in parts[2].split(",")]
-    if any(not sep for _, sep, _ in pairs):
-        raise ValueError(f"attn_rule's fields must be FIELD=VALUE, comma-separated; got {text!r}")
-    return int(parts[0]), int(parts[1]), {k: _decode_field(k, v, text) for k, _, v in pairs}
+    try:
+        fields = paged_decode_config.config_fields(parts[2])
+    except ValueError as e:
+        raise ValueError(f"{e} (in {text!r})") from None
+    return int(parts[0]), int(parts[1]), fields
 
 
 def attention_tables(variant: str) -> dict[str, tuple[DecodeRule, ...]]:

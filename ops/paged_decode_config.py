@@ -16,7 +16,7 @@ import dataclasses
 
 from .triton_utils import cdiv, next_power_of_2
 
-__all__ = ["DecodeConfig", "DecodeRule", "DECODE_TABLE", "DECODE_TABLE_FP8", "decode_config"]
+__all__ = ["DecodeConfig", "DecodeRule", "DECODE_TABLE", "DECODE_TABLE_FP8", "decode_config", "config_fields"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,10 @@ class DecodeConfig:
             rather than following it. Without ``fused_write``, nothing: the cache-write launch before the kernel
             writes the new token's slot, which the first chunk may hold. The same results. Off in every row: on an
             H100 it made the 1B's level-3 step at batch 1 3% slower (results/gemm_step_ab_preload_1b_h100.md).
+        persistent: 0 (off), or programs an SM: one split, over a grid of at most ``persistent`` x the SMs programs,
+            each attending several (sequence, KV head) items in one loop over all their chunks, so that the loads of
+            an item's first chunks overlap the item before instead of following its end
+            (``ops.paged_attention``'s items kernel). ``num_splits`` must then be None or 1, ``waves`` is unused.
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -80,6 +84,7 @@ class DecodeConfig:
     convert_v: bool = False
     pdl: bool = True
     preload: bool = False
+    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):
@@ -90,11 +95,14 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: num_splits must be a power of two or None; got {self.num_splits}")
         if self.waves < 1 or self.num_stages < 1:
             raise ValueError(f"DecodeConfig: waves and num_stages must be >= 1; got {self}")
+        if self.persistent < 0 or (self.persistent and (self.num_splits or 1) != 1):
+            raise ValueError(f"DecodeConfig: persistent must be >= 0, and with it num_splits None or 1; got "
+                             f"persistent={self.persistent}, num_splits={self.num_splits}")
 
     def splits(self, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
         """Splits per sequence for a batch of ``num_seqs`` on a device of ``num_sms`` SMs."""
-        if self.num_splits is not None:
-            return self.num_splits
+        if self.num_splits is not None or self.persistent:
+            return self.num_splits or 1
         want = cdiv(self.waves * num_sms, max(num_seqs * num_kv_heads, 1))
         return max(1, min(self.max_splits, next_power_of_2(want)))
 
@@ -165,3 +173,27 @@ def decode_config(num_seqs: int, head_size: int, kv_fp8: bool = False) -> Decode
         if num_seqs <= rule.max_seqs and head_size <= rule.max_head_size:
             return rule.config
     return DecodeConfig()  # past every row (the table's last row covers everything): the dataclass's defaults
+
+
+def config_fields(text: str) -> dict[str, int | bool | None]:
+    """``FIELD=VALUE,...`` (a benchmark's command line: ``persistent=1,BLOCK_N=64``) as :class:`DecodeConfig` fields:
+    integers, a bool field 0 or 1, ``none`` where the field may be None. ValueError naming the item and ``text``."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(DecodeConfig)}
+    pairs = [item.partition("=") for item in text.split(",")]
+    if not text or any(not sep for _, sep, _ in pairs):
+        raise ValueError(f"DecodeConfig fields must be FIELD=VALUE, comma-separated; got {text!r}")
+    fields: dict[str, int | bool | None] = {}
+    for name, _, value in pairs:
+        if name not in kinds:
+            raise ValueError(f"a DecodeConfig field must be one of {', '.join(kinds)}; got {name!r} in {text!r}")
+        if kinds[name] == "bool":
+            if value not in ("0", "1"):
+                raise ValueError(f"DecodeConfig's {name} must be 0 or 1; got {value!r} in {text!r}")
+            fields[name] = value == "1"
+        elif value == "none" and "None" in kinds[name]:
+            fields[name] = None
+        elif value.isdigit():
+            fields[name] = int(value)
+        else:
+            raise ValueError(f"DecodeConfig's {name} must be a non-negative integer; got {value!r} in {text!r}")
+    return fields
