@@ -20,7 +20,10 @@ values). Sequence ``b``'s block ``j`` holds its tokens ``j * block_size ...
   keys and values to the cache itself (``DecodeConfig.fused_write``): the
   program whose split holds the new position writes them and takes that
   position from registers, so no program reads a slot the launch writes. A
-  decode-only step's attention is then one launch a layer, instead of three. The split count, tile and launch options come from a
+  decode-only step's attention is then one launch a layer, instead of three. One split may also go persistent
+  (``DecodeConfig.persistent``, the items kernel): a grid of a few programs an SM, each attending several
+  (sequence, KV head) items in one software-pipelined loop, so that an item's first loads overlap the item
+  before. The split count, tile and launch options come from a
   rule table, ``ops.paged_decode_config.DECODE_TABLE``
   (``benchmarks.attention --sweep`` measures candidates for it). One program serves all query heads of a KV head (GQA:
   K and V are read once per group), with ``tl.dot`` on a 16-row tile. Both
