@@ -25,7 +25,7 @@ prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per bat
 geometric-mean loss over the contexts against each context's fastest.
 
 ``--variant NAME=FIELD=VALUE,...`` (repeatable): at every shape, the table's config with those ``DecodeConfig`` fields
-changed (``p1=persistent=1``; ``ops.paged_decode_config.config_fields``), timed alternately with the table's own over
+changed (``n64=BLOCK_N=64,num_stages=4``; ``ops.paged_decode_config.config_fields``), timed alternately with the table's own over
 ``--rounds`` rounds on one case; saves ``attention_variants`` (each one's mean, its % of the copy bandwidth and its
 speed against the table's).
 
@@ -199,7 +199,7 @@ def bench_variants(batches: list[int], contexts: list[int], device: str, copy_gb
         for name, fields in variants:
             try:
                 configs[name] = dataclasses.replace(table, **fields)
-            except ValueError as e:  # fields this batch's row cannot take (persistent over a fixed split count)
+            except ValueError as e:  # fields that make no valid config of this batch's row
                 print(f"variant {name} at batch {b}: {e}", flush=True)
         for ctx in contexts:
             case = make_case(b, ctx, device)

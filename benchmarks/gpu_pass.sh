@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|persist ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -386,16 +386,15 @@ for step in $steps; do
                 bash "$0" gemmsweep
               R=$R/stepab_int8 STEPAB_MODEL=llama-3-8b-int8 STEPAB_BATCHES=8,16 STEPAB_TIMEOUT=120 \
                 STEPAB_VARIANTS="default= g8=gated_row=int8:16:16x128x256,w8,s3,x" bash "$0" stepab ;;
-    persist)  # issue 16: the persistent decode attention (DecodeConfig.persistent, the items kernel) against the
-              # table's rows: alone at batch 32 / 128 x context 512-4096 (benchmarks.attention --variant), then the
-              # bf16 8B's level-3 step at batch 32 / 128 with the batch-32 and batch-128 rows persistent (PERSIST_STEP)
-              args=(); for v in ${PERSIST_VARIANTS:-p1=persistent=1 p2=persistent=2 p2n64=persistent=2,BLOCK_N=64}; do
-                args+=(--variant "$v"); done
-              timeout ${PERSIST_TIMEOUT:-200} python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048,4096 \
+    attnvar)  # issue 16: variants of the decode table's attention rows (ATTN_VARIANTS: NAME=FIELD=VALUE,... words,
+              # benchmarks.attention --variant) against the rows, alone at batch 32 / 128 x context 512-4096, then the
+              # bf16 8B's level-3 step at batch 32 / 128 under ATTN_STEP (a gemm_step_ab variant of attn_rule items);
+              # it ran the persistent form measured in results/attention_variants_persistent_h100.md
+              args=(); for v in ${ATTN_VARIANTS:-n64=BLOCK_N=64}; do args+=(--variant "$v"); done
+              timeout ${ATTN_TIMEOUT:-200} python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048,4096 \
                 "${args[@]}" --out "$R/attn_variants" 2>&1 | tee "$R/attn_variants.log" | grep -E "variant|Error" | cut -c1-220
-              R=$R/stepab_persist STEPAB_MODEL=llama-3-8b STEPAB_BATCHES=32,128 STEPAB_TIMEOUT=${PERSIST_STEP_TIMEOUT:-200} \
-                STEPAB_VARIANTS="table= ${PERSIST_STEP:-p1=attn_rule=32:128:persistent=1;attn_rule=1073741824:128:persistent=1}" \
-                bash "$0" stepab ;;
+              [ -n "${ATTN_STEP:-}" ] && R=$R/stepab_attn STEPAB_MODEL=llama-3-8b STEPAB_BATCHES=32,128 \
+                STEPAB_TIMEOUT=${ATTN_STEP_TIMEOUT:-200} STEPAB_VARIANTS="table= $ATTN_STEP" bash "$0" stepab ;;
     *) echo "unknown step $step" ;;
   esac
 done

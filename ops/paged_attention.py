@@ -20,10 +20,7 @@ values). Sequence ``b``'s block ``j`` holds its tokens ``j * block_size ...
   keys and values to the cache itself (``DecodeConfig.fused_write``): the
   program whose split holds the new position writes them and takes that
   position from registers, so no program reads a slot the launch writes. A
-  decode-only step's attention is then one launch a layer, instead of three. One split may also go persistent
-  (``DecodeConfig.persistent``, the items kernel): a grid of a few programs an SM, each attending several
-  (sequence, KV head) items in one software-pipelined loop, so that an item's first loads overlap the item
-  before. The split count, tile and launch options come from a
+  decode-only step's attention is then one launch a layer, instead of three. The split count, tile and launch options come from a
   rule table, ``ops.paged_decode_config.DECODE_TABLE``
   (``benchmarks.attention --sweep`` measures candidates for it). One program serves all query heads of a KV head (GQA:
   K and V are read once per group), with ``tl.dot`` on a 16-row tile. Both
@@ -51,7 +48,6 @@ through ``ops.triton_utils.FastLaunch``.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -59,7 +55,7 @@ from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_f
     quantize_kv_ref, to_cache
 from .launch_cache import LaunchCache
 from .paged_decode_config import DecodeConfig, decode_config
-from .triton_utils import BoundLaunch, FastLaunch, Slot, cdiv, next_power_of_2, pdl_args, pdl_available, tl, triton, \
+from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, pdl_args, pdl_available, tl, triton, \
     use_triton
 
 __all__ = [
@@ -452,91 +448,10 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_o_t + h * stride_o_h + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_ml_h", "heads_first", "num_seqs"])
-def _decode_items_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    out_ptr, counter_ptr, k_new_ptr, v_new_ptr, slot_ptr,
-    stride_q_t, stride_q_h,
-    stride_c_half, stride_c_b, stride_c_s, stride_c_h,
-    stride_bt,
-    stride_mo_b, stride_mo_h, stride_mo_s,
-    stride_ml_b, stride_ml_h,
-    stride_o_t, stride_kn, stride_vn,
-    scale, soft_cap, window, k_inv, v_inv, v_scale, num_splits, heads_first, num_seqs,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-    FUSED_WRITE: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    CONVERT_V: tl.constexpr = False, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    NUM_KVH: tl.constexpr = 8, ITEMS: tl.constexpr = 2,
-):
-    # DecodeConfig.persistent: the split kernel's arguments (one split: mid_o_ptr is the output; mid_lse_ptr,
-    # counter_ptr, num_splits and the PRELOAD / merge constexprs unused) over a grid of P programs, program p
-    # attending the items (sequence, KV head) p, p + P, ... (at most ITEMS) in one loop over all their chunks: the
-    # software pipeline loads an item's first chunks while the one before is still attended, so a program's fixed
-    # latency (a length, table entries, then K and V) is paid once, not once an item. The item order is the split
-    # kernel's grid order (heads_first: a sequence's KV heads on neighbouring programs).
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.arange(0, ITEMS)
-    item = tl.program_id(0) + slot * tl.num_programs(0)
-    valid = item < num_seqs * NUM_KVH
-    b_i = tl.where(valid, tl.where(heads_first != 0, item // NUM_KVH, item % num_seqs), 0)
-    kvh_i = tl.where(valid, tl.where(heads_first != 0, item % NUM_KVH, item // num_seqs), 0)
-    len_i = tl.load(seq_lens_ptr + b_i, mask=valid, other=0)
-    _, p0_i, _ = _split_range(len_i, 0, 1, window, PAGE, False, USE_WINDOW)
-    # chunks an item: at least one (an empty sequence's output is still written: zeros)
-    n_i = tl.where(valid, tl.maximum((len_i - p0_i * PAGE + BLOCK_N - 1) // BLOCK_N, 1), 0)
-    ends_i = tl.cumsum(n_i, 0)  # each item's end in the program's chunk count
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    gd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_D)[None, :]
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for j in range(0, tl.sum(n_i, 0)):
-        sel = slot == tl.sum((ends_i <= j).to(tl.int32), 0)  # chunk j's item
-        b = tl.sum(tl.where(sel, b_i, 0), 0)
-        kvh = tl.sum(tl.where(sel, kvh_i, 0), 0)
-        seq_len = tl.sum(tl.where(sel, len_i, 0), 0)
-        chunk = j - tl.sum(tl.where(sel, ends_i - n_i, 0), 0)
-        is_last = chunk == tl.sum(tl.where(sel, n_i, 0), 0) - 1
-        start, p0, end = _split_range(seq_len, 0, 1, window, PAGE, False, USE_WINDOW)
-        last = seq_len - 1
-        heads = kvh * GROUP + offs_g
-        q = tl.load(q_ptr + b * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :], mask=gd_mask, other=0.0)
-        q = dot_operand(q, cache_ptr)
-        table_ptr = block_table_ptr + b * stride_bt
-        k, v, n_mask = _load_chunk(cache_ptr, table_ptr, kvh, p0 * PAGE + chunk * BLOCK_N, start, end, last,
-                                   stride_c_half, stride_c_b, stride_c_s, stride_c_h, HEAD_D, BLOCK_D, PAGE,
-                                   BLOCK_N, EVEN_D, FUSED_WRITE)
-        fresh = chunk == 0  # an item's first chunk: the running softmax starts over
-        m_i = tl.where(fresh, float("-inf"), m_i)
-        l_i = tl.where(fresh, 0.0, l_i)
-        acc = tl.where(fresh, 0.0, acc)
-        # True: a chunk may hold no key (an empty sequence's one chunk; with FUSED_WRITE, the new token's alone)
-        p, alpha, m_new, l_i = _chunk_scores(q, k, n_mask, m_i, l_i, scale, soft_cap, USE_SOFTCAP, IEEE, True)
-        acc = _chunk_values(acc, alpha, p, v, q.dtype, IEEE, CONVERT_V)
-        m_i = m_new
-        if FUSED_WRITE:  # the new token, written and attended at its item's last chunk (no chunk loads its slot)
-            covers = is_last & (p0 * PAGE <= last) & (last < end)
-            k_new, v_new = _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, cache_ptr, b, kvh, stride_kn, stride_vn,
-                                         stride_c_half, stride_c_b, stride_c_s, stride_c_h, covers, k_inv, v_inv,
-                                         HEAD_D, BLOCK_D, PAGE)
-            m_i, l_i, acc = _add_new_token(q, k_new, v_new, m_i, l_i, acc, covers, scale, soft_cap, USE_SOFTCAP)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        if cache_ptr.dtype.element_ty == tl.float8e4nv:
-            out = out * v_scale
-        tl.store(mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + offs_d[None, :],
-                 out.to(mid_o_ptr.dtype.element_ty), mask=gd_mask & is_last)
-
-
 # Launched through FastLaunch: the attention op calls them eagerly once per layer and step (the piecewise
 # path), where Triton's own launch costs tens of µs of host time each.
 _decode_split_launch = FastLaunch(_decode_split_kernel)
 _decode_merge_launch = FastLaunch(_decode_merge_kernel)
-_decode_items_launch = FastLaunch(_decode_items_kernel)
 
 
 @functools.cache
@@ -658,9 +573,6 @@ class DecodePlan:
         block_d = next_power_of_2(head_size)
         self.heads_first = int(cfg.heads_first)
         self.split_grid = (num_kv_heads, b, splits) if cfg.heads_first else (b, num_kv_heads, splits)
-        self.persistent = bool(cfg.persistent) and splits == 1  # the items kernel (DecodeConfig.persistent)
-        if self.persistent:
-            self.split_grid = (max(1, min(b * num_kv_heads, cfg.persistent * _num_sms(device))), 1, 1)
         self.merge_grid = (b, num_heads)
         self.split_constexprs = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot: >= 16 rows
                                      HEAD_D=head_size, BLOCK_D=block_d, PAGE=page, BLOCK_N=max(page, cfg.BLOCK_N),
@@ -678,12 +590,9 @@ class DecodePlan:
         self.fused_write = cfg.fused_write if fused_write is None else fused_write
         # PDL only where every program is resident at once: the next kernel's early programs then take no SM slot
         # one of this launch's still waits for.
-        self.pdl = cfg.pdl and pdl_available(seq_lens) and math.prod(self.split_grid) <= 2 * _num_sms(device)
+        self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)
         self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
                                      MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl, seq_lens))
-        if self.persistent:
-            self.split_constexprs.update(NUM_KVH=num_kv_heads,
-                                         ITEMS=max(2, next_power_of_2(cdiv(b * num_kv_heads, self.split_grid[0]))))
         self.mid_o: torch.Tensor | None = None
         self.mid_lse: torch.Tensor | None = None
         if splits > 1:  # one split: the split kernel writes the output, no partial results
@@ -764,8 +673,7 @@ def paged_decode_launch(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tenso
             tensors += (k, v, slots)
             scalars += (k.stride(0), v.stride(0))
         if compile_only:
-            kernel = _decode_items_kernel if plan.persistent else _decode_split_kernel
-            _warmup(kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
+            _warmup(_decode_split_kernel)(split.grid, *split.full_args(tensors, scalars), **split.kwargs)
             if merge is not None:
                 _warmup(_decode_merge_kernel)(merge.grid, *merge.full_args((out,), (out_rows,)), **merge.kwargs)
             return
@@ -796,10 +704,7 @@ def _bind_split(plan: DecodePlan, use_softcap: bool, use_window: bool, ieee: boo
     args = (t(0), t(1), bt, plan.seq_lens, mid_o, mid_lse, out, counters, k, v, slots,
             s(0), d, s(1), s(2), s(3), s(4), bt.stride(0), *mo_strides, *ml_strides, s(5),
             *kv_strides, s(6), s(7), s(8), s(9), s(10), s(11), plan.num_splits, plan.heads_first)
-    launch = _decode_split_launch
-    if plan.persistent:  # the items kernel: the same arguments, and the batch size
-        launch, args = _decode_items_launch, (*args, plan.num_seqs)
-    return launch.bind(plan.split_grid, args, **plan.split_constexprs, USE_SOFTCAP=use_softcap,
+    return _decode_split_launch.bind(plan.split_grid, args, **plan.split_constexprs, USE_SOFTCAP=use_softcap,
                                      USE_WINDOW=use_window, IEEE=ieee, FUSED_WRITE=fused_write,
                                      PRELOAD=plan.config.preload and fused_write)
 

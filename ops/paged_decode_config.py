@@ -60,10 +60,6 @@ class DecodeConfig:
             rather than following it. Without ``fused_write``, nothing: the cache-write launch before the kernel
             writes the new token's slot, which the first chunk may hold. The same results. Off in every row: on an
             H100 it made the 1B's level-3 step at batch 1 3% slower (results/gemm_step_ab_preload_1b_h100.md).
-        persistent: 0 (off), or programs an SM: one split, over a grid of at most ``persistent`` x the SMs programs,
-            each attending several (sequence, KV head) items in one loop over all their chunks, so that the loads of
-            an item's first chunks overlap the item before instead of following its end
-            (``ops.paged_attention``'s items kernel). ``num_splits`` must then be None or 1, ``waves`` is unused.
 
     Both fusions are off in the dataclass and on in :data:`DECODE_TABLE`'s rows up to 8 sequences, where the sweep
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
@@ -84,7 +80,6 @@ class DecodeConfig:
     convert_v: bool = False
     pdl: bool = True
     preload: bool = False
-    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_splits", "BLOCK_N", "num_warps", "merge_warps") + (("num_splits",) if self.num_splits else ()):
@@ -95,14 +90,11 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: num_splits must be a power of two or None; got {self.num_splits}")
         if self.waves < 1 or self.num_stages < 1:
             raise ValueError(f"DecodeConfig: waves and num_stages must be >= 1; got {self}")
-        if self.persistent < 0 or (self.persistent and (self.num_splits or 1) != 1):
-            raise ValueError(f"DecodeConfig: persistent must be >= 0, and with it num_splits None or 1; got "
-                             f"persistent={self.persistent}, num_splits={self.num_splits}")
 
     def splits(self, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
         """Splits per sequence for a batch of ``num_seqs`` on a device of ``num_sms`` SMs."""
-        if self.num_splits is not None or self.persistent:
-            return self.num_splits or 1
+        if self.num_splits is not None:
+            return self.num_splits
         want = cdiv(self.waves * num_sms, max(num_seqs * num_kv_heads, 1))
         return max(1, min(self.max_splits, next_power_of_2(want)))
 
@@ -176,7 +168,7 @@ def decode_config(num_seqs: int, head_size: int, kv_fp8: bool = False) -> Decode
 
 
 def config_fields(text: str) -> dict[str, int | bool | None]:
-    """``FIELD=VALUE,...`` (a benchmark's command line: ``persistent=1,BLOCK_N=64``) as :class:`DecodeConfig` fields:
+    """``FIELD=VALUE,...`` (a benchmark's command line: ``BLOCK_N=64,num_stages=4``) as :class:`DecodeConfig` fields:
     integers, a bool field 0 or 1, ``none`` where the field may be None. ValueError naming the item and ``text``."""
     kinds = {f.name: str(f.type) for f in dataclasses.fields(DecodeConfig)}
     pairs = [item.partition("=") for item in text.split(",")]

@@ -21,18 +21,16 @@ _FLOATS = ("scale", "soft_cap", "k_inv", "v_inv", "v_scale")
 
 
 def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS,
-             preload: bool = False, items: bool = False):
+             preload: bool = False):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
     except ImportError as e:
         pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
-    # items: the persistent form's kernel (DecodeConfig.persistent), two items a program
-    kernel = paged_attention._decode_items_kernel if items else paged_attention._decode_split_kernel
+    kernel = paged_attention._decode_split_kernel
     consts = dict(GROUP=4, BLOCK_G=16, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=False, EVEN_D=True,
                   USE_SOFTCAP=False, USE_WINDOW=False, IEEE=False, FUSED_WRITE=fused_write, FUSED_MERGE=False,
-                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl, PRELOAD=preload,
-                  **(dict(NUM_KVH=8, ITEMS=2) if items else {}))
+                  MERGE_G=4, MERGE_S=1, CONVERT_V=convert_v, PDL=pdl, PRELOAD=preload)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in _FLOATS else "i32")
            for n in kernel.arg_names}
     # what a launch on Llama-3-8B's cache specializes as 16-divisible: the pointers and the cache's strides
@@ -60,28 +58,17 @@ def test_fp8_value_tiles_converted_as_loaded_are_not_gathered_by_byte(fused_writ
     assert sum(converted.values()) < 0.75 * sum(plain.values())
 
 
-@pytest.mark.parametrize("items", [False, True], ids=["split", "persistent"])
 @pytest.mark.parametrize("fused_write", [False, True], ids=["decode", "fused-write"])
-def test_pdl_form_waits_before_its_first_global_load(fused_write, items):
+def test_pdl_form_waits_before_its_first_global_load(fused_write):
     """``DecodeConfig.pdl``: launched early, the kernel must read nothing the kernel before it may still write (q,
     the new keys and values, the cache): the wait comes before every global load, the trigger after it; without
     PDL neither is there."""
     bf16 = dict(_POINTERS, cache_ptr="*bf16")
-    ptx = _compile(False, fused_write, pdl=True, pointers=bf16, items=items).asm["ptx"]
+    ptx = _compile(False, fused_write, pdl=True, pointers=bf16).asm["ptx"]
     wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
     assert 0 <= wait < trigger < first_load
-    assert "griddepcontrol" not in _compile(False, fused_write, pointers=bf16, items=items).asm["ptx"]
-
-
-def test_persistent_form_pipelines_its_loop_across_items():
-    """The items kernel (``DecodeConfig.persistent``) loads K and V ahead through asynchronous copies to shared
-    memory, as the split kernel's loop does: its one loop over every item's chunks is software-pipelined (an item's
-    first chunks are in flight while the item before is attended)."""
-    bf16 = dict(_POINTERS, cache_ptr="*bf16")
-    split, items = (_compile(False, True, pointers=bf16, items=i).asm["ttgir"] for i in (False, True))
-    copies = "ttg.async_copy_global_to_local"
-    assert items.count(copies) >= 2 and items.count(copies) == split.count(copies)
+    assert "griddepcontrol" not in _compile(False, fused_write, pointers=bf16).asm["ptx"]
 
 
 def test_preload_form_reads_the_cache_before_the_wait_and_q_after_it():

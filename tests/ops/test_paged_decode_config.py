@@ -159,10 +159,10 @@ def test_config_fields_from_text():
     """A benchmark's ``FIELD=VALUE,...`` as DecodeConfig's fields, each of its type; a bad item named."""
     from ops.paged_decode_config import config_fields
 
-    fields = config_fields("persistent=2,BLOCK_N=64,heads_first=0,num_splits=none")
-    assert fields == {"persistent": 2, "BLOCK_N": 64, "heads_first": False, "num_splits": None}
-    assert dataclasses.replace(decode_config(32, 128), **fields).persistent == 2
-    for bad, says in [("persistent", "FIELD=VALUE"), ("", "FIELD=VALUE"), ("waves=none", "non-negative integer"),
+    fields = config_fields("num_stages=4,BLOCK_N=64,heads_first=0,num_splits=none")
+    assert fields == {"num_stages": 4, "BLOCK_N": 64, "heads_first": False, "num_splits": None}
+    assert dataclasses.replace(decode_config(32, 128), **fields).num_stages == 4
+    for bad, says in [("num_stages", "FIELD=VALUE"), ("", "FIELD=VALUE"), ("waves=none", "non-negative integer"),
                       ("pdl=2", "0 or 1"), ("splits=4", "must be one of num_splits")]:
         with pytest.raises(ValueError, match=says):
             config_fields(bad)
