@@ -24,15 +24,16 @@ seconds (default 220) bounds the whole sweep: at the deadline it stops and write
 prints suggested ``DECODE_TABLE`` rows (``ops/paged_decode_config.py``): per batch, the config with the least
 geometric-mean loss over the contexts against each context's fastest.
 
-``--variant NAME=FIELD=VALUE,...`` (repeatable): at every shape, the table's config with those ``DecodeConfig`` fields
-changed (``n64=BLOCK_N=64,num_stages=4``; ``ops.paged_decode_config.config_fields``), timed alternately with the table's own over
-``--rounds`` rounds on one case; saves ``attention_variants`` (each one's mean, its % of the copy bandwidth and its
-speed against the table's).
+``--variant NAME=FIELD=VALUE,...`` (repeatable): at every shape, the table's config with those ``DecodeConfig``
+fields changed (``n64=BLOCK_N=64,num_stages=4``; ``ops.paged_decode_config.config_fields``), timed alternately with
+the table's own over ``--rounds`` rounds on one case; saves ``attention_variants`` (each one's mean, its % of the
+copy bandwidth and its speed against the table's).
 
 ``--head-size 64``: Llama-3.2-1B's heads (32 query heads, 8 KV heads, head size 64; files end in ``_d64``).
 
 Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--head-size 128]
-[--sweep [--deadline 220]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown, PNG) are written only with ``--out``.
+[--sweep [--deadline 220]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown,
+PNG) are written only with ``--out``.
 """
 
 from __future__ import annotations
