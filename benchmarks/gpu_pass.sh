@@ -389,8 +389,8 @@ for step in $steps; do
     attnvar)  # issue 16: variants of the decode table's attention rows (ATTN_VARIANTS: NAME=FIELD=VALUE,... words,
               # benchmarks.attention --variant) against the rows, alone at batch 32 / 128 x context 512-4096, then the
               # bf16 8B's level-3 step (ATTN_STEP_BATCHES, default 32,128) under ATTN_STEP (a gemm_step_ab variant
-              # of attn_rule items);
-              # it ran the persistent form measured in results/attention_variants_persistent_h100.md
+              # of attn_rule items). Its first run measured a persistent form since removed
+              # (results/attention_variants_persistent_h100.md).
               args=(); for v in ${ATTN_VARIANTS:-n64=BLOCK_N=64}; do args+=(--variant "$v"); done
               timeout ${ATTN_TIMEOUT:-200} python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048,4096 \
                 "${args[@]}" --out "$R/attn_variants" 2>&1 | tee "$R/attn_variants.log" | grep -E "variant|Error" | cut -c1-220
