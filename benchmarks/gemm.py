@@ -286,10 +286,10 @@ def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
     GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
     over 1-8 rows of a a program (at most M's, rounded up to a power of 2); ``"swap"``: the swapped dot tiles alone,
-    as tall as M (16-64 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
+    as tall as M (16-128 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
     split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run)."""
-    if forms == "swap":
-        bm = min(64, max(16, 1 << (m - 1).bit_length()))
+    if forms == "swap":  # 128 rows of a past 64 (the wgmma's N side takes up to 256): the weights read once
+        bm = min(128, max(16, 1 << (m - 1).bit_length()))
         rows = [(bm,) + r[1:] for r in _SWAP_16 + _SWAP_MID]
         return [SmallMConfig(*r) for r in dict.fromkeys(rows + [r[:8] + (True,) + r[9:] for r in rows if r[3] > 1])]
     if forms in ("unroll", "m1"):

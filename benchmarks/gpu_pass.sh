@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -386,6 +386,13 @@ for step in $steps; do
                 bash "$0" gemmsweep
               R=$R/stepab_int8 STEPAB_MODEL=llama-3-8b-int8 STEPAB_BATCHES=8,16 STEPAB_TIMEOUT=120 \
                 STEPAB_VARIANTS="default= g8=gated_row=int8:16:16x128x256,w8,s3,x" bash "$0" stepab ;;
+    b128)     # issue 16: the bf16 8B's step at batch 64 / 128 by kernel kind, then the small-M GEMM at M = 128 (bf16, each
+              # call after a small kernel): the swapped tiles on 128 rows of a, and the wide unswapped ones
+              timeout ${B128_PROFILE_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b --batches 64,128 \
+                --out "$R/kernel_profile_b128" > "$R/kernel_profile_b128.log" 2>&1; tail -2 "$R/kernel_profile_b128.log"
+              R=$R/sweep_swap128 SWEEP_TIMEOUT=150 SWEEP_MS=128 SWEEP_DTYPES=bf16 SWEEP_ARGS="--separated --sweep-forms swap" \
+                bash "$0" gemmsweep
+              R=$R/sweep_wide128 SWEEP_TIMEOUT=200 SWEEP_MS=128 SWEEP_DTYPES=bf16 SWEEP_ARGS="--separated" bash "$0" gemmsweep ;;
     attnvar)  # issue 16: variants of the decode table's attention rows (ATTN_VARIANTS: NAME=FIELD=VALUE,... words,
               # benchmarks.attention --variant) against the rows, alone at batch 32 / 128 x context 512-4096, then the
               # bf16 8B's level-3 step (ATTN_STEP_BATCHES, default 32,128) under ATTN_STEP (a gemm_step_ab variant

@@ -338,7 +338,7 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
     configs = {c for m in (1, 4, 16) for c in gemm.sweep_grid(m)}
     assert len(configs) <= 32
     assert all(c.BLOCK_M >= m for m in (1, 4, 16) for c in gemm.sweep_grid(m))
-    for m, rows in ((2, 16), (8, 16), (16, 16), (17, 32), (32, 32), (100, 64)):  # --sweep-forms swap: as tall as M
+    for m, rows in ((2, 16), (8, 16), (16, 16), (17, 32), (32, 32), (64, 64), (100, 128)):  # swap: as tall as M
         swapped = gemm.sweep_grid(m, "swap")
         assert swapped and len(swapped) <= 20 and all(c.SWAP and c.DOT and c.BLOCK_M == rows for c in swapped)
         split = {dataclasses.replace(c, SERIAL=False) for c in swapped if c.SPLIT_K > 1}
