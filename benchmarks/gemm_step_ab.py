@@ -8,7 +8,8 @@ alternating for ``--rounds`` rounds, each run in a fresh process (one trace and 
 
 A variant is ``NAME=RULES``: rules ``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` separated by ``;`` (``NAME=`` alone: the
 table as it is). Each rule goes before the table's first rule of its dtype with a ``max_m`` at least its own, so it
-takes that M range over and leaves the smaller-M rows in front of it as they are. ``CONFIG`` is ``cublas`` or
+takes that M range over and leaves the smaller-M rows in front of it as they are; rules of one ``max_m`` keep the
+order given (the first that fits a shape wins: a shape's own rule, then a catch-all). ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
@@ -29,16 +30,24 @@ that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row 
 inside the step. Beside the runs, ``gemm_step_ab_summary``: each variant's mean over its rounds and its change in %
 against the first variant's, per batch.
 
+``--sweep-variant NAME=CSV[,CSV...]`` adds a variant built from ``benchmarks.gemm --sweep`` files (``gemm_sweep*.csv``,
+not ``_best``; several merged): per dtype, M and shape, the fastest correct config where it beats cuBLAS by at least
+``--min-speedup`` (default 1.02), else ``cublas``; each rule fits its own shape (``MIN_N`` its N, ``MIN_RATIO`` its
+K / N rounded down), the wider shapes first, then ``DTYPE:M:0:0:cublas`` for any other shape of that M
+(:func:`sweep_rules`).
+
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
---variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--out DIR]`` (GPU only).
+--variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--sweep-variant NAME=CSV] [--out DIR]`` (GPU only).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -76,6 +85,54 @@ def parse_config(text: str) -> SmallMConfig | None:
         options.update(DOT=False, UNROLL=True, num_stages=1)
     return SmallMConfig(int(m.group(1)), int(m.group(2)), int(m.group(3)), SPLIT_K=int(m.group(4) or 1),
                         SWAP=form == ",x", SERIAL=m.group(7) is not None, **options)
+
+
+def config_text(config: SmallMConfig) -> str | None:
+    """The rule text :func:`parse_config` reads back as ``config``, or None: a config a rule cannot name (the rolled
+    GEMV form, a non-default ``PREFETCH`` or ``PRELOAD``)."""
+    split = f"/{config.SPLIT_K}" if config.SPLIT_K > 1 else ""
+    options = f",w{config.num_warps}" + (",u" if config.UNROLL else f",s{config.num_stages}")
+    forms = (",x" if config.SWAP else "") + (",r" if config.SERIAL else "")
+    text = f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K}{split}{options}{forms}"
+    try:
+        return text if parse_config(text) == config else None
+    except ValueError:  # the text's config is not a valid one (the rolled GEMV's tiles as dot tiles)
+        return None
+
+
+def _sweep_config(row: dict[str, str]) -> SmallMConfig:
+    """A ``gemm_sweep`` CSV row's config (its ``SmallMConfig`` columns: integers, True / False)."""
+    return SmallMConfig(**{name: row[name] == "True" if row[name] in ("True", "False") else int(row[name])
+                           for name in SmallMConfig.__dataclass_fields__})
+
+
+def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
+    """Rules (``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` texts) from ``benchmarks.gemm --sweep`` CSV files: per dtype, M
+    and shape (N, K), the fastest correct config a rule can name where cuBLAS takes at least ``min_speedup`` times
+    as long, else ``cublas``; the shapes widest N first (then longest K / N), so that each rule's ``MIN_N`` and
+    ``MIN_RATIO`` (K / N rounded down to 1e-4) fit no shape before it; then ``DTYPE:M:0:0:cublas`` for any other
+    shape at that M. ValueError naming a file with no cuBLAS row."""
+    cublas: dict[tuple[str, int, int, int], float] = {}
+    best: dict[tuple[str, int, int, int], tuple[float, str]] = {}
+    for path in paths:
+        with open(path) as f:
+            rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+        if not any(r["impl"] == "cuBLAS" for r in rows):
+            raise ValueError(f"{path}: expected a benchmarks.gemm --sweep CSV (rows of impl cuBLAS and ours); found "
+                             f"no cuBLAS row")
+        for r in rows:
+            key, us = (r["dtype"], int(r["M"]), int(r["N"]), int(r["K"])), float(r["us"])
+            if r["impl"] == "cuBLAS":
+                cublas[key] = min(us, cublas.get(key, math.inf))
+            elif r["correct"] == "True" and (text := config_text(_sweep_config(r))) and us < best.get(key, (math.inf,))[0]:
+                best[key] = (us, text)
+    rules = []
+    for key in sorted(cublas, key=lambda c: (c[0], c[1], -c[2], -c[3] / c[2])):
+        us, text = best.get(key, (math.inf, "cublas"))
+        dtype, m, n, k = key
+        rules.append(f"{dtype}:{m}:{math.floor(k / n * 1e4) / 1e4}:{n}:"
+                     f"{text if cublas[key] >= min_speedup * us else 'cublas'}")
+    return rules + [f"{dtype}:{m}:0:0:cublas" for dtype, m in dict.fromkeys(key[:2] for key in sorted(cublas))]
 
 
 def parse_rule(text: str) -> SmallMRule:
@@ -210,13 +267,20 @@ def set_inductor_pdl(on: bool) -> None:
 
 def patched_table(rules: list[SmallMRule],
                   table: tuple[SmallMRule, ...] = small_m_gemm.SMALL_M_TABLE) -> tuple[SmallMRule, ...]:
-    """``table`` with each of ``rules`` before the first rule of its dtype whose ``max_m`` is at least its own (the
-    table's end when there is none)."""
-    out = list(table)
+    """``table`` with each of ``rules`` before the table's first rule of its dtype whose ``max_m`` is at least its
+    own (the table's end when there is none); rules that land at one place go smaller ``max_m`` first, in the order
+    given where equal, so that a shape's own rule can precede a catch-all (results files before 2026-12-07 15:00 UTC
+    were run with rules of one ``max_m`` in the reverse of their given order: each went before the one given before
+    it)."""
+    places: dict[int, list[SmallMRule]] = {}
     for rule in rules:
-        at = next((i for i, r in enumerate(out) if set(rule.dtypes) <= set(r.dtypes) and r.max_m >= rule.max_m),
-                  len(out))
-        out.insert(at, rule)
+        at = next((i for i, r in enumerate(table) if set(rule.dtypes) <= set(r.dtypes) and r.max_m >= rule.max_m),
+                  len(table))
+        places.setdefault(at, []).append(rule)
+    out: list[SmallMRule] = []
+    for i, row in enumerate((*table, None)):
+        out += sorted(places.get(i, ()), key=lambda r: r.max_m)  # stable: the given order where max_m is equal
+        out += [row] if row is not None else []
     return tuple(out)
 
 
@@ -302,11 +366,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--iters", type=int, default=30, help="timed steps per batch (median)")
     p.add_argument("--rounds", type=int, default=2, help="times each variant runs, the variants alternating")
     p.add_argument("--variant", action="append", default=[], help="NAME=RULES (see the module's docstring); repeat")
+    p.add_argument("--sweep-variant", action="append", default=[], help="NAME=CSV[,CSV...]: a variant of the "
+                   "sweep files' picks (see the module's docstring); repeat")
+    p.add_argument("--min-speedup", type=float, default=1.02, help="--sweep-variant: a pick's least speedup over "
+                   "cuBLAS (else cublas for its shape)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches = common.int_list(p, "--batches", a.batches)
-    texts = a.variant or ["table="]
+    texts = list(a.variant)
+    for item in a.sweep_variant:
+        name, sep, files = item.partition("=")
+        if not sep or not files:
+            p.error(f"--sweep-variant: expected NAME=CSV[,CSV...]; got {item!r}")
+        try:
+            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), a.min_speedup)))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--sweep-variant: {type(e).__name__}: {e}")
+        print(f"--sweep-variant: {texts[-1]}", flush=True)
+    texts = texts or ["table="]
     try:
         variants = [parse_variant(v) for v in texts]
     except ValueError as e:

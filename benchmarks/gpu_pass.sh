@@ -386,13 +386,20 @@ for step in $steps; do
                 bash "$0" gemmsweep
               R=$R/stepab_int8 STEPAB_MODEL=llama-3-8b-int8 STEPAB_BATCHES=8,16 STEPAB_TIMEOUT=120 \
                 STEPAB_VARIANTS="default= g8=gated_row=int8:16:16x128x256,w8,s3,x" bash "$0" stepab ;;
-    b128)     # issue 16: the bf16 8B's step at batch 64 / 128 by kernel kind, then the small-M GEMM at M = 128 (bf16, each
-              # call after a small kernel): the swapped tiles on 128 rows of a, and the wide unswapped ones
-              timeout ${B128_PROFILE_TIMEOUT:-150} python3 -m benchmarks.kernel_profile --models llama-3-8b --batches 64,128 \
-                --out "$R/kernel_profile_b128" > "$R/kernel_profile_b128.log" 2>&1; tail -2 "$R/kernel_profile_b128.log"
-              R=$R/sweep_swap128 SWEEP_TIMEOUT=150 SWEEP_MS=128 SWEEP_DTYPES=bf16 SWEEP_ARGS="--separated --sweep-forms swap" \
-                bash "$0" gemmsweep
-              R=$R/sweep_wide128 SWEEP_TIMEOUT=200 SWEEP_MS=128 SWEEP_DTYPES=bf16 SWEEP_ARGS="--separated" bash "$0" gemmsweep ;;
+    b128)     # issue 16: the bf16 8B at 128 tokens: the small-M GEMM's swapped tiles on 128 rows of a and the wide unswapped
+              # ones (each call after a small kernel), then the batch-128 step with the sweeps' picks where they beat
+              # cuBLAS (gemm_step_ab --sweep-variant) against the table (cuBLAS above 32 tokens); B128_PROFILE=1: first
+              # the step's kernel profile at batch 64 / 128
+              [ -n "${B128_PROFILE:-}" ] && timeout 150 python3 -m benchmarks.kernel_profile --models llama-3-8b \
+                --batches 64,128 --out "$R/kernel_profile_b128" > "$R/kernel_profile_b128.log" 2>&1
+              R=$R/sweep_swap128 SWEEP_TIMEOUT=${B128_SWAP_TIMEOUT:-130} SWEEP_MS=128 SWEEP_DTYPES=bf16 \
+                SWEEP_ARGS="--separated --sweep-forms swap" bash "$0" gemmsweep
+              R=$R/sweep_wide128 SWEEP_TIMEOUT=${B128_WIDE_TIMEOUT:-170} SWEEP_MS=128 SWEEP_DTYPES=bf16 \
+                SWEEP_ARGS="--separated" bash "$0" gemmsweep
+              csvs=$(ls "$R"/sweep_*128/gemm_sweep/gemm_sweep_separated*.csv 2>/dev/null | paste -sd,)
+              [ -n "$csvs" ] && timeout ${B128_STEP_TIMEOUT:-220} python3 -m benchmarks.gemm_step_ab --model llama-3-8b \
+                --batches 128 --rounds 2 --variant table= --sweep-variant "sweep128=$csvs" --out "$R/stepab_b128" 2>&1 \
+                | tee "$R/stepab_b128.log" | grep -E "^\{|^--sweep|Error" ;;
     attnvar)  # issue 16: variants of the decode table's attention rows (ATTN_VARIANTS: NAME=FIELD=VALUE,... words,
               # benchmarks.attention --variant) against the rows, alone at batch 32 / 128 x context 512-4096, then the
               # bf16 8B's level-3 step (ATTN_STEP_BATCHES, default 32,128) under ATTN_STEP (a gemm_step_ab variant

@@ -622,6 +622,59 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
         assert small_m_config(32, 4096, 4096, torch.int8, max_m=128) != rules[0].config  # o_proj: N too small
 
 
+def test_gemm_step_ab_rules_of_one_max_m_keep_their_order():
+    """A shape's own rule given before a catch-all of the same M wins for that shape (they were once reversed)."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import small_m_gemm
+
+    down = ab.parse_config("64x64x128,w4,s6,x")
+    with ab.applied("d128=bf16:64:0:0:cublas;bf16:128:2.0:4096:64x64x128,w4,s6,x;bf16:128:0:0:cublas"):
+        assert small_m_gemm.small_m_config(128, 4096, 14336, torch.bfloat16, max_m=128) == down
+        assert small_m_gemm.small_m_config(128, 4096, 4096, torch.bfloat16, max_m=128) is None  # the catch-all
+        assert small_m_gemm.small_m_config(64, 4096, 14336, torch.bfloat16, max_m=128) is None
+    _, rules = ab.parse_variant("v=bf16:128:0:0:cublas;bf16:64:2.0:0:64x64x128,w4,s6,x")
+    table = ab.patched_table(rules)  # one place (no bf16 row of max_m >= 64 ... 128): the smaller max_m first
+    assert table.index(rules[1]) < table.index(rules[0])
+
+
+def test_gemm_step_ab_sweep_variant_takes_each_shapes_pick_over_cublas(tmp_path, capsys):
+    """--sweep-variant: the sweep files' fastest correct config per shape where it beats cuBLAS by the margin."""
+    from benchmarks import gemm, gemm_step_ab as ab
+    from ops import small_m_gemm
+    from ops.small_m_gemm import SmallMConfig
+
+    swap, wide = SmallMConfig(128, 64, 128, num_warps=4, num_stages=6, SWAP=True), SmallMConfig(128, 128, 64, num_warps=8)
+    split = SmallMConfig(64, 64, 128, SPLIT_K=2, num_stages=5, SERIAL=True)
+    rows = [  # (N, K, config or None for cuBLAS, us, correct)
+        (4096, 14336, None, 50.0, ""), (4096, 14336, split, 45.0, True), (4096, 14336, swap, 44.0, False),
+        (4096, 4096, None, 15.0, ""), (4096, 4096, swap, 14.9, True),  # not 2% faster: cuBLAS
+        (6144, 4096, None, 21.0, ""), (6144, 4096, wide, 19.0, True),
+        (28672, 4096, None, 85.0, ""), (28672, 4096, wide, 80.0, True),
+        (28672, 4096, SmallMConfig(4, 16, 128, DOT=False, num_warps=4), 70.0, True)]  # a rule cannot name it
+    paths = []
+    for i, part in enumerate((rows[:5], rows[5:])):
+        paths.append(str(tmp_path / f"gemm_sweep_{i}.csv"))
+        with open(paths[-1], "w", newline="") as f:
+            f.write("# a GPU, torch, date\n")
+            w = csv.DictWriter(f, gemm.SWEEP_COLUMNS)
+            w.writeheader()
+            for n, k, cfg, us, ok in part:
+                base = {"dtype": "bf16", "M": 128, "N": n, "K": k, "us": us, "correct": ok}
+                w.writerow({**base, "impl": "cuBLAS"} if cfg is None else
+                           {**base, "impl": "ours", **dataclasses.asdict(cfg), "table": False})
+    rules = ab.sweep_rules(paths)
+    assert rules[-1] == "bf16:128:0:0:cublas" and len(rules) == 5
+    with ab.applied("s=" + ";".join(rules)):
+        pick = lambda n, k: small_m_gemm.small_m_config(128, n, k, torch.bfloat16, max_m=128)  # noqa: E731
+        assert (pick(4096, 14336), pick(4096, 4096), pick(6144, 4096), pick(28672, 4096)) == (split, None, wide, wide)
+        assert pick(128256, 4096) is None and pick(2048, 2048) is None  # shapes the sweep did not have: cuBLAS
+    assert all(ab.parse_config(ab.config_text(c)) == c for c in (swap, wide, split))
+    assert ab.config_text(SmallMConfig(4, 16, 128, DOT=False, num_warps=4)) is None  # the rolled GEMV
+    with pytest.raises(SystemExit):
+        ab.main(["--sweep-variant", f"s={tmp_path / 'missing.csv'}"])
+    assert "--sweep-variant: FileNotFoundError" in capsys.readouterr().err
+
+
 def test_gemm_step_ab_prefetch_item_sets_every_configs_prefetch():
     """``prefetch=N`` in a variant is no rule: it sets ``PREFETCH`` in every config of the patched table (cuBLAS rows
     stay None), which the step's GEMMs then read; without it the table keeps its own."""
