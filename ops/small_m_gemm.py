@@ -538,10 +538,12 @@ class SmallMConfig:
             7% slower on an H100 (1140.7 / 1132.1 µs with 1, 1261.8-1267.2 with 8, 1061.3 / 1061.9 without:
             results/gemm_step_ab_gemv_prefetch_1b_h100.md).
         SWAP: ``tl.dot(w, a.T)`` instead of ``tl.dot(a, w.T)`` (``DOT`` only): the weight tile is the MMA's tall
-            side, so that ``BLOCK_N >= 64`` tiles can take Hopper's wgmma at a decode batch's few rows. No table row
-            uses it: at M = 32 the sweep timed it fastest alone on 7 of the 8 fp8 / int8 shapes
-            (results/gemm_sweep_swap_m32_best.md), but inside the int8 step at batch 32 it was no faster
-            (results/int8_table_step_ab_swap.md: 3928 / 3897 against 3876 / 3891 µs).
+            side, so that ``BLOCK_N >= 64`` tiles can take Hopper's wgmma at a decode batch's few rows. The table's
+            bf16 / fp16 rows at 2-32 tokens and fp8's down and qkv at 2-16 take it (their comments say what was
+            measured); int8 keeps the unswapped tiles: at M = 32 the sweep timed it fastest alone on 7 of the 8 fp8 /
+            int8 shapes (results/gemm_sweep_swap_m32_best.md), but inside the int8 step at batch 32 it was no faster
+            (results/int8_table_step_ab_swap.md: 3928 / 3897 against 3876 / 3891 µs; that run's gate-up took qkv's
+            swapped tile, ``benchmarks.gemm_step_ab`` then reversing rules of one ``max_m``).
         SERIAL: split K reduced in the kernel: each tile's last split to arrive (an arrival counter a tile) sums
             the partials, instead of a second kernel. Off by default: on the H200 it made the int8 8B stack at
             M = 1 6% slower with the table's split-K rows then (2765 against 2602 µs); the int8 down_proj rows at
@@ -722,11 +724,12 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(16, _F16, 0.0, 0, None),  # qkv 16.3 / 15.6, 7.1 / 6.8 (best configs)
     # bf16 / fp16 at M = 17-32 (up to F16_TRITON_MAX_M), Llama-3-8B's shapes: the product swapped (w @ a.T: the
     # weight rows the wgmma's tall side), from the separated sweep at M = 32 on an H100
-    # (results/gemm_sweep_best_bf16_m32_separated_h100.md), µs ours / cuBLAS. The 8B step
-    # (results/gemm_step_ab_bf16_m32_h100.md, two alternating runs) at batch 24 6213.0 / 6213.4 µs against 6483.9 /
-    # 6437.7 with cuBLAS, at 32 6424.5 / 6431.3 against 6654.4 / 6656.7. At M = 64 the sweep's down and lm_head picks
-    # (44.0 / 46.1, 350.5 / 373.0) moved the step at batch 48 and 64 by < 0.2%
-    # (results/gemm_step_ab_bf16_m64_h100.md): cuBLAS above 32.
+    # (results/gemm_sweep_best_bf16_m32_separated_h100.md), µs ours / cuBLAS. The 8B step with these rows
+    # (results/gemm_step_ab_bf16_m32_final_8b_h100.md, two alternating runs) at batch 24 6295.3 / 6292.7 µs against
+    # 6499.8 / 6602.6 with cuBLAS at 17-32, at 32 6488.1 / 6461.2 against 6734.5 / 6824.6 (the first A/B,
+    # gemm_step_ab_bf16_m32_h100.md, ran every shape on the last rule's tile: gemm_step_ab then reversed rules of one
+    # max_m). Above 32, cuBLAS: the A/B of the M = 64 sweep's picks (results/gemm_step_ab_bf16_m64_h100.md) ran
+    # cuBLAS in both variants for that reason, and is to be run again.
     _R(32, _F16, 2.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 42.6 / 44.7
     _R(32, _F16, 0.0, 65536, _C(32, 256, 128, num_warps=8, num_stages=3, SWAP=True)),  # lm_head 342.3 / 366.2
     _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
