@@ -387,8 +387,9 @@ for step in $steps; do
               R=$R/stepab_int8 STEPAB_MODEL=llama-3-8b-int8 STEPAB_BATCHES=8,16 STEPAB_TIMEOUT=120 \
                 STEPAB_VARIANTS="default= g8=gated_row=int8:16:16x128x256,w8,s3,x" bash "$0" stepab ;;
     b128)     # issue 16: the bf16 8B at 128 tokens: the small-M GEMM's swapped tiles on 128 rows of a and the wide unswapped
-              # ones (each call after a small kernel), then the batch-128 step with the sweeps' picks where they beat
-              # cuBLAS (gemm_step_ab --sweep-variant) against the table (cuBLAS above 32 tokens); B128_PROFILE=1: first
+              # ones (each call after a small kernel), then the batch-64 / 128 steps with the picks of those and of
+              # B128_CSVS' sweeps (default: the committed M = 64 ones) where they beat cuBLAS (gemm_step_ab
+              # --sweep-variant) against the table (cuBLAS above 32 tokens); B128_PROFILE=1: first
               # the step's kernel profile at batch 64 / 128
               [ -n "${B128_PROFILE:-}" ] && timeout 150 python3 -m benchmarks.kernel_profile --models llama-3-8b \
                 --batches 64,128 --out "$R/kernel_profile_b128" > "$R/kernel_profile_b128.log" 2>&1
@@ -396,9 +397,10 @@ for step in $steps; do
                 SWEEP_ARGS="--separated --sweep-forms swap" bash "$0" gemmsweep
               R=$R/sweep_wide128 SWEEP_TIMEOUT=${B128_WIDE_TIMEOUT:-170} SWEEP_MS=128 SWEEP_DTYPES=bf16 \
                 SWEEP_ARGS="--separated" bash "$0" gemmsweep
-              csvs=$(ls "$R"/sweep_*128/gemm_sweep/gemm_sweep_separated*.csv 2>/dev/null | paste -sd,)
-              [ -n "$csvs" ] && timeout ${B128_STEP_TIMEOUT:-220} python3 -m benchmarks.gemm_step_ab --model llama-3-8b \
-                --batches 128 --rounds 2 --variant table= --sweep-variant "sweep128=$csvs" --out "$R/stepab_b128" 2>&1 \
+              csvs=$(ls "$R"/sweep_*128/gemm_sweep/gemm_sweep_separated*.csv ${B128_CSVS:-benchmarks/results/gemm_sweep_bf16_swap_m64_128_h100.csv \
+                benchmarks/results/gemm_sweep_bf16_m64_separated_h100.csv} 2>/dev/null | paste -sd,)
+              timeout ${B128_STEP_TIMEOUT:-240} python3 -m benchmarks.gemm_step_ab --model llama-3-8b --batches 64,128 \
+                --rounds 2 --variant table= --sweep-variant "sweep=$csvs" --out "$R/stepab_b128" 2>&1 \
                 | tee "$R/stepab_b128.log" | grep -E "^\{|^--sweep|Error" ;;
     attnvar)  # issue 16: variants of the decode table's attention rows (ATTN_VARIANTS: NAME=FIELD=VALUE,... words,
               # benchmarks.attention --variant) against the rows, alone at batch 32 / 128 x context 512-4096, then the
