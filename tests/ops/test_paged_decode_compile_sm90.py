@@ -21,7 +21,7 @@ _FLOATS = ("scale", "soft_cap", "k_inv", "v_inv", "v_scale")
 
 
 def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: dict[str, str] = _POINTERS,
-             preload: bool = False):
+             preload: bool = False, num_stages: int = 3):
     try:
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401  (the backend and its ptxas)
@@ -37,7 +37,7 @@ def _compile(convert_v: bool, fused_write: bool, pdl: bool = False, pointers: di
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if n.endswith("_ptr") or n.startswith("stride_c")}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=3))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, num_stages=num_stages))
 
 
 def _loop(convert_v: bool, fused_write: bool):
@@ -83,3 +83,18 @@ def test_preload_form_reads_the_cache_before_the_wait_and_q_after_it():
     assert head.count("ld.global.v4") >= 2 and head.count("ld.global") > head.count("ld.global.v4")
     # after: q, the new key and value, and the loop's chunks
     assert tail.count("ld.global") > 0
+
+
+@pytest.mark.parametrize("num_stages,buffers", [(3, 1), (6, 2)])
+def test_key_and_value_tiles_are_double_buffered_from_five_stages(num_stages, buffers):
+    """``DecodeConfig.num_stages``: the loop's K and V tiles get one shared-memory buffer each at 3 stages (the
+    block-table load their addresses come from takes the pipeline's first stages), two at 6, and the loop then waits
+    for the chunk it uses with the next one's copies still in flight (``async_wait`` of more than 0 groups)."""
+    import re
+
+    ttgir = _compile(False, True, pointers=dict(_POINTERS, cache_ptr="*bf16"), num_stages=num_stages).asm["ttgir"]
+    tiles = set(re.findall(r"memdesc<(\d+)x64x128xbf16", ttgir))  # [buffers, BLOCK_N, head size]
+    assert tiles == {str(buffers)}
+    loop = ttgir[ttgir.index("scf.for"):]
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait [^{]*\{num = (\d+)", loop.split("scf.yield")[0])]
+    assert waits and (min(waits) > 0) == (buffers > 1)
