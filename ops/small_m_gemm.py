@@ -600,8 +600,8 @@ SMALL_M_MAX = 16
 #: than the kernel at every 8B shape at M <= 16 (padded to 24 rows), far from its bf16 and fp8 GEMMs.
 INT8_TRITON_MAX_M = 128
 #: bf16 / fp16 (``ops.linear`` and the linear ops built on it) take it up to this M: the swapped dot tiles beat
-#: cuBLAS on the 8B's shapes at M = 32 (the table's rows say by how much), not at 64.
-F16_TRITON_MAX_M = 32
+#: cuBLAS on the 8B's shapes at M <= 32, and on its down_proj and lm_head at 33-128 (the table's rows say by how much).
+F16_TRITON_MAX_M = 128
 #: Per operand dtype, the largest M the public ops take the kernel for (a dtype not here: ``SMALL_M_MAX``); the
 #: table's rows above it are for ``benchmarks.gemm``'s crossover (``benchmarks.gemm_step_ab`` raises an entry to A/B
 #: such a row inside a decode step).
@@ -735,6 +735,21 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
     _R(32, _F16, 0.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # qkv 20.4 / 21.9, o 14.3 / 14.3
     _R(32, _F16, 0.0, 0, None),  # narrower shapes (Llama-3.2-1B's qkv, o, down): unmeasured at M > 16, cuBLAS
+    # bf16 / fp16 at M = 33-128 (up to F16_TRITON_MAX_M): the 8B's down_proj and the lm_head; qkv, o and gate-up stay
+    # on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes. The sweeps' picks, µs ours / cuBLAS:
+    # at M = 64 results/gemm_sweep_best_bf16_m64_separated_h100.md, at 128 the swapped down of
+    # gemm_sweep_best_bf16_swap_m64_128_h100.md and the lm_head of gemm_sweep_best_bf16_m128_separated_h100.md. The 8B
+    # step (H100, two alternating runs, results/gemm_step_ab_bf16_m64_128_h100.md, variant g against table, which had
+    # cuBLAS above 32) at batch 64 7653.9 / 7672.1 µs against 7749.4 / 7761.2, at 128 9421.5 / 9479.5 against 9566.0
+    # / 9604.0; the 1B's (gemm_step_ab_bf16_m64_128_1b_h100.md: its lm_head, K 2048, on these rows) 1.0% faster at
+    # batch 64 and 0.3% slower at 128, hence the 128 row's lm_head only from K >= 0.03 N (the 8B's K 4096; the 1B's
+    # 2048 is 0.016 N).
+    _R(64, _F16, 3.5, 4096, _C(64, 32, 256, num_warps=4, num_stages=4)),  # down 44.04 / 46.07
+    _R(64, _F16, 0.0, 65536, _C(64, 128, 128, num_warps=4, num_stages=4, SWAP=True)),  # lm_head 350.49 / 373.02
+    _R(64, _F16, 0.0, 0, None),
+    _R(128, _F16, 3.5, 4096, _C(64, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 48.14 / 51.39
+    _R(128, _F16, 0.03, 65536, _C(128, 128, 128, num_warps=8, num_stages=3)),  # lm_head 381.62 / 391.68
+    _R(128, _F16, 0.0, 0, None),
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.
     # down at M <= 32 and <= 128: the two splits summed in the kernel (SERIAL), not by a second kernel: in the int8
@@ -751,7 +766,6 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # Past the ops' range: untuned, for the benchmark's crossover.
     _R(32, _F8, 0.0, 0, _C(32, 64, 128, num_warps=4, num_stages=4)),
     _R(64, _F8, 0.0, 0, _C(64, 64, 128, num_warps=4, num_stages=4)),
-    _R(64, _F16, 0.0, 0, _C(64, 64, 64, num_warps=4, num_stages=4)),
 )
 del _C, _R, _I8, _F8, _F16
 

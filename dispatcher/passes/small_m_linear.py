@@ -2,7 +2,7 @@
 small-M Triton GEMM at decode sizes where it is faster than cuBLAS, and cuBLAS elsewhere.
 
 A compiled graph calls cuBLAS for ``F.linear`` whatever the token count: Inductor lowers ``mm`` with a
-symbolic M to an extern call. At decode sizes (M <= 32) the GEMM is a weight read, and the library's kernel
+symbolic M to an extern call. At decode sizes (M <= 128) the GEMM is a weight read, and the library's kernel
 reads some of Llama's shapes faster (``ops.small_m_gemm.SMALL_M_TABLE`` says which: a shape without a config
 there stays on cuBLAS). The op decides at run time, on the concrete M, so one compile serves every size.
 
@@ -31,7 +31,7 @@ __all__ = ["MAX_TOKENS", "SmallMLinearPass"]
 
 #: The largest compile size the pass rewrites (bf16 / fp16's ``ops.small_m_gemm.F16_TRITON_MAX_M``: the op takes
 #: cuBLAS above it anyway).
-MAX_TOKENS = 32
+MAX_TOKENS = 128
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

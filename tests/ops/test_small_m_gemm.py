@@ -262,7 +262,8 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
 
 def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
     """Every small M has a config but the shapes where cuBLAS measured as fast: fp8's gate-up and o (its down_proj and
-    qkv take the kernel); bf16 takes it on every 8B shape (N >= 4096) and on narrower ones where K >= N. At M = 1
+    qkv take the kernel); bf16 takes it on every 8B shape (N >= 4096) and on narrower ones where K >= N (at its
+    largest M, 128, on the 8B's down_proj and lm_head alone). At M = 1
     every shape of every dtype takes the unrolled GEMV; at M = 2 the 8B's int8 and bf16 shapes do, but bf16's gate-up
     and lm_head (the swapped dot tiles)."""
     for dtype in (INT8, FP8, BF16, torch.float16):
@@ -276,22 +277,28 @@ def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
             one = ops.small_m_config(1, n, k, dtype)
             assert one is not None and one.UNROLL
             assert ops.small_m_config(SMALL_M_MAX + 1, n, k, dtype) is None
-            assert ops.small_m_config(largest, n, k, dtype, max_m=largest) is not None
+            at_largest = ops.small_m_config(largest, n, k, dtype, max_m=largest)  # bf16's 128: its down and lm_head
+            assert (at_largest is not None) == (dtype in (INT8, FP8) or (k, n) in ((14336, 4096), (4096, 128256)))
             assert ops.small_m_config(largest + 1, n, k, dtype, max_m=largest + 1) is None
     assert ops.small_m_config(1, 4096, 4096, torch.float32) is None
 
 
 def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
-    """bf16 / fp16 run the kernel up to ``triton_max_m`` (32): at 17-32 rows the 8B's shapes (N >= 4096, the lm_head
-    too) take the swapped dot tiles, narrower shapes (the 1B's qkv, o and down) and every shape past 32 cuBLAS."""
+    """bf16 / fp16 run the kernel up to ``triton_max_m`` (128): at 17-32 rows every 8B shape (N >= 4096, the lm_head
+    too) takes the swapped dot tiles; at 33-128 the 8B's down_proj and lm_head alone (the 1B's lm_head, K 2048, at
+    33-64 only); narrower shapes (the 1B's qkv, o and down) and every shape past 128 cuBLAS."""
+    lm_8b, lm_1b, down_8b = (4096, 128256), (2048, 128256), (14336, 4096)
     for dtype in (BF16, torch.float16):
         top = triton_max_m(dtype)
-        assert top == 32 and top > SMALL_M_MAX
-        for k, n in SHAPES_8B + [(4096, 128256), (2048, 3072), (2048, 2048), (8192, 2048)]:
-            for m in (SMALL_M_MAX + 1, top):
+        assert top == 128 and top > SMALL_M_MAX
+        for k, n in SHAPES_8B + [lm_8b, lm_1b, (2048, 3072), (2048, 2048), (8192, 2048)]:
+            for m in (SMALL_M_MAX + 1, 32):
                 config = ops.small_m_config(m, n, k, dtype, max_m=top)
-                assert (config is not None and config.SWAP and config.BLOCK_M == top) == (n >= 4096)
-                assert config is None or n >= 4096
+                assert (config is not None and config.SWAP and config.BLOCK_M == 32) == (n >= 4096)
+            for m in (33, 64):
+                assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == ((k, n) in (lm_8b, lm_1b, down_8b))
+            for m in (65, top):
+                assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == ((k, n) in (lm_8b, down_8b))
             assert ops.small_m_config(top + 1, n, k, dtype, max_m=top) is None
     # the small_m_linear pass rewrites compiles up to the same size (the dispatcher names no ops module)
     from dispatcher.passes import small_m_linear
