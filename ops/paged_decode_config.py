@@ -30,7 +30,11 @@ class DecodeConfig:
             splits``) cover about ``waves`` times the SMs, rounded up to a power of two, at most ``max_splits``.
         max_splits: the ``waves`` rule's ceiling.
         BLOCK_N: tokens a loop step (at least one page: the plan raises it to the page size).
-        num_warps, num_stages: the split kernel's launch options (Triton's defaults are 4 and 3).
+        num_warps, num_stages: the split kernel's launch options (Triton's defaults are 4 and 3). Below 5 stages
+            Triton 3.6 gives the loop's K and V tiles one shared-memory buffer each (the block-table load their
+            addresses come from takes the first stages), 5-6 two, 7 three; the deeper forms were no faster alone
+            at batch 32 x 512 tokens nor in the 8B's step (results/attention_variants_stages_h100.md,
+            gemm_step_ab_attn_stages_h100_summary.md).
         merge_warps: the merge kernel's warps (one program per sequence and query head).
         heads_first: the split kernel's grid is (KV heads, sequences, splits) instead of (sequences, KV heads,
             splits): programs launched together then read the same tokens' rows of every KV head (adjacent in the
