@@ -389,7 +389,8 @@ for step in $steps; do
     b128)     # issue 16: the bf16 8B at 128 tokens: the small-M GEMM's swapped tiles on 128 rows of a and the wide unswapped
               # ones (each call after a small kernel), then the batch-64 / 128 steps with the picks of those and of
               # B128_CSVS' sweeps (default: the committed M = 64 ones) where they beat cuBLAS (gemm_step_ab
-              # --sweep-variant) against the table (cuBLAS above 32 tokens); B128_PROFILE=1: first
+              # --sweep-variant) against the table (its first run: results/gemm_step_ab_bf16_m64_128_sweep_h100.md,
+              # the table then cuBLAS above 32 tokens); B128_PROFILE=1: first
               # the step's kernel profile at batch 64 / 128
               [ -n "${B128_PROFILE:-}" ] && timeout 150 python3 -m benchmarks.kernel_profile --models llama-3-8b \
                 --batches 64,128 --out "$R/kernel_profile_b128" > "$R/kernel_profile_b128.log" 2>&1
