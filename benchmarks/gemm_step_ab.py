@@ -124,7 +124,9 @@ def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
             key, us = (r["dtype"], int(r["M"]), int(r["N"]), int(r["K"])), float(r["us"])
             if r["impl"] == "cuBLAS":
                 cublas[key] = min(us, cublas.get(key, math.inf))
-            elif r["correct"] == "True" and (text := config_text(_sweep_config(r))) and us < best.get(key, (math.inf,))[0]:
+            elif r["correct"] != "True" or us >= best.get(key, (math.inf,))[0]:
+                continue
+            elif text := config_text(_sweep_config(r)):
                 best[key] = (us, text)
     rules = []
     for key in sorted(cublas, key=lambda c: (c[0], c[1], -c[2], -c[3] / c[2])):
@@ -269,7 +271,7 @@ def patched_table(rules: list[SmallMRule],
                   table: tuple[SmallMRule, ...] = small_m_gemm.SMALL_M_TABLE) -> tuple[SmallMRule, ...]:
     """``table`` with each of ``rules`` before the table's first rule of its dtype whose ``max_m`` is at least its
     own (the table's end when there is none); rules that land at one place go smaller ``max_m`` first, in the order
-    given where equal, so that a shape's own rule can precede a catch-all (results files before 2026-12-07 15:00 UTC
+    given where equal, so that a shape's own rule can precede a catch-all (results files before 2026-12-07 14:00 UTC
     were run with rules of one ``max_m`` in the reverse of their given order: each went before the one given before
     it)."""
     places: dict[int, list[SmallMRule]] = {}
@@ -358,6 +360,24 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for (batch, name), mean in sorted(means.items(), key=lambda kv: kv[0][0])]  # stable: run order kept
 
 
+def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: float) -> list[str]:
+    """The ``--sweep-variant NAME=CSV[,CSV...]`` items as variant texts (:func:`sweep_rules`), each printed; a bad
+    item, file or ``--min-speedup`` is a one-line usage error."""
+    if items and min_speedup <= 0:
+        p.error(f"--min-speedup: expected a number > 0; got {min_speedup}")
+    texts = []
+    for item in items:
+        name, sep, files = item.partition("=")
+        if not sep or not files:
+            p.error(f"--sweep-variant: expected NAME=CSV[,CSV...]; got {item!r}")
+        try:
+            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), min_speedup)))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--sweep-variant: {type(e).__name__}: {e}")
+        print(f"--sweep-variant: {texts[-1]}", flush=True)
+    return texts
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3-8b-int8", help="a built-in model (its decode step at level 3)")
@@ -374,17 +394,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches = common.int_list(p, "--batches", a.batches)
-    texts = list(a.variant)
-    for item in a.sweep_variant:
-        name, sep, files = item.partition("=")
-        if not sep or not files:
-            p.error(f"--sweep-variant: expected NAME=CSV[,CSV...]; got {item!r}")
-        try:
-            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), a.min_speedup)))
-        except (OSError, ValueError, KeyError) as e:
-            p.error(f"--sweep-variant: {type(e).__name__}: {e}")
-        print(f"--sweep-variant: {texts[-1]}", flush=True)
-    texts = texts or ["table="]
+    texts = a.variant + _sweep_variants(p, a.sweep_variant, a.min_speedup) or ["table="]
     try:
         variants = [parse_variant(v) for v in texts]
     except ValueError as e:
