@@ -253,7 +253,7 @@ def test_int8_gemv_on_unaligned_rows(config):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k,n", SHAPES_8B, ids=SHAPE_IDS)
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 64, 128])  # 64, 128: bf16's down_proj rows past 32 (the rest cuBLAS)
 def test_small_m_mm_on_8b_shapes(m, k, n):
     a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").to(BF16)
     w = _weight(BF16, n, k)
