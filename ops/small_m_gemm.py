@@ -728,8 +728,8 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # (results/gemm_step_ab_bf16_m32_final_8b_h100.md, two alternating runs) at batch 24 6295.3 / 6292.7 µs against
     # 6499.8 / 6602.6 with cuBLAS at 17-32, at 32 6488.1 / 6461.2 against 6734.5 / 6824.6 (the first A/B,
     # gemm_step_ab_bf16_m32_h100.md, ran every shape on the last rule's tile: gemm_step_ab then reversed rules of one
-    # max_m). Above 32: the rows below (the first A/B of the M = 64 sweep's picks, results/gemm_step_ab_bf16_m64_h100.md,
-    # ran cuBLAS in both variants for that reason).
+    # max_m). Above 32: the rows below (the first A/B of the M = 64 sweep's picks,
+    # results/gemm_step_ab_bf16_m64_h100.md, ran cuBLAS in both variants for that reason).
     _R(32, _F16, 2.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 42.6 / 44.7
     _R(32, _F16, 0.0, 65536, _C(32, 256, 128, num_warps=8, num_stages=3, SWAP=True)),  # lm_head 342.3 / 366.2
     _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
