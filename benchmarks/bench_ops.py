@@ -27,7 +27,6 @@ On a machine without CUDA it runs ``--quick`` on the CPU as a smoke test.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import importlib
 import os
@@ -519,9 +518,8 @@ def merge(dirs: list[str], out_dir: str | None) -> None:
     """One ``bench_ops`` table from the ``bench_ops.csv`` of each of ``dirs`` (parts of one CUDA run)."""
     rows, headers, part_copies = [], [], []
     for d in dirs:
-        with open(os.path.join(d, "bench_ops.csv")) as f:
-            headers.append(f.readline().lstrip("# ").strip())
-            part = [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        header, part = common.read_results(os.path.join(d, "bench_ops.csv"))
+        headers.append(header)
         rows.extend(part)
         # pct_copy is against the part's own copy bandwidth: recover it from the rows (the largest ones
         # round least).
@@ -534,18 +532,6 @@ def merge(dirs: list[str], out_dir: str | None) -> None:
          extra_notes=[f"merged from {len(dirs)} parts ({', '.join(os.path.basename(d.rstrip('/')) for d in dirs)}), "
                       f"each with its own copy-bandwidth measurement ({', '.join(f'{c:.0f}' for c in part_copies)} "
                       "GB/s), against which its pct_copy is computed"])
-
-
-def _parse_cell(v: str):
-    if v in ("True", "False"):
-        return v == "True"
-    try:
-        return int(v)
-    except ValueError:
-        try:
-            return float(v)
-        except ValueError:
-            return v
 
 
 def triton_next_pow2(n: int) -> int:

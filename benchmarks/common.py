@@ -22,6 +22,7 @@ from models.reporting import (  # noqa: F401  (re-exported for the benchmark scr
     plot_lines,
     plot_panels,
     plot_stacked_bars,
+    read_results,
     switches,
     utc_now,
     write_results,

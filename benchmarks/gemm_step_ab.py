@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import json
 import math
@@ -100,12 +99,6 @@ def config_text(config: SmallMConfig) -> str | None:
         return None
 
 
-def _sweep_config(row: dict[str, str]) -> SmallMConfig:
-    """A ``gemm_sweep`` CSV row's config (its ``SmallMConfig`` columns: integers, True / False)."""
-    return SmallMConfig(**{name: row[name] == "True" if row[name] in ("True", "False") else int(row[name])
-                           for name in SmallMConfig.__dataclass_fields__})
-
-
 def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
     """Rules (``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` texts) from ``benchmarks.gemm --sweep`` CSV files: per dtype, M
     and shape (N, K), the fastest correct config a rule can name where cuBLAS takes at least ``min_speedup`` times
@@ -115,18 +108,17 @@ def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
     cublas: dict[tuple[str, int, int, int], float] = {}
     best: dict[tuple[str, int, int, int], tuple[float, str]] = {}
     for path in paths:
-        with open(path) as f:
-            rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+        rows = common.read_results(path)[1]
         if not any(r["impl"] == "cuBLAS" for r in rows):
             raise ValueError(f"{path}: expected a benchmarks.gemm --sweep CSV (rows of impl cuBLAS and ours); found "
                              f"no cuBLAS row")
         for r in rows:
-            key, us = (r["dtype"], int(r["M"]), int(r["N"]), int(r["K"])), float(r["us"])
+            key, us = (r["dtype"], r["M"], r["N"], r["K"]), r["us"]
             if r["impl"] == "cuBLAS":
                 cublas[key] = min(us, cublas.get(key, math.inf))
-            elif r["correct"] != "True" or us >= best.get(key, (math.inf,))[0]:
+            elif r["correct"] is not True or us >= best.get(key, (math.inf,))[0]:
                 continue
-            elif text := config_text(_sweep_config(r)):
+            elif text := config_text(SmallMConfig(**{f: r[f] for f in SmallMConfig.__dataclass_fields__})):
                 best[key] = (us, text)
     rules = []
     for key in sorted(cublas, key=lambda c: (c[0], c[1], -c[2], -c[3] / c[2])):

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["device_name", "env_header", "markdown_table", "write_results", "plot_panels", "plot_lines",
-           "plot_stacked_bars"]
+__all__ = ["device_name", "env_header", "markdown_table", "write_results", "read_results", "plot_panels",
+           "plot_lines", "plot_stacked_bars"]
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -95,6 +95,28 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
         w.writeheader()
         w.writerows(rows)
     return md
+
+
+def read_results(path: str) -> tuple[str, list[dict[str, Any]]]:
+    """A CSV :func:`write_results` saved: its environment line and its rows, each cell a bool (``True`` /
+    ``False``), an int, a float or, failing those, the text as written (an empty cell: ``""``)."""
+    with open(path, newline="") as f:
+        first = f.readline()
+        header = first[2:].strip() if first.startswith("# ") else ""
+        if not header:
+            f.seek(0)  # no environment line: the first line is the columns'
+        return header, [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _parse_cell(text: str) -> Any:
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _pyplot() -> Any:

@@ -41,6 +41,14 @@ def test_results_state_device_torch_and_date(tmp_path, monkeypatch):
         assert f.readline().startswith("# ") and f.readline().strip() == "a,b"
 
 
+def test_results_read_back_with_their_types(tmp_path):
+    """``read_results``: a saved CSV's environment line and rows, each cell as the type it was written from."""
+    rows = [{"a": 1, "b": 2.5, "c": True, "d": "x", "e": ""}, {"a": 2, "b": 0.1, "c": False, "d": "y z", "e": 3}]
+    common.write_results("t", rows, title="T", out_dir=str(tmp_path))
+    header, back = common.read_results(str(tmp_path / "t.csv"))
+    assert f"torch {torch.__version__}" in header and back == rows
+
+
 @pytest.mark.slow
 def test_guard_overhead_measures_every_mechanism(tmp_path):
     rows = guard_overhead.run("cpu", [1], calls=20, repeats=2, out_dir=str(tmp_path))
