@@ -282,12 +282,30 @@ _SWAP_MID = [(32, 64, 128, 1, True, 4, 4, 1, False, True), (32, 128, 128, 1, Tru
              (32, 128, 128, 2, True, 4, 4, 1, False, True)]
 
 
+# The tiles that ran closest to cuBLAS at M = 64 and 128 (results/gemm_sweep_bf16_m128_separated_h100.csv), unswapped
+# and (as tall as M) swapped, for ``sweep_grid``'s "tma" form: each with its operands read by tensor descriptors
+# (SmallMConfig.TMA) and by pointer loads, side by side in one run.
+_TMA_WIDE = [(64, 64, 128, 1, True, 4, 6), (64, 128, 128, 1, True, 4, 4), (64, 128, 128, 1, True, 8, 4),
+             (64, 64, 256, 1, True, 4, 3), (64, 128, 64, 1, True, 4, 6), (128, 64, 128, 1, True, 8, 4),
+             (128, 128, 64, 1, True, 8, 5), (128, 128, 128, 1, True, 8, 3), (128, 128, 128, 1, True, 8, 4),
+             (128, 256, 64, 1, True, 8, 4), (128, 256, 64, 1, True, 8, 3)]
+_TMA_SWAP = [(0, 64, 128, 1, True, 4, 6, 1, False, True), (0, 128, 128, 1, True, 4, 4, 1, False, True),
+             (0, 128, 128, 1, True, 8, 4, 1, False, True), (0, 256, 128, 1, True, 8, 3, 1, False, True),
+             (0, 128, 64, 1, True, 4, 6, 1, False, True)]
+
+
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
     GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
     over 1-8 rows of a a program (at most M's, rounded up to a power of 2); ``"swap"``: the swapped dot tiles alone,
     as tall as M (16-128 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
-    split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run)."""
+    split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run); ``"tma"``: the
+    tiles nearest cuBLAS past 32 rows (those no taller than M, the swapped ones as tall as M), each read by pointer
+    loads and by tensor descriptors (``TMA``)."""
+    if forms == "tma":
+        bm = min(128, max(16, 1 << (m - 1).bit_length()))
+        rows = [r for r in _TMA_WIDE if r[0] <= bm] + [(bm,) + r[1:] for r in _TMA_SWAP]
+        return [SmallMConfig(*r, TMA=tma) for tma in (False, True) for r in rows]
     if forms == "swap":  # 128 rows of a past 64 (the wgmma's N side takes up to 256): the weights read once
         bm = min(128, max(16, 1 << (m - 1).bit_length()))
         rows = [(bm,) + r[1:] for r in _SWAP_16 + _SWAP_MID]
@@ -432,10 +450,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap"), help="sweep: "
-                   "every family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row dot tiles "
-                   "(m1: M = 1), the unrolled GEMV over 1-8 rows a program (rows: M >= 1), or the swapped dot tiles "
-                   "as tall as M (swap), beside cuBLAS and the table's pick")
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap", "tma"),
+                   help="sweep: every family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row "
+                   "dot tiles (m1: M = 1), the unrolled GEMV over 1-8 rows a program (rows: M >= 1), the swapped dot "
+                   "tiles as tall as M (swap), or the wide tiles read by pointers and by tensor descriptors (tma), "
+                   "beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "

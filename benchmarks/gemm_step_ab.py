@@ -11,10 +11,12 @@ table as it is). Each rule goes before the table's first rule of its dtype with 
 takes that M range over and leaves the smaller-M rows in front of it as they are; rules of one ``max_m`` keep the
 order given (the first that fits a shape wins: a shape's own rule, then a catch-all). ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
-``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel) (``64x64x128/2,w4,s5,x``);
+``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel), then ``,t`` (``TMA``: the
+tiles read by tensor descriptors) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
 config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch),
-``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait);
+``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait), ``tma=1`` /
+``=0`` ``TMA`` on / off in every dot tile's of the (patched) table (the tiles read by tensor descriptors);
 ``attn_preload=0`` / ``=1`` sets ``preload`` in every row of the decode attention's tables
 (``ops.paged_decode_config.DECODE_TABLE`` and ``DECODE_TABLE_FP8``: the first K and V chunk read before the wait);
 ``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` sets ``DecodeConfig`` fields (integers; a bool field 0 or 1;
@@ -63,18 +65,18 @@ from ops import paged_decode_config, small_m_gemm
 from ops.paged_decode_config import DecodeRule
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
-_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?$")
+_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?(,t)?$")
 
 
 def parse_config(text: str) -> SmallMConfig | None:
-    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r]`` -> the config (``,x``: ``SWAP``, the
-    product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV; ``,r``: ``SERIAL``, split K summed in the kernel);
-    ValueError naming the text."""
+    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t]`` -> the config (``,x``: ``SWAP``,
+    the product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV; ``,r``: ``SERIAL``, split K summed in the kernel;
+    ``,t``: ``TMA``, the tiles read by tensor descriptors); ValueError naming the text."""
     if text == "cublas":
         return None
     m = _CONFIG.match(text)
     if m is None:
-        raise ValueError(f"a rule's config must be 'cublas' or BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r] "
+        raise ValueError(f"a rule's config must be 'cublas' or BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t] "
                          f"(e.g. 64x64x128/2,w4,s5); got {text!r}")
     options = dict(num_warps=4, num_stages=3)
     for opt in filter(None, m.group(5).split(",")):
@@ -83,7 +85,7 @@ def parse_config(text: str) -> SmallMConfig | None:
     if form == ",u":  # the unrolled GEMV: no tl.dot, no pipeline stages
         options.update(DOT=False, UNROLL=True, num_stages=1)
     return SmallMConfig(int(m.group(1)), int(m.group(2)), int(m.group(3)), SPLIT_K=int(m.group(4) or 1),
-                        SWAP=form == ",x", SERIAL=m.group(7) is not None, **options)
+                        SWAP=form == ",x", SERIAL=m.group(7) is not None, TMA=m.group(8) is not None, **options)
 
 
 def config_text(config: SmallMConfig) -> str | None:
@@ -91,7 +93,7 @@ def config_text(config: SmallMConfig) -> str | None:
     GEMV form, a non-default ``PREFETCH`` or ``PRELOAD``)."""
     split = f"/{config.SPLIT_K}" if config.SPLIT_K > 1 else ""
     options = f",w{config.num_warps}" + (",u" if config.UNROLL else f",s{config.num_stages}")
-    forms = (",x" if config.SWAP else "") + (",r" if config.SERIAL else "")
+    forms = (",x" if config.SWAP else "") + (",r" if config.SERIAL else "") + (",t" if config.TMA else "")
     text = f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K}{split}{options}{forms}"
     try:
         return text if parse_config(text) == config else None
@@ -118,7 +120,7 @@ def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
                 cublas[key] = min(us, cublas.get(key, math.inf))
             elif r["correct"] is not True or us >= best.get(key, (math.inf,))[0]:
                 continue
-            elif text := config_text(SmallMConfig(**{f: r[f] for f in SmallMConfig.__dataclass_fields__})):
+            elif text := config_text(SmallMConfig(**{f: r[f] for f in SmallMConfig.__dataclass_fields__ if f in r})):
                 best[key] = (us, text)
     rules = []
     for key in sorted(cublas, key=lambda c: (c[0], c[1], -c[2], -c[3] / c[2])):
@@ -144,7 +146,7 @@ def parse_rule(text: str) -> SmallMRule:
     return SmallMRule(numbers[0], (DTYPES[dtype],), numbers[1], numbers[2], parse_config(config))
 
 
-_OVERRIDE = re.compile(r"^(prefetch|preload|attn_preload|inductor_pdl)=(\d+)$")
+_OVERRIDE = re.compile(r"^(prefetch|preload|tma|attn_preload|inductor_pdl)=(\d+)$")
 _ATTN_RULE = "attn_rule="
 _GATED_ROW = "gated_row="
 _DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
@@ -152,8 +154,8 @@ _DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
 
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
     """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N``,
-    ``preload=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules (:func:`variant_option`), nor
-    ``attn_rule=...`` items (:func:`attention_tables`; checked here)."""
+    ``preload=N``, ``tma=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules
+    (:func:`variant_option`), nor ``attn_rule=...`` items (:func:`attention_tables`; checked here)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
@@ -220,8 +222,8 @@ def attention_tables(variant: str) -> dict[str, tuple[DecodeRule, ...]]:
 
 
 def variant_option(text: str, name: str) -> int | None:
-    """The variant's ``name=N`` item (``prefetch``, ``preload``, ``attn_preload``, ``inductor_pdl``; the last one
-    given), or None: none given."""
+    """The variant's ``name=N`` item (``prefetch``, ``preload``, ``tma``, ``attn_preload``, ``inductor_pdl``; the last
+    one given), or None: none given."""
     items = map(_OVERRIDE.match, text.partition("=")[2].split(";"))
     found = [int(m.group(2)) for m in items if m and m.group(1) == name]
     return found[-1] if found else None
@@ -243,6 +245,12 @@ def with_prefetch(table: tuple[SmallMRule, ...], prefetch: int | None,
     """``table`` with ``PREFETCH = prefetch`` in every config and ``PRELOAD = preload`` in every unrolled GEMV's
     (either None: as it is; cuBLAS rows as they are)."""
     return tuple(dataclasses.replace(r, config=_early_reads(r.config, prefetch, preload)) for r in table)
+
+
+def with_tma(table: tuple[SmallMRule, ...], on: bool) -> tuple[SmallMRule, ...]:
+    """``table`` with ``TMA = on`` in every dot tile's config (the GEMVs and cuBLAS rows as they are)."""
+    return tuple(dataclasses.replace(r, config=dataclasses.replace(r.config, TMA=on))
+                 if r.config is not None and r.config.DOT else r for r in table)
 
 
 def attention_preload(table: tuple[DecodeRule, ...], on: bool) -> tuple[DecodeRule, ...]:
@@ -304,6 +312,9 @@ def applied(variant: str) -> Iterator[None]:
         table = with_prefetch(table, prefetch, preload)
         gated = {dtype: tuple((m, _early_reads(c, prefetch, preload)) for m, c in rows)
                  for dtype, rows in gated.items()}
+    tma = variant_option(variant, "tma")
+    if tma is not None:
+        table = with_tma(table, bool(tma))
     pdl = variant_option(variant, "inductor_pdl")
     if pdl is not None:
         set_inductor_pdl(bool(pdl))

@@ -43,13 +43,14 @@ and on CPU tensors under ``TRITON_INTERPRET=1``. The public W8A8 ops (:func:`ops
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from dispatcher import envs
 
 from .quant_fp8 import quantize_by_scale
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, tl, triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, tl, tma_descriptor, triton
 
 __all__ = [
     "SmallMConfig",
@@ -75,6 +76,7 @@ __all__ = [
     "GATED_ROWS",
     "gated_row",
     "preload_steps",
+    "tma_operands",
 ]
 
 _SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -91,11 +93,11 @@ _LINE_BYTES = 128
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm_kernel(
     a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, out_ptr, lock_ptr, amax_ptr, M, N, K, K_SPLIT,
-    stride_am, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_am, stride_wn, a_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT: tl.constexpr, INTEGER: tl.constexpr, SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr, SERIAL: tl.constexpr,
-    SWAP: tl.constexpr, GATED: tl.constexpr, H: tl.constexpr,
+    SWAP: tl.constexpr, GATED: tl.constexpr, H: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Launched eagerly only (the public ops are opaque custom ops), so it may call other jitted functions.
     # Program (pid % m blocks, pid // m blocks) covers rows of a BLOCK_M block and BLOCK_N output columns,
@@ -105,6 +107,8 @@ def _small_m_gemm_kernel(
     # EVEN: N (GATED: N // 2) % BLOCK_N == 0 and K % (BLOCK_K * SPLIT_K) == 0, so the weight loads need no mask.
     # GATED (SPLIT_K = 1): w is a gate-up weight [N = 2D, K] and BLOCK_N output columns take BLOCK_N gate rows and
     # the BLOCK_N up rows D further, two accumulators; _store_gated's epilogue, H the activation's dtype (else None).
+    # TMA (not GATED): a and w read through their tensor descriptors a_desc, w_desc (Hopper's bulk tensor copies,
+    # rows and columns past the tensors zero-filled) instead of a pointer a element; else those are None.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -127,8 +131,13 @@ def _small_m_gemm_kernel(
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     up_ptrs = w_ptr + (offs_n + N // 2)[:, None] * stride_wn + offs_k[None, :]  # GATED only
-    acc, acc_up = _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN,
-                          DOT, INTEGER, SWAP, GATED)
+    if TMA:
+        acc = _k_loop_tma(a_desc, w_desc, (pid % num_m) * BLOCK_M, (pid // num_m) * BLOCK_N, pid_k * K_SPLIT, K_SPLIT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, INTEGER, SWAP)
+        acc_up = acc  # unused: TMA launches are never GATED
+    else:
+        acc, acc_up = _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                              EVEN, DOT, INTEGER, SWAP, GATED)
     out_offs = offs_m[:, None] * N + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:
@@ -205,6 +214,26 @@ def _k_loop(a_ptrs, w_ptrs, up_ptrs, m_ok, n_ok, offs_k, K, K_SPLIT, BLOCK_M: tl
         if GATED:
             acc_up = tl.trans(acc_up)
     return acc, acc_up
+
+
+@triton.jit
+def _k_loop_tma(a_desc, w_desc, m0, n0, k0, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, INTEGER: tl.constexpr, SWAP: tl.constexpr):
+    """``_k_loop``'s sums for the tile at rows ``m0`` and weight rows ``n0`` over K ``k0 ... k0 + K_SPLIT``, each
+    step's ``a`` and ``w`` tiles read by a tensor descriptor's load (a bulk copy into shared memory; what lies past a
+    tensor's rows or K reads as zero, so no masks)."""
+    acc_type = tl.int32 if INTEGER else tl.float32
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_type)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_type)
+    for k in range(k0, k0 + K_SPLIT, BLOCK_K):
+        a = a_desc.load([m0, k])
+        w = w_desc.load([n0, k])
+        acc = _accumulate(acc, a, w, True, INTEGER, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
@@ -559,6 +588,11 @@ class SmallMConfig:
             tiles' form, adds one a cache line). 0 (the dataclass's default): every load after the wait; the
             table's one-token rows take 2, of which the launcher gives at most half a program's steps
             (:func:`preload_steps`, which says what was measured). The same results.
+        TMA: ``DOT`` only: each loop step's ``a`` and ``w`` tiles read by Hopper's tensor memory accelerator (a
+            tensor descriptor's bulk copy into shared memory, one instruction a tile, rows and K past the operands
+            zero-filled) instead of a masked load a pointer. Where the operands cannot take a descriptor (a base or
+            row stride not 16-byte aligned, a GPU before Hopper) and in the gated form the same tile runs with
+            pointer loads (:func:`tma_operands`). The same results.
     """
 
     BLOCK_M: int
@@ -573,6 +607,7 @@ class SmallMConfig:
     SWAP: bool = False
     UNROLL: bool = False
     PRELOAD: int = 0
+    TMA: bool = False
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -589,6 +624,9 @@ class SmallMConfig:
         if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0 or self.PRELOAD < 0:
             raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH and PRELOAD >= 0; "
                              f"got {self}")
+        if self.TMA and not self.DOT:
+            raise ValueError(f"SmallMConfig: TMA (tensor-descriptor loads) is a tl.dot form: it needs DOT=True; got "
+                             f"{self}")
         if self.PRELOAD and not self.UNROLL:
             raise ValueError(f"SmallMConfig: PRELOAD (weights loaded before the wait) is the unrolled GEMV's "
                              f"(UNROLL=True); got {self}")
@@ -992,26 +1030,51 @@ def _launch(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_sc
         )
         return out
     assert not quant_a, "a float a with 8-bit weights: the unrolled GEMV's form only"
+    _launch_tiles(a, w, a_scale, w_scale, bias, out, c, gated, k_split, flags, (pf_lines, line))
+    return out
+
+
+def tma_operands(a: torch.Tensor, w: torch.Tensor, config: SmallMConfig, gated: bool = False) -> tuple[Any, Any]:
+    """The tensor descriptors a ``TMA`` config's dot tiles read ``a`` and ``w`` through (``[BLOCK_M, BLOCK_K]`` and
+    ``[BLOCK_N, BLOCK_K]`` tiles), or ``(None, None)``: the pointer loads (not ``TMA``, the gated form, or operands
+    no descriptor can take: :func:`ops.triton_utils.tma_descriptor`)."""
+    if not config.TMA or gated:
+        return None, None
+    a_desc = tma_descriptor(a, [config.BLOCK_M, config.BLOCK_K])
+    w_desc = tma_descriptor(w, [config.BLOCK_N, config.BLOCK_K]) if a_desc is not None else None
+    return (a_desc, w_desc) if w_desc is not None else (None, None)
+
+
+def _launch_tiles(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, out: torch.Tensor, c: SmallMConfig,
+                  gated: tuple[torch.dtype, torch.Tensor | None] | None, k_split: int, flags: dict[str, Any],
+                  prefetch: tuple[int, int]) -> None:
+    """The dot-tile (and rolled GEMV) forms' launch into ``out``, with split K's second kernel where it needs one;
+    ``c`` as the gated form runs it, ``flags`` the constexprs both kernels take and ``prefetch`` the weight
+    prefetch's ``(PF_LINES, LINE)``, as :func:`_launch` decided them."""
+    (m, k), n = a.shape, w.shape[0]
+    h_dtype, amax = gated or (None, None)
+    cols = n // 2 if gated else n
     ws = None if c.SPLIT_K == 1 else torch.empty((c.SPLIT_K, m, n), device=a.device,
                                                  dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
     grid = (cdiv(m, c.BLOCK_M) * cdiv(cols, c.BLOCK_N), c.SPLIT_K)
     locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 and c.SERIAL else None
+    a_desc, w_desc = tma_operands(a, w, c, gated is not None)
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
     # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
     _small_m_gemm_kernel[grid](
-        a, w, a_scale, w_scale, bias, ws, out, locks, amax, m, n, k, k_split, a.stride(0), w.stride(0),
+        a, w, a_scale, w_scale, bias, ws, out, locks, amax, m, n, k, k_split, a.stride(0), w.stride(0), a_desc, w_desc,
         BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, SPLIT_K=c.SPLIT_K, DOT=c.DOT,
         INTEGER=a.dtype == torch.int8, EVEN=cols % c.BLOCK_N == 0 and k % (c.BLOCK_K * c.SPLIT_K) == 0,
-        PF_LINES=pf_lines, LINE=line, SERIAL=locks is not None, SWAP=c.SWAP,
-        GATED=gated is not None, H=_TL_DTYPES.get(h_dtype), num_warps=c.num_warps, num_stages=c.num_stages,
-        enable_fp_fusion=False, **flags,
+        SERIAL=locks is not None, SWAP=c.SWAP, GATED=gated is not None, H=_TL_DTYPES.get(h_dtype),
+        TMA=a_desc is not None, PF_LINES=prefetch[0], LINE=prefetch[1], num_warps=c.num_warps,
+        num_stages=c.num_stages, enable_fp_fusion=False, **flags,
     )
     if c.SPLIT_K > 1 and locks is None:
         _small_m_split_k_epilogue_kernel[(cdiv(m * n, _REDUCE_BLOCK),)](
             ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
             enable_fp_fusion=False, **flags,
         )
-    return out
 
 
 def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,

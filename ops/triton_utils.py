@@ -43,6 +43,7 @@ __all__ = [
     "BoundLaunch",
     "Slot",
     "specialization_key",
+    "tma_descriptor",
 ]
 
 #: At most this many elements (16 tokens x 8192) an op is launch-latency bound: on the H200 it moves
@@ -72,6 +73,11 @@ except ImportError:  # CPU-only install: the reference implementations serve eve
 
     triton = _TritonPlaceholder()  # type: ignore[assignment]
     tl = _LanguagePlaceholder()  # type: ignore[assignment]
+
+try:  # host-side tensor descriptors (Triton 3.4 and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 
 def next_power_of_2(n: int) -> int:
@@ -143,8 +149,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _has_pdl(device_index: int) -> bool:
+def _hopper_or_newer(device_index: int) -> bool:
+    """Whether a CUDA device has Hopper's launch and copy features (PDL, the tensor memory accelerator)."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def pdl_launch(x: torch.Tensor, n: int | None) -> bool:
@@ -187,7 +198,7 @@ def _pdl_available(x: torch.Tensor, traced: bool) -> bool:
     """:func:`pdl_available`'s rule past :func:`_pdl_possible`, which every caller tests first (once a launch)."""
     if traced and not compat.inductor_pdl_enabled():
         return False
-    if not _has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if not _hopper_or_newer(_device_index(x)):
         return False
     if traced:  # False where Inductor could not take the PDL form: the plain one then
         return compat.launch_user_kernels_with_pdl(__package__ or __name__.rpartition(".")[0])
@@ -197,6 +208,20 @@ def _pdl_available(x: torch.Tensor, traced: bool) -> bool:
 def _traced(x: torch.Tensor) -> bool:
     """Whether ``x`` is traced (a fake or functional tensor, or Dynamo tracing) rather than real data."""
     return not compat.is_real_tensor(x) or torch.compiler.is_compiling()
+
+
+def tma_descriptor(t: torch.Tensor, block_shape: list[int]) -> Any:
+    """A tensor descriptor of the 2-D ``t`` (unit column stride) for a kernel to read ``block_shape`` tiles of it
+    with Hopper's tensor memory accelerator (``desc.load``), or None where it cannot: no descriptor support in this
+    Triton, a CUDA device before Hopper, a base or row stride not 16-byte aligned. On CPU tensors (Triton's
+    interpreter) a descriptor whenever the alignment holds, so that the interpreted tests run the TMA form."""
+    if TensorDescriptor is None or t.dim() != 2 or t.stride(1) != 1:
+        return None
+    if t.device.type == "cuda" and not _hopper_or_newer(_device_index(t)):
+        return None
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return None
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block_shape))
 
 
 _NO_PDL, _PDL_TRACED, _PDL_EAGER = {"PDL": False}, {"PDL": True}, {"PDL": True, "launch_pdl": True}

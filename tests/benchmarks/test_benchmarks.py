@@ -618,6 +618,9 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
     assert ab.parse_config("32x64x128,w4,s6,x") == SmallMConfig(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)
     assert ab.parse_config("4x8x512,w4,u") == SmallMConfig(4, 8, 512, DOT=False, num_warps=4, num_stages=1, UNROLL=True)
     assert ab.parse_config("16x32x256/2,w4,s4,r") == SmallMConfig(16, 32, 256, SPLIT_K=2, num_stages=4, SERIAL=True)
+    assert ab.parse_config("64x64x128/2,w4,s5,x,r,t") == SmallMConfig(64, 64, 128, SPLIT_K=2, num_stages=5, SWAP=True,
+                                                                      SERIAL=True, TMA=True)
+    assert ab.config_text(SmallMConfig(128, 128, 64, num_warps=8, num_stages=5, TMA=True)) == "128x128x64,w8,s5,t"
     assert ab.parse_variant("table=") == ("table", [])
     # The rule takes over M in (16, 32] for int8 gate-up (N >= 16384); M <= 16 keeps the table's row.
     at_16 = small_m_config(16, 28672, 4096, torch.int8)
@@ -700,6 +703,22 @@ def test_gemm_step_ab_prefetch_item_sets_every_configs_prefetch():
     assert all(r.config is None or r.config.PREFETCH == 0 for r in table)
     assert [r.config is None for r in table] == [r.config is None for r in ab.patched_table(rules)]
     assert any(r.config is not None and r.config.PREFETCH != 0 for r in SMALL_M_TABLE)  # the table's own
+
+
+def test_gemm_step_ab_tma_item_sets_every_dot_tiles_tma():
+    """``tma=1`` in a variant: every dot tile of the patched table (its rules' too) read by tensor descriptors, the
+    GEMV and cuBLAS rows as they are; the step's GEMMs read that table."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import small_m_gemm
+
+    with ab.applied("t=bf16:128:0:0:128x128x64,w8,s5;tma=1"):
+        table = small_m_gemm.SMALL_M_TABLE
+        assert small_m_gemm.small_m_config(128, 6144, 4096, torch.bfloat16, max_m=128).TMA
+        assert all(r.config.TMA == r.config.DOT for r in table if r.config is not None)
+        assert small_m_gemm.small_m_config(1, 4096, 4096, torch.bfloat16).UNROLL
+    assert not any(r.config.TMA for r in small_m_gemm.SMALL_M_TABLE if r.config is not None)  # undone
+    with pytest.raises(ValueError, match="a rule's config must be"):
+        ab.parse_variant("t=bf16:128:0:0:128x128x64,t,w8")
 
 
 def test_gemm_step_ab_raises_the_ops_range_to_its_rules():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ops
-from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig
+from ops.small_m_gemm import SMALL_M_TABLE, SmallMConfig, tma_operands
 
 # bf16 dots: see conftest.py's fixture
 pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("bf16_dot_in_the_interpreter")]
@@ -38,6 +38,12 @@ UNROLL_CONFIGS = [SmallMConfig(1, 4, 64, DOT=False, UNROLL=True), SmallMConfig(1
                   SmallMConfig(1, 4, 64, DOT=False, UNROLL=True, PRELOAD=2),
                   SmallMConfig(1, 16, 128, DOT=False, UNROLL=True, PRELOAD=8),
                   SmallMConfig(2, 8, 64, DOT=False, UNROLL=True, PRELOAD=3)]
+
+# Tiles read through tensor descriptors (TMA): unswapped, swapped, split K summed by a second kernel and in the
+# kernel; on the awkward shapes the descriptors zero-fill the rows and K past the operands
+TMA_CONFIGS = [SmallMConfig(16, 32, 64, TMA=True), SmallMConfig(32, 64, 64, SWAP=True, TMA=True),
+               SmallMConfig(16, 16, 64, SPLIT_K=3, TMA=True), SmallMConfig(16, 64, 32, SPLIT_K=2, SERIAL=True,
+                                                                           SWAP=True, TMA=True)]
 
 U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
@@ -145,7 +151,8 @@ def test_mm_within_the_fp32_accumulation_bound(m, k, n, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
-@pytest.mark.parametrize("config", list(dict.fromkeys(TABLE_CONFIGS + SWAP_CONFIGS + UNROLL_CONFIGS)), ids=str)
+@pytest.mark.parametrize("config", list(dict.fromkeys(TABLE_CONFIGS + SWAP_CONFIGS + UNROLL_CONFIGS + TMA_CONFIGS)),
+                         ids=str)
 def test_every_table_config(config, dtype):
     """Each row on a small awkward shape, whatever dtype its row serves: the kernel is one for all three. M = 5
     spans two row blocks of the 4-row GEMV configs and five of the 1-row ones."""
@@ -214,3 +221,18 @@ def test_rows_past_the_table_and_strided_rows():
     for config in (None, SmallMConfig(16, 32, 64)):
         _assert_int8_exact(ops.small_m_scaled_mm(strided, w, a_scale, w_scale, out_dtype, b, config), a, w,
                            a_scale, w_scale, out_dtype, b)
+
+
+@pytest.mark.parametrize("config", TMA_CONFIGS[:2], ids=str)
+def test_tma_tiles_fall_back_to_pointer_loads(config):
+    """Operands no descriptor can take (``a``'s rows 50 bytes apart: not a multiple of 16) run the same tile with
+    pointer loads: the same exact int8 result; the gated form, whose tiles mask the up rows, never takes them."""
+    a, w, a_scale, w_scale, out_dtype, b = _operands(INT8, 5, 48, 80, "token", "channel", torch.float32, True)
+    wide = torch.zeros(5, 50, dtype=INT8)
+    wide[:, :48] = a
+    strided = wide[:, :48]
+    assert tma_operands(strided, w, config) == (None, None)
+    assert all(d is not None for d in tma_operands(a, w, config))
+    assert tma_operands(a, w, config, gated=True) == (None, None)
+    _assert_int8_exact(ops.small_m_scaled_mm(strided, w, a_scale, w_scale, out_dtype, b, config), a, w, a_scale,
+                       w_scale, out_dtype, b)
