@@ -300,11 +300,12 @@ def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     over 1-8 rows of a a program (at most M's, rounded up to a power of 2); ``"swap"``: the swapped dot tiles alone,
     as tall as M (16-128 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
     split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run); ``"tma"``: the
-    tiles nearest cuBLAS past 32 rows (those no taller than M, the swapped ones as tall as M), each read by pointer
-    loads and by tensor descriptors (``TMA``)."""
-    if forms == "tma":
+    tiles nearest cuBLAS past 32 rows (those no taller than M, the swapped ones as tall as M; up to 32 rows the
+    swapped tiles of one split), each read by pointer loads and by tensor descriptors (``TMA``)."""
+    if forms == "tma":  # at most 32 rows: the swapped tiles (those of one split) as tall as M
         bm = min(128, max(16, 1 << (m - 1).bit_length()))
-        rows = [r for r in _TMA_WIDE if r[0] <= bm] + [(bm,) + r[1:] for r in _TMA_SWAP]
+        rows = [r for r in _TMA_WIDE if r[0] <= bm] + [(bm,) + r[1:] for r in _TMA_SWAP] if m > 32 else \
+            [(bm,) + r[1:] for r in dict.fromkeys(_SWAP_16 + _SWAP_MID) if r[3] == 1]
         return [SmallMConfig(*r, TMA=tma) for tma in (False, True) for r in rows]
     if forms == "swap":  # 128 rows of a past 64 (the wgmma's N side takes up to 256): the weights read once
         bm = min(128, max(16, 1 << (m - 1).bit_length()))
@@ -368,7 +369,9 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         rows.append({**base, "impl": "cuBLAS", "us": round(us, 2),
                      "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1)})
         table = ours_config(m, n, k, dtype)
-        for cfg in dict.fromkeys(sweep_grid(m, forms) + ([table] if table is not None else [])):  # the table's pick, once
+        picks = [] if table is None else [table, dataclasses.replace(table, TMA=True)] if forms == "tma" and table.DOT \
+            else [table]  # the table's pick (and, "tma", its twin of the other load), once
+        for cfg in dict.fromkeys(sweep_grid(m, forms) + picks):
             try:
                 out = gemm("ours", dtype, a, weights[0], cfg)
                 us = _time_calls(lambda args, cfg=cfg: gemm("ours", dtype, args[0], args[1], cfg), arg_sets,
