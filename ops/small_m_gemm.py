@@ -782,11 +782,20 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     # / 9604.0; the 1B's (gemm_step_ab_bf16_m64_128_1b_h100.md: its lm_head, K 2048, on these rows) 1.0% faster at
     # batch 64 and 0.3% slower at 128, hence the 128 row's lm_head only from K >= 0.03 N (the 8B's K 4096; the 1B's
     # 2048 is 0.016 N).
-    _R(64, _F16, 3.5, 4096, _C(64, 32, 256, num_warps=4, num_stages=4)),  # down 44.04 / 46.07
+    # Then the tiles read by tensor descriptors (TMA): in the separated sweep of the wide and swapped tiles with each
+    # load side by side (results/gemm_sweep_bf16_tma_m64_128_separated_h100.md, µs TMA / pointers / cuBLAS) faster
+    # on every tile of the narrow shapes, and the 8B step with these rows (variant sweep) at batch 64 7358.7 / 7333.0
+    # µs against 7449.6 / 7392.3, at 128 9157.0 / 9080.7 against 9210.3 / 9188.4 (H100, two alternating runs,
+    # results/gemm_step_ab_bf16_tma_h100.md); qkv and gate-up stay on cuBLAS (as fast: 21.01 / 20.82 and 81.87 /
+    # 83.08 at 64).
+    _R(64, _F16, 3.5, 4096, _C(64, 64, 128, num_warps=4, num_stages=6, SWAP=True, TMA=True)),  # down 43.38 / 46.51
+    # / 46.15
+    _R(64, _F16, 1.0, 4096, _C(64, 64, 128, num_warps=4, num_stages=6, TMA=True)),  # o 14.64 / 16.03 / 14.97
     _R(64, _F16, 0.0, 65536, _C(64, 128, 128, num_warps=4, num_stages=4, SWAP=True)),  # lm_head 350.49 / 373.02
     _R(64, _F16, 0.0, 0, None),
-    _R(128, _F16, 3.5, 4096, _C(64, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # down 48.14 / 51.39
-    _R(128, _F16, 0.03, 65536, _C(128, 128, 128, num_warps=8, num_stages=3)),  # lm_head 381.62 / 391.68
+    _R(128, _F16, 3.5, 4096, _C(64, 64, 128, num_warps=4, num_stages=6, TMA=True)),  # down 44.08 / 47.17 / 51.29
+    # lm_head 363.9 / 376.18 (the pointer form; the row before) / 375.24
+    _R(128, _F16, 0.03, 65536, _C(128, 128, 128, num_warps=8, num_stages=3, TMA=True)),
     _R(128, _F16, 0.0, 0, None),
     # int8 up to INT8_TRITON_MAX_M, from the sweeps at M = 32 and 128 (results/gemm_sweep_int8_m32_128*.csv, then
     # gemm_sweep_wide*.csv with 128-row, 128-column and deeper tiles), µs ours / cuBLAS's torch._int_mm.

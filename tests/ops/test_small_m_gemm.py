@@ -308,8 +308,8 @@ def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
 
 def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
     """bf16 / fp16 run the kernel up to ``triton_max_m`` (128): at 17-32 rows every 8B shape (N >= 4096, the lm_head
-    too) takes the swapped dot tiles; at 33-128 the 8B's down_proj and lm_head alone (the 1B's lm_head, K 2048, at
-    33-64 only); narrower shapes (the 1B's qkv, o and down) and every shape past 128 cuBLAS."""
+    too) takes the swapped dot tiles; at 33-128 the 8B's down_proj and lm_head alone (and at 33-64 its o_proj and the
+    1B's lm_head, K 2048); narrower shapes (the 1B's qkv, o and down) and every shape past 128 cuBLAS."""
     lm_8b, lm_1b, down_8b = (4096, 128256), (2048, 128256), (14336, 4096)
     for dtype in (BF16, torch.float16):
         top = triton_max_m(dtype)
@@ -319,7 +319,8 @@ def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
                 config = ops.small_m_config(m, n, k, dtype, max_m=top)
                 assert (config is not None and config.SWAP and config.BLOCK_M == 32) == (n >= 4096)
             for m in (33, 64):
-                assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == ((k, n) in (lm_8b, lm_1b, down_8b))
+                taken = (k, n) in (lm_8b, lm_1b, down_8b, (4096, 4096))
+                assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == taken
             for m in (65, top):
                 assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == ((k, n) in (lm_8b, down_8b))
             assert ops.small_m_config(top + 1, n, k, dtype, max_m=top) is None
