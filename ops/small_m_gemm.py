@@ -638,7 +638,8 @@ SMALL_M_MAX = 16
 #: than the kernel at every 8B shape at M <= 16 (padded to 24 rows), far from its bf16 and fp8 GEMMs.
 INT8_TRITON_MAX_M = 128
 #: bf16 / fp16 (``ops.linear`` and the linear ops built on it) take it up to this M: the swapped dot tiles beat
-#: cuBLAS on the 8B's shapes at M <= 32, and on its down_proj and lm_head at 33-128 (the table's rows say by how much).
+#: cuBLAS on the 8B's shapes at M <= 32, and on its down_proj and lm_head at 33-128 and its o_proj at 33-64 (the
+#: table's rows say by how much).
 F16_TRITON_MAX_M = 128
 #: Per operand dtype, the largest M the public ops take the kernel for (a dtype not here: ``SMALL_M_MAX``); the
 #: table's rows above it are for ``benchmarks.gemm``'s crossover (``benchmarks.gemm_step_ab`` raises an entry to A/B
@@ -773,8 +774,8 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
     _R(32, _F16, 0.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # qkv 20.4 / 21.9, o 14.3 / 14.3
     _R(32, _F16, 0.0, 0, None),  # narrower shapes (Llama-3.2-1B's qkv, o, down): unmeasured at M > 16, cuBLAS
-    # bf16 / fp16 at M = 33-128 (up to F16_TRITON_MAX_M): the 8B's down_proj and the lm_head; qkv, o and gate-up stay
-    # on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes. The sweeps' picks, µs ours / cuBLAS:
+    # bf16 / fp16 at M = 33-128 (up to F16_TRITON_MAX_M): the 8B's down_proj and the lm_head (and o_proj at 33-64:
+    # below); qkv, o and gate-up stayed on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes. The sweeps' picks, µs ours / cuBLAS:
     # at M = 64 results/gemm_sweep_best_bf16_m64_separated_h100.md, at 128 the swapped down of
     # gemm_sweep_best_bf16_swap_m64_128_h100.md and the lm_head of gemm_sweep_best_bf16_m128_separated_h100.md. The 8B
     # step (H100, two alternating runs, results/gemm_step_ab_bf16_m64_128_h100.md, variant g against table, which had
