@@ -621,6 +621,8 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
     assert ab.parse_config("64x64x128/2,w4,s5,x,r,t") == SmallMConfig(64, 64, 128, SPLIT_K=2, num_stages=5, SWAP=True,
                                                                       SERIAL=True, TMA=True)
     assert ab.config_text(SmallMConfig(128, 128, 64, num_warps=8, num_stages=5, TMA=True)) == "128x128x64,w8,s5,t"
+    streamk = SmallMConfig(64, 64, 128, num_warps=4, num_stages=3, TMA=True, STREAM_K=2)
+    assert ab.config_text(streamk) == "64x64x128,w4,s3,t,k2" and ab.parse_config("64x64x128,w4,s3,t,k2") == streamk
     assert ab.parse_variant("table=") == ("table", [])
     # The rule takes over M in (16, 32] for int8 gate-up (N >= 16384); M <= 16 keeps the table's row.
     at_16 = small_m_config(16, 28672, 4096, torch.int8)
@@ -711,12 +713,13 @@ def test_gemm_step_ab_tma_item_sets_every_dot_tiles_tma():
     from benchmarks import gemm_step_ab as ab
     from ops import small_m_gemm
 
+    before = small_m_gemm.SMALL_M_TABLE
     with ab.applied("t=bf16:128:0:0:128x128x64,w8,s5;tma=1"):
         table = small_m_gemm.SMALL_M_TABLE
         assert small_m_gemm.small_m_config(128, 6144, 4096, torch.bfloat16, max_m=128).TMA
         assert all(r.config.TMA == r.config.DOT for r in table if r.config is not None)
         assert small_m_gemm.small_m_config(1, 4096, 4096, torch.bfloat16).UNROLL
-    assert not any(r.config.TMA for r in small_m_gemm.SMALL_M_TABLE if r.config is not None)  # undone
+    assert small_m_gemm.SMALL_M_TABLE == before  # undone
     with pytest.raises(ValueError, match="a rule's config must be"):
         ab.parse_variant("t=bf16:128:0:0:128x128x64,t,w8")
 
@@ -777,9 +780,9 @@ def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
 
     variant = "v=bf16:64:0:0:64x64x128,w4,s4,x;attn_rule=8:128:num_splits=4"
     before = (smg.SMALL_M_TABLE, dict(smg.TRITON_MAX_M), pdc.DECODE_TABLE, pdc.DECODE_TABLE_FP8)
-    assert smg.small_m_config(48, 4096, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16)) is None
+    assert smg.small_m_config(48, 6144, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16)) is None
     with ab.applied(variant):
-        config = smg.small_m_config(48, 4096, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16))
+        config = smg.small_m_config(48, 6144, 4096, torch.bfloat16, max_m=smg.triton_max_m(torch.bfloat16))
         assert config is not None and config.SWAP and config.BLOCK_M == 64
         assert pdc.decode_config(8, 128).num_splits == 4 and pdc.decode_config(8, 128, kv_fp8=True).num_splits == 4
         assert pdc.decode_config(32, 128) == before[2][3].config
