@@ -294,15 +294,6 @@ _TMA_SWAP = [(0, 64, 128, 1, True, 4, 6, 1, False, True), (0, 128, 128, 1, True,
              (0, 128, 64, 1, True, 4, 6, 1, False, True)]
 
 
-# Stream-K (SmallMConfig.STREAM_K, programs an SM) on tiles read by tensor descriptors, for ``sweep_grid``'s
-# "streamk" form: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP, STREAM_K), BLOCK_M 0: as tall as M (at
-# most 32 rows: the swapped tiles alone); two programs an SM where two fit in shared memory.
-_STREAM_K = [(64, 128, 128, 4, 4, False, 1), (64, 64, 128, 4, 6, False, 1), (64, 64, 128, 4, 3, False, 2),
-             (128, 128, 64, 8, 5, False, 1), (128, 64, 128, 8, 4, False, 1), (64, 128, 64, 4, 6, False, 1),
-             (0, 128, 128, 4, 4, True, 1), (0, 64, 128, 4, 6, True, 1), (0, 64, 128, 4, 3, True, 2),
-             (0, 128, 64, 4, 6, True, 1), (0, 128, 128, 8, 4, True, 1)]
-
-
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
     GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
@@ -310,14 +301,7 @@ def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     as tall as M (16-128 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
     split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run); ``"tma"``: the
     tiles nearest cuBLAS past 32 rows (those no taller than M, the swapped ones as tall as M; up to 32 rows the
-    swapped tiles of one split), each read by pointer loads and by tensor descriptors (``TMA``); ``"streamk"``: tiles
-    read by descriptors, each as a program a tile and as stream-K (``STREAM_K``)."""
-    if forms == "streamk":  # each also as a program a tile (the same tile and loads)
-        bm = min(128, max(16, 1 << (m - 1).bit_length()))
-        rows = [(b or bm, bn, bk, warps, stages, swap, sk) for b, bn, bk, warps, stages, swap, sk in _STREAM_K
-                if (b or bm) <= bm and (swap or m > 32)]
-        return [SmallMConfig(b, bn, bk, num_warps=warps, num_stages=stages, SWAP=swap, TMA=True, STREAM_K=k)
-                for b, bn, bk, warps, stages, swap, sk in rows for k in (0, sk)]
+    swapped tiles of one split), each read by pointer loads and by tensor descriptors (``TMA``)."""
     if forms == "tma":  # at most 32 rows: the swapped tiles (those of one split) as tall as M
         bm = min(128, max(16, 1 << (m - 1).bit_length()))
         rows = [r for r in _TMA_WIDE if r[0] <= bm] + [(bm,) + r[1:] for r in _TMA_SWAP] if m > 32 else \
@@ -469,11 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap", "tma", "streamk"),
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap", "tma"),
                    help="sweep: every family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row "
                    "dot tiles (m1: M = 1), the unrolled GEMV over 1-8 rows a program (rows: M >= 1), the swapped dot "
-                   "tiles as tall as M (swap), the wide tiles read by pointers and by tensor descriptors (tma), or "
-                   "tiles read by descriptors as a program a tile and as stream-K (streamk), "
+                   "tiles as tall as M (swap), or the wide tiles read by pointers and by tensor descriptors (tma), "
                    "beside cuBLAS and the table's pick")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")

@@ -12,7 +12,7 @@ takes that M range over and leaves the smaller-M rows in front of it as they are
 order given (the first that fits a shape wins: a shape's own rule, then a catch-all). ``CONFIG`` is ``cublas`` or
 ``BMxBNxBK`` with optional ``/SPLIT_K``, ``,wWARPS``, ``,sSTAGES``, then ``,x`` (``SWAP``) or ``,u`` (the unrolled GEMV,
 ``UNROLL``: ``4x8x512,w4,u``), then ``,r`` (``SERIAL``: split K summed in the kernel), then ``,t`` (``TMA``: the
-tiles read by tensor descriptors), then ``,kN`` (``STREAM_K``: stream-K, N programs an SM) (``64x64x128/2,w4,s5,x``);
+tiles read by tensor descriptors) (``64x64x128/2,w4,s5,x``);
 ``SmallMRule``'s docstring says what the other fields match. An item ``prefetch=N`` sets ``PREFETCH`` to N in every
 config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the table without the weight prefetch),
 ``preload=N`` ``PRELOAD`` to N in every unrolled GEMV's there (weight tiles loaded before the PDL wait), ``tma=1`` /
@@ -65,20 +65,19 @@ from ops import paged_decode_config, small_m_gemm
 from ops.paged_decode_config import DecodeRule
 from ops.small_m_gemm import SmallMConfig, SmallMRule
 
-_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?(,t)?(?:,k(\d+))?$")
+_CONFIG = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?((?:,[ws]\d+)*)(,x|,u)?(,r)?(,t)?$")
 
 
 def parse_config(text: str) -> SmallMConfig | None:
-    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t][,kN]`` -> the config (``,x``:
-    ``SWAP``, the product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV; ``,r``: ``SERIAL``, split K summed in
-    the kernel; ``,t``: ``TMA``, the tiles read by tensor descriptors; ``,kN``: ``STREAM_K`` N, stream-K with N
-    programs an SM); ValueError naming the text."""
+    """``cublas`` -> None; ``BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t]`` -> the config (``,x``: ``SWAP``,
+    the product as w @ a.T; ``,u``: ``UNROLL``, the unrolled GEMV; ``,r``: ``SERIAL``, split K summed in the kernel;
+    ``,t``: ``TMA``, the tiles read by tensor descriptors); ValueError naming the text."""
     if text == "cublas":
         return None
     m = _CONFIG.match(text)
     if m is None:
         raise ValueError(f"a rule's config must be 'cublas' or "
-                         f"BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t][,kN] (e.g. 64x64x128/2,w4,s5); got {text!r}")
+                         f"BMxBNxBK[/SPLIT_K][,wWARPS][,sSTAGES][,x|,u][,r][,t] (e.g. 64x64x128/2,w4,s5); got {text!r}")
     options = dict(num_warps=4, num_stages=3)
     for opt in filter(None, m.group(5).split(",")):
         options["num_warps" if opt[0] == "w" else "num_stages"] = int(opt[1:])
@@ -86,8 +85,7 @@ def parse_config(text: str) -> SmallMConfig | None:
     if form == ",u":  # the unrolled GEMV: no tl.dot, no pipeline stages
         options.update(DOT=False, UNROLL=True, num_stages=1)
     return SmallMConfig(int(m.group(1)), int(m.group(2)), int(m.group(3)), SPLIT_K=int(m.group(4) or 1),
-                        SWAP=form == ",x", SERIAL=m.group(7) is not None, TMA=m.group(8) is not None,
-                        STREAM_K=int(m.group(9) or 0), **options)
+                        SWAP=form == ",x", SERIAL=m.group(7) is not None, TMA=m.group(8) is not None, **options)
 
 
 def config_text(config: SmallMConfig) -> str | None:
@@ -95,8 +93,7 @@ def config_text(config: SmallMConfig) -> str | None:
     GEMV form, a non-default ``PREFETCH`` or ``PRELOAD``)."""
     split = f"/{config.SPLIT_K}" if config.SPLIT_K > 1 else ""
     options = f",w{config.num_warps}" + (",u" if config.UNROLL else f",s{config.num_stages}")
-    forms = (",x" if config.SWAP else "") + (",r" if config.SERIAL else "") + (",t" if config.TMA else "") + \
-        (f",k{config.STREAM_K}" if config.STREAM_K else "")
+    forms = (",x" if config.SWAP else "") + (",r" if config.SERIAL else "") + (",t" if config.TMA else "")
     text = f"{config.BLOCK_M}x{config.BLOCK_N}x{config.BLOCK_K}{split}{options}{forms}"
     try:
         return text if parse_config(text) == config else None

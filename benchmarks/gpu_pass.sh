@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|streamk ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -248,18 +248,6 @@ for step in $steps; do
                 --batches ${TMASTEP_BATCHES:-8,32,64,128} --rounds ${TMASTEP_ROUNDS:-2} --variant table= ${TMASTEP_ALL---variant tma=tma=1} \
                 ${csvs:+--sweep-variant "sweep=$csvs"} --out "$R/stepab_tma" 2>&1 | tee "$R/stepab_tma.log" \
                 | grep -E "^\{|^--sweep|Error" ;;
-    streamk)  # issue 16: stream-K and TMA tiles: their CUDA tests, the bf16 sweeps (tma forms at 8-32 tokens, stream-K at
-              # 16-128, each beside its program-a-tile twin), then the 8B's step with the picks of those sweeps and the
-              # committed TMA one against the table
-              timeout ${SK_TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 --tb=short -rf \
-                tests/ops/test_small_m_gemm.py -k "tma or config" > "$R/streamk_tests.log" 2>&1
-              grep -E "FAILED|ERROR" "$R/streamk_tests.log" | head -10; tail -1 "$R/streamk_tests.log"
-              R=$R/sweep_tma32 SWEEP_TIMEOUT=120 SWEEP_MS=8,16,32 SWEEP_DTYPES=bf16 \
-                SWEEP_ARGS="--separated --sweep-forms tma" bash "$0" gemmsweep
-              R=$R/sweep_streamk SWEEP_TIMEOUT=160 SWEEP_MS=${SK_MS:-16,32,64,128} SWEEP_DTYPES=bf16 \
-                SWEEP_ARGS="--separated --sweep-forms streamk" bash "$0" gemmsweep
-              TMASTEP_CSVS="$(ls "$R"/sweep_*/gemm_sweep/gemm_sweep_separated_*.csv) benchmarks/results/gemm_sweep_bf16_tma_m64_128_separated_h100.csv" \
-                TMASTEP_ALL= TMASTEP_BATCHES=${SK_BATCHES:-8,16,32,64,128} TMASTEP_TIMEOUT=${SK_STEP_TIMEOUT:-280} bash "$0" tmastep ;;
     targets)  # issues 12 and 16's figures in one call: the level-3 decode step of the 1B, the bf16 8B and both
               # quantized 8Bs (batch 1-128, context 512), the 8B linear stack at M = 1, attention alone (bf16 cache)
               for m in ${TARGET_MODELS:-llama-3.2-1b llama-3-8b llama-3-8b-fp8 llama-3-8b-int8}; do

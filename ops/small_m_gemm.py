@@ -50,8 +50,7 @@ import torch
 from dispatcher import envs
 
 from .quant_fp8 import quantize_by_scale
-from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, num_sms, pdl_args, tl, tma_descriptor, \
-    triton
+from .triton_utils import HAS_TRITON, cdiv, needs_int64, next_power_of_2, pdl_args, tl, tma_descriptor, triton
 
 __all__ = [
     "SmallMConfig",
@@ -165,87 +164,6 @@ def _small_m_gemm_kernel(
             _store_gated(y, y_up, out_ptr, amax_ptr, offs_m, m_ok, offs_n, n_ok, pid // num_m, N, BLOCK_N, H)
         else:
             tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-# Stream-K (SmallMConfig.STREAM_K): a fixed grid of programs shares the tiles' loop steps evenly, so that no SM idles
-# in a last partial wave (Llama-3-8B's qkv at 128 tokens has 96 tiles of 64 x 128 for 132 SMs). Program p takes the
-# steps [p * T // P, (p + 1) * T // P) of all T = tiles x steps-a-tile, tile after tile: whole tiles go out through
-# the epilogue; a tile's first and last pieces (a program has at most two) go to the workspace as partial sums (slot
-# 0: the program's first piece, 1: its last), and the tile's last piece to arrive (an arrival counter a tile) adds
-# its pieces in program order (the same sums every run) and writes the tile.
-@triton.jit(do_not_specialize=["M"])
-def _small_m_stream_k_kernel(
-    a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, out_ptr, lock_ptr, M, N, K, stride_am, stride_wn,
-    a_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTEGER: tl.constexpr,
-    SCALED: tl.constexpr, A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    steps = tl.cdiv(K, BLOCK_K)
-    total = num_m * tl.cdiv(N, BLOCK_N) * steps
-    start = _stream_k_start(pid, programs, total)
-    end = _stream_k_start(pid + 1, programs, total)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    for tile in range(start // steps, tl.cdiv(end, steps)):
-        first = tile * steps
-        s0 = tl.maximum(start, first) - first
-        s1 = tl.minimum(end, first + steps) - first
-        m0 = (tile % num_m) * BLOCK_M
-        n0 = (tile // num_m) * BLOCK_N
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if INT64:
-            offs_m = offs_m.to(tl.int64)
-            offs_n = offs_n.to(tl.int64)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        if TMA:
-            acc = _k_loop_tma(a_desc, w_desc, m0, n0, s0 * BLOCK_K, (s1 - s0) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                              INTEGER, SWAP)
-        else:
-            offs_k = s0 * BLOCK_K + tl.arange(0, BLOCK_K)
-            acc, _ = _k_loop(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
-                             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w_ptr, m_ok, n_ok, offs_k, K,
-                             (s1 - s0) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, True, INTEGER, SWAP, False)
-        partial = (s0 > 0) | (s1 < steps)
-        write = s0 == 0  # (a whole tile: s1 == steps); a piece: where its tile's last piece to arrive sums them
-        if partial:
-            tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            slot = 2 * pid + (first > start).to(tl.int32)  # a tile past this program's first: its last piece
-            tl.store(ws_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offs, acc)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            p_first = _stream_k_owner(first, programs, total)
-            last = arrived == _stream_k_owner(first + steps - 1, programs, total) - p_first
-            if last:
-                acc = tl.zeros_like(acc)
-                for p in range(p_first, p_first + arrived + 1):  # program order: the same sums every run
-                    p_slot = 2 * p + (_stream_k_start(p, programs, total) < first).to(tl.int32)
-                    acc += tl.load(ws_ptr + p_slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offs,
-                                   cache_modifier=".cg")
-                tl.store(lock_ptr + tile, 0)  # reset for the next launch
-            write = last
-        if write:
-            y = _epilogue(acc.to(tl.float32), offs_m, offs_n, m_ok, n_ok, a_scale_ptr, w_scale_ptr, bias_ptr, SCALED,
-                          A_PER_TOKEN, W_PER_CHANNEL, HAS_BIAS)
-            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _stream_k_start(p, programs, total):
-    """The first loop step of stream-K program ``p`` of ``programs`` over ``total`` steps (64-bit product)."""
-    return (p * total.to(tl.int64) // programs).to(tl.int32)
-
-
-@triton.jit
-def _stream_k_owner(step, programs, total):
-    """The stream-K program whose steps include ``step``: the largest p with ``_stream_k_start(p) <= step``."""
-    return (((step + 1) * programs.to(tl.int64) - 1) // total).to(tl.int32)
 
 
 @triton.jit
@@ -675,11 +593,6 @@ class SmallMConfig:
             zero-filled) instead of a masked load a pointer. Where the operands cannot take a descriptor (a base or
             row stride not 16-byte aligned, a GPU before Hopper) and in the gated form the same tile runs with
             pointer loads (:func:`tma_operands`). The same results.
-        STREAM_K: ``DOT`` with one split only: programs an SM of a fixed grid that shares the tiles' loop steps evenly
-            (stream-K: no last partial wave), a tile's pieces summed in the kernel by the last to arrive, in program
-            order (the same sums every run); 0 (the default): a program a tile. Where the arrival counters cannot
-            be had (first needed inside a CUDA-graph capture: :func:`split_k_locks`) and in the gated form, the
-            program-a-tile grid.
     """
 
     BLOCK_M: int
@@ -695,7 +608,6 @@ class SmallMConfig:
     UNROLL: bool = False
     PRELOAD: int = 0
     TMA: bool = False
-    STREAM_K: int = 0
 
     def __post_init__(self) -> None:
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
@@ -712,9 +624,6 @@ class SmallMConfig:
         if self.SPLIT_K < 1 or self.num_stages < 1 or self.PREFETCH < 0 or self.PRELOAD < 0:
             raise ValueError(f"SmallMConfig: SPLIT_K and num_stages must be >= 1, PREFETCH and PRELOAD >= 0; "
                              f"got {self}")
-        if self.STREAM_K < 0 or (self.STREAM_K and (not self.DOT or self.SPLIT_K != 1)):
-            raise ValueError(f"SmallMConfig: STREAM_K (programs an SM sharing the tiles' steps) must be >= 0, and "
-                             f"needs DOT=True and SPLIT_K=1; got {self}")
         if self.TMA and not self.DOT:
             raise ValueError(f"SmallMConfig: TMA (tensor-descriptor loads) is a tl.dot form: it needs DOT=True; got "
                              f"{self}")
@@ -1161,8 +1070,6 @@ def _launch_tiles(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None
     grid = (cdiv(m, c.BLOCK_M) * cdiv(cols, c.BLOCK_N), c.SPLIT_K)
     locks = split_k_locks(a.device, grid[0]) if c.SPLIT_K > 1 and c.SERIAL else None
     a_desc, w_desc = tma_operands(a, w, c, gated is not None)
-    if c.STREAM_K and not gated and _launch_stream_k(a, w, a_scale, w_scale, bias, out, c, (a_desc, w_desc), flags):
-        return
     # Launched directly, not through torch.library.wrap_triton: the callers are eager (the public ops are opaque
     # custom ops), where wrap_triton would dispatch through its higher-order op on every call.
     _small_m_gemm_kernel[grid](
@@ -1178,28 +1085,6 @@ def _launch_tiles(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None
             ws, a_scale, w_scale, bias, out, m * n, n, BLOCK=_REDUCE_BLOCK, SPLIT_K=c.SPLIT_K, num_warps=4,
             enable_fp_fusion=False, **flags,
         )
-
-
-def _launch_stream_k(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-                     bias: torch.Tensor | None, out: torch.Tensor, c: SmallMConfig, descs: tuple[Any, Any],
-                     flags: dict[str, Any]) -> bool:
-    """The stream-K form's launch (``c.STREAM_K`` programs an SM) into ``out``; False where no arrival counters can
-    be had (the caller then launches a program a tile)."""
-    (m, k), n = a.shape, w.shape[0]
-    tiles = cdiv(m, c.BLOCK_M) * cdiv(n, c.BLOCK_N)
-    locks = split_k_locks(a.device, tiles)
-    if locks is None:
-        return False
-    programs = c.STREAM_K * num_sms(a.device)
-    ws = torch.empty((2 * programs, c.BLOCK_M * c.BLOCK_N), device=a.device,
-                     dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)  # two pieces a program
-    _small_m_stream_k_kernel[(programs,)](
-        a, w, a_scale, w_scale, bias, ws, out, locks, m, n, k, a.stride(0), w.stride(0), descs[0], descs[1],
-        BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_K=c.BLOCK_K, INTEGER=a.dtype == torch.int8,
-        EVEN=n % c.BLOCK_N == 0 and k % c.BLOCK_K == 0, SWAP=c.SWAP, TMA=descs[0] is not None,
-        num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=False, **flags,
-    )
-    return True
 
 
 def small_m_scaled_mm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,

@@ -621,8 +621,6 @@ def test_gemm_step_ab_parses_variants_into_table_rules():
     assert ab.parse_config("64x64x128/2,w4,s5,x,r,t") == SmallMConfig(64, 64, 128, SPLIT_K=2, num_stages=5, SWAP=True,
                                                                       SERIAL=True, TMA=True)
     assert ab.config_text(SmallMConfig(128, 128, 64, num_warps=8, num_stages=5, TMA=True)) == "128x128x64,w8,s5,t"
-    streamk = SmallMConfig(64, 64, 128, num_warps=4, num_stages=3, TMA=True, STREAM_K=2)
-    assert ab.config_text(streamk) == "64x64x128,w4,s3,t,k2" and ab.parse_config("64x64x128,w4,s3,t,k2") == streamk
     assert ab.parse_variant("table=") == ("table", [])
     # The rule takes over M in (16, 32] for int8 gate-up (N >= 16384); M <= 16 keeps the table's row.
     at_16 = small_m_config(16, 28672, 4096, torch.int8)

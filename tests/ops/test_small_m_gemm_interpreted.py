@@ -45,11 +45,6 @@ TMA_CONFIGS = [SmallMConfig(16, 32, 64, TMA=True), SmallMConfig(32, 64, 64, SWAP
                SmallMConfig(16, 16, 64, SPLIT_K=3, TMA=True), SmallMConfig(16, 64, 32, SPLIT_K=2, SERIAL=True,
                                                                            SWAP=True, TMA=True)]
 
-# Stream-K over the interpreter's 8 "SMs" (ops.triton_utils.num_sms): pieces of tiles at both ends of a program's
-# steps, a tile in three pieces, whole tiles between; pointer loads and descriptors, swapped, two programs an SM
-STREAM_K_CONFIGS = [SmallMConfig(16, 32, 64, STREAM_K=1), SmallMConfig(16, 16, 16, STREAM_K=1, TMA=True),
-                    SmallMConfig(32, 64, 32, SWAP=True, STREAM_K=2), SmallMConfig(16, 16, 64, STREAM_K=3, TMA=True)]
-
 U32 = 2.0**-24  # fp32 unit roundoff
 # What the cast to the output dtype moves a value by, at most, relative to it. bf16: the interpreter converts
 # fp32 -> bf16 by truncation (Triton 3.6), less than one ulp (2**-7); fp16 and fp32 round to nearest (numpy).
@@ -156,8 +151,8 @@ def test_mm_within_the_fp32_accumulation_bound(m, k, n, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
-@pytest.mark.parametrize("config", list(dict.fromkeys(TABLE_CONFIGS + SWAP_CONFIGS + UNROLL_CONFIGS + TMA_CONFIGS
-                                                     + STREAM_K_CONFIGS)), ids=str)
+@pytest.mark.parametrize("config", list(dict.fromkeys(TABLE_CONFIGS + SWAP_CONFIGS + UNROLL_CONFIGS + TMA_CONFIGS)),
+                         ids=str)
 def test_every_table_config(config, dtype):
     """Each row on a small awkward shape, whatever dtype its row serves: the kernel is one for all three. M = 5
     spans two row blocks of the 4-row GEMV configs and five of the 1-row ones."""
@@ -242,21 +237,3 @@ def test_tma_tiles_fall_back_to_pointer_loads(config):
     _assert_int8_exact(ops.small_m_scaled_mm(strided, w, a_scale, w_scale, out_dtype, b, config), a, w, a_scale,
                        w_scale, out_dtype, b)
 
-
-@pytest.mark.parametrize("dtype", [INT8, FP8, BF16], ids=["int8", "fp8", "bf16"])
-@pytest.mark.parametrize("config", STREAM_K_CONFIGS, ids=str)
-def test_stream_k_sums_each_tiles_pieces_once(config, dtype):
-    """M over two row blocks, K of 13 steps of 16: tiles cut into pieces at uneven places; called again (the arrival
-    counters reset themselves), the same result: the pieces summed in program order whichever arrives last."""
-    a, w, a_scale, w_scale, _, b = _operands(dtype, 20, 208, 48, "token", "channel", torch.float16, True, seed=2)
-    outs = []
-    for _ in range(2):
-        if dtype == BF16:
-            one = torch.ones(1)
-            outs.append(ops.small_m_mm(a, w, b.to(BF16), config))
-            _assert_within_bound(outs[-1], a, w, one, one, BF16, b.to(BF16))
-        else:
-            outs.append(ops.small_m_scaled_mm(a, w, a_scale, w_scale, torch.float16, b, config))
-            check = _assert_int8_exact if dtype == INT8 else _assert_within_bound
-            check(outs[-1], a, w, a_scale, w_scale, torch.float16, b)
-    assert torch.equal(outs[0], outs[1])
