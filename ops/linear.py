@@ -6,7 +6,7 @@ unused on some of Llama's shapes (measured on the H200, ``benchmarks.gemm``: the
 compiled graph's ``mm(x, weight.T)`` / ``addmm(bias, x, weight.T)``: an opaque op, so that the choice is made at
 run time on the concrete M (a level-3 graph serves every token count):
 
-- CUDA, M <= ``ops.small_m_gemm.triton_max_m(x.dtype)`` (32), a config in ``ops.small_m_gemm.SMALL_M_TABLE`` for
+- CUDA, M <= ``ops.small_m_gemm.triton_max_m(x.dtype)`` (128), a config in ``ops.small_m_gemm.SMALL_M_TABLE`` for
   the shape, ``x`` with unit column stride and ``weight`` contiguous, ``DYNAMO_ONCE_SMALL_M_GEMM`` not 0:
   :func:`ops.small_m_mm` (fp32 sums in its own order, one rounding; a bias is added in fp32 before it);
 - anything else: ``torch.nn.functional.linear``, the very call the graph made before the rewrite (bit for bit).

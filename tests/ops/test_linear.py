@@ -90,6 +90,24 @@ def test_replayed_from_a_cuda_graph(triton_calls):
     assert not torch.equal(out, expected) and triton_calls == [2, 2]
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,k,n", [(64, 14336, 4096), (48, 4096, 4096), (128, 14336, 4096)])
+def test_descriptor_rows_replayed_from_a_cuda_graph(m, k, n, triton_calls):
+    """The 8B's down_proj (33-128 tokens) and o_proj (33-64) rows read their tiles through tensor descriptors, whose
+    addresses a capture keeps: replayed on a new input copied into the captured one, the new input's result."""
+    x, w, _ = _operands(m, k, n)
+    assert ops.small_m_config(m, n, k, BF16, max_m=triton_max_m(BF16)).TMA
+    ops.linear(x, w)  # the first call compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear(x, w)
+    x.copy_(_operands(m, k, n, seed=1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_mm_within_bound(out, x, w, None)
+    assert triton_calls == [m, m]
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_cpu_is_f_linear_bit_for_bit(dtype, bias, triton_calls):
