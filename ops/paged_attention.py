@@ -47,14 +47,16 @@ through ``ops.triton_utils.FastLaunch``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kv_quant import FP8_KV_DTYPE, UNIT_KV_SCALES, KVScales, dot_operand, f16_from_e4m3, inverse_scale, \
     quantize_kv_ref, to_cache
 from .launch_cache import LaunchCache
 from .paged_decode_config import DecodeConfig, decode_config
-from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, num_sms, pdl_args, pdl_available, tl, \
-    triton, use_triton
+from .triton_utils import BoundLaunch, FastLaunch, Slot, next_power_of_2, pdl_args, pdl_available, tl, triton, \
+    use_triton
 
 __all__ = [
     "write_kv_cache",
@@ -452,6 +454,13 @@ _decode_split_launch = FastLaunch(_decode_split_kernel)
 _decode_merge_launch = FastLaunch(_decode_merge_kernel)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (CPU tensors, tests): small, and still more than one split
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, head_size: int = 128) -> int:
     """Splits per sequence, from the batch size only: :func:`ops.paged_decode_config.decode_config`'s rule.
 
@@ -459,7 +468,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device, he
     (two waves of programs over the SMs), H200 (132 SMs), 8 KV heads: 1 sequence -> 32 splits, 32 -> 2, 128 -> 1
     (no merge kernel).
     """
-    return decode_config(num_seqs, head_size).splits(num_seqs, num_kv_heads, num_sms(device))
+    return decode_config(num_seqs, head_size).splits(num_seqs, num_kv_heads, _num_sms(device))
 
 
 def decode_workspace_numel(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int,
@@ -559,7 +568,7 @@ class DecodePlan:
         self.num_heads, self.head_size = num_heads, head_size
         self.block_table, self.seq_lens = block_table, seq_lens
         cfg = self.config = config or decode_config(b, head_size, kv_fp8)
-        splits = self.num_splits = num_splits or cfg.splits(b, num_kv_heads, num_sms(device))
+        splits = self.num_splits = num_splits or cfg.splits(b, num_kv_heads, _num_sms(device))
         group = num_heads // num_kv_heads
         block_d = next_power_of_2(head_size)
         self.heads_first = int(cfg.heads_first)
@@ -581,7 +590,7 @@ class DecodePlan:
         self.fused_write = cfg.fused_write if fused_write is None else fused_write
         # PDL only where every program is resident at once: the next kernel's early programs then take no SM slot
         # one of this launch's still waits for.
-        self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * num_sms(device)
+        self.pdl = cfg.pdl and pdl_available(seq_lens) and b * num_kv_heads * splits <= 2 * _num_sms(device)
         self.split_constexprs.update(FUSED_MERGE=self.fused_merge, MERGE_G=next_power_of_2(group),
                                      MERGE_S=splits if self.fused_merge else 1, **pdl_args(self.pdl, seq_lens))
         self.mid_o: torch.Tensor | None = None

@@ -44,7 +44,6 @@ __all__ = [
     "Slot",
     "specialization_key",
     "tma_descriptor",
-    "num_sms",
 ]
 
 #: At most this many elements (16 tokens x 8192) an op is launch-latency bound: on the H200 it moves
@@ -153,14 +152,6 @@ def use_triton(x: torch.Tensor) -> bool:
 def _hopper_or_newer(device_index: int) -> bool:
     """Whether a CUDA device has Hopper's launch and copy features (PDL, the tensor memory accelerator)."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    """The SMs of a CUDA device; 8 for a CPU device (Triton's interpreter, tests: small, and more than one)."""
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _device_index(x: torch.Tensor) -> int:

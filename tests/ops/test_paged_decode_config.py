@@ -18,7 +18,7 @@ from ops.paged_attention import DecodePlan, decode_num_splits, decode_workspace_
 from ops.paged_decode_config import DECODE_TABLE, DecodeConfig, decode_config
 from ops.triton_utils import BoundLaunch
 
-CPU = torch.device("cpu")  # 8 SMs for the split rule off CUDA (ops.triton_utils.num_sms)
+CPU = torch.device("cpu")  # 8 SMs for the split rule off CUDA (ops.paged_attention._num_sms)
 
 
 def test_table_covers_every_batch_and_head_size():
