@@ -5,7 +5,8 @@ Triton's compiler accepts (a constexpr condition must be a bool, int or None the
 constexpr branch, and so on). Here each form goes through Triton's compiler down to ptxas for an H200-class
 target, without a GPU: the plain GEMM (dot tiles, swapped, split K in the kernel and by the second kernel; the
 unrolled GEMV with and without dp4a), its gated forms (per-token amax, and static int8 / fp8 quantization in the
-epilogue) and ``ops.gated_quant``'s kernel. Skipped where Triton or its NVIDIA backend is not installed.
+epilogue), the bf16 dot tile read by tensor descriptors (TMA) and ``ops.gated_quant``'s kernel. Skipped where Triton
+or its NVIDIA backend is not installed.
 """
 
 import importlib
@@ -36,8 +37,10 @@ def _target():
 
 
 def _compile(fn, types, consts, **options):
-    # a constexpr with a default the test leaves out (a form it does not exercise) takes its default
-    consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in types} | consts
+    # a constexpr with a default the test leaves out (a form it does not exercise) takes its default; tensor
+    # descriptors the test gives no type are None (the pointer-load forms)
+    consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in types} | {
+        name: None for name in ("a_desc", "w_desc") if name in fn.arg_names and name not in types} | consts
     sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=_target(), options=dict(enable_fp_fusion=False, **options))
@@ -71,6 +74,24 @@ def test_split_k_gemm_compiles_for_sm90(serial):
     consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, DOT=True, PF_LINES=8, LINE=128, SERIAL=serial,
                   SWAP=False, **_flags(True, False, None, True))
     assert _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=4).asm["cubin"]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["dot", "swap"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_bf16_dot_tile_reads_by_tma_only_in_its_tma_form(tma, swap):
+    """The table's descriptor rows (64 x 64 x 128 at 6 stages, unswapped and swapped): their loop's tiles come by
+    bulk tensor copies (TMA) into shared memory and go to wgmma; the same tile's pointer form has no TMA copy."""
+    types = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", K="i32", K_SPLIT="i32",
+                 stride_am="i32", stride_wn="i32")
+    if tma:
+        types.update(a_desc="tensordesc<bf16[64, 128]>", w_desc="tensordesc<bf16[64, 128]>")
+    consts = dict(a_scale_ptr=None, w_scale_ptr=None, bias_ptr=None, ws_ptr=None, lock_ptr=None, amax_ptr=None,
+                  BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, DOT=True, PF_LINES=8, LINE=64, SERIAL=False,
+                  SWAP=swap, TMA=tma, INTEGER=False, SCALED=False, A_PER_TOKEN=False, W_PER_CHANNEL=False,
+                  HAS_BIAS=False, EVEN=True, INT64=False, PDL=True, GATED=False, H=None)
+    ttgir = _compile(gemm_mod._small_m_gemm_kernel, types, consts, num_warps=4, num_stages=6).asm["ttgir"]
+    assert ("async_tma_copy_global_to_local" in ttgir) == tma
+    assert "warp_group_dot" in ttgir
 
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "fp8"])
