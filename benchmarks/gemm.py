@@ -294,6 +294,24 @@ _TMA_SWAP = [(0, 64, 128, 1, True, 4, 6, 1, False, True), (0, 128, 128, 1, True,
              (0, 128, 64, 1, True, 4, 6, 1, False, True)]
 
 
+# Narrow shapes (Llama-3.2-1B's qkv, o and down: 2048-3072 outputs, ~32-48 tiles of 64 weight rows) past 16 rows,
+# for ``sweep_grid``'s "narrow" form: swapped tiles as tall as M of 32-128 weight rows, one split and two or four
+# summed in the kernel (SERIAL) so that the grid fills the SMs; stages as many as fit ~200 KB of shared memory.
+_NARROW = [(64, 128, 1, 4, 6), (128, 128, 1, 4, 4), (32, 256, 1, 4, 4), (64, 256, 1, 4, 4), (64, 128, 2, 4, 6),
+           (32, 256, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 6), (32, 256, 4, 4, 4), (32, 128, 4, 4, 6)]
+
+
+def _narrow_grid(m: int) -> list[SmallMConfig]:
+    """The "narrow" form's candidates at M = ``m``, each read by pointer loads and by tensor descriptors."""
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    out = []
+    for b_n, b_k, split, warps, stages in _NARROW:
+        fit = (200 << 10) // (b_k * (b_n + bm) * 2)  # bf16 bytes of one stage's a and w tiles
+        out += [SmallMConfig(bm, b_n, b_k, split, True, warps, max(2, min(stages, fit)), SERIAL=split > 1, SWAP=True,
+                             TMA=tma) for tma in (False, True)]
+    return out
+
+
 def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     """The candidates at M = ``m`` (plus the table's own pick, added by ``sweep``); ``forms="unroll"``: the unrolled
     GEMV's alone (M = 1); ``"m1"``: those and the swapped 16-row dot tiles (M = 1); ``"rows"``: the unrolled GEMV
@@ -301,7 +319,11 @@ def sweep_grid(m: int, forms: str = "all") -> list[SmallMConfig]:
     as tall as M (16-128 rows of a), which won every bf16 8B shape at M = 32 and were never in the grid below 17; each
     split-K one also with its splits summed in the kernel (``SERIAL``, as the table's split rows run); ``"tma"``: the
     tiles nearest cuBLAS past 32 rows (those no taller than M, the swapped ones as tall as M; up to 32 rows the
-    swapped tiles of one split), each read by pointer loads and by tensor descriptors (``TMA``)."""
+    swapped tiles of one split), each read by pointer loads and by tensor descriptors (``TMA``); ``"narrow"``: for
+    shapes of few weight tiles (the 1B's), the swapped tiles as tall as M with one, two or four splits summed in the
+    kernel, each read both ways."""
+    if forms == "narrow":
+        return _narrow_grid(m)
     if forms == "tma":  # at most 32 rows: the swapped tiles (those of one split) as tall as M
         bm = min(128, max(16, 1 << (m - 1).bit_length()))
         rows = [r for r in _TMA_WIDE if r[0] <= bm] + [(bm,) + r[1:] for r in _TMA_SWAP] if m > 32 else \
@@ -369,8 +391,9 @@ def sweep_shape(dtype: torch.dtype, n: int, k: int, ms: list[int], device: str, 
         rows.append({**base, "impl": "cuBLAS", "us": round(us, 2),
                      "pct_of_copy_bw": round(100 * nbytes / (us * 1e-6) / (copy_gbps * 1e9), 1)})
         table = ours_config(m, n, k, dtype)
-        picks = [] if table is None else [table, dataclasses.replace(table, TMA=True)] if forms == "tma" and table.DOT \
-            else [table]  # the table's pick (and, "tma", its twin of the other load), once
+        twin = table is not None and table.DOT and forms in ("tma", "narrow")
+        picks = [] if table is None else [table, dataclasses.replace(table, TMA=True)] if twin else [table]
+        # the table's pick (and, "tma" / "narrow", its twin of the other load), once
         for cfg in dict.fromkeys(sweep_grid(m, forms) + picks):
             try:
                 out = gemm("ours", dtype, a, weights[0], cfg)
@@ -411,10 +434,13 @@ SWEEP_COLUMNS = ["dtype", "M", "N", "K", "impl", *SmallMConfig.__dataclass_field
 
 def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None,
           dtypes: Sequence[str] = tuple(DTYPES), suffix: str = "", separated: bool = False,
-          forms: str = "all") -> None:
-    cells = [(DTYPES[d], n, k) for d in dtypes for _, k, n in model.shapes]
+          forms: str = "all", shapes: Sequence[str] | None = None) -> None:
+    """Sweep each layer shape (of ``shapes``' names, default all) and the lm_head (bf16: unquantized in every
+    model) in each of ``dtypes``; writes ``gemm_sweep{suffix}`` after every shape, then ``gemm_sweep_best``."""
+    named = [(name, DTYPES[d], n, k) for d in dtypes for name, k, n in model.shapes]
     if "bf16" in dtypes:
-        cells.append((BF16, model.lm_head[2], model.lm_head[1]))  # the lm_head, unquantized in every model
+        named.append((model.lm_head[0], BF16, model.lm_head[2], model.lm_head[1]))
+    cells = [cell for name, *cell in named if shapes is None or name in shapes]
     rows: list[dict[str, Any]] = []
     for dtype, n, k in dict.fromkeys(cells):
         rows += sweep_shape(dtype, n, k, ms, device, copy_gbps, separated, forms)
@@ -453,11 +479,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-ms", default="1,4,16", help="M of the sweep")
     p.add_argument("--separated", action="store_true", help="sweep: each call after a small elementwise kernel, as "
                    "in a decode step (back to back, a call's start overlaps the previous call's tail under PDL)")
-    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap", "tma"),
+    p.add_argument("--sweep-forms", default="all", choices=("all", "unroll", "m1", "rows", "swap", "tma", "narrow"),
                    help="sweep: every family of candidates, the unrolled GEMV's alone (M = 1), those and swapped 16-row "
                    "dot tiles (m1: M = 1), the unrolled GEMV over 1-8 rows a program (rows: M >= 1), the swapped dot "
-                   "tiles as tall as M (swap), or the wide tiles read by pointers and by tensor descriptors (tma), "
+                   "tiles as tall as M (swap), the wide tiles read by pointers and by tensor descriptors (tma), or the "
+                   "swapped tiles with 1-4 splits read both ways, for narrow shapes (narrow), "
                    "beside cuBLAS and the table's pick")
+    p.add_argument("--sweep-shapes", default=None, help="sweep: only these of the model's shapes, comma-separated (of "
+                   + ", ".join(n for n, _, _ in LLAMA_3_8B.shapes) + ", lm_head); default all")
     p.add_argument("--sweep-dtypes", default=",".join(DTYPES), help=f"dtypes of the sweep (of {', '.join(DTYPES)})")
     p.add_argument("--iters", type=int, default=20, help="graph replays timed per stack run (median)")
     p.add_argument("--prefetch", default="", help="also time ours with these SmallMConfig.PREFETCH values (rows "
@@ -477,6 +506,10 @@ def main(argv: list[str] | None = None) -> None:
     impls = list(IMPLS) + [f"ours pf{v}" for v in pfs] + [f"ours pl{v}" for v in pls] + ([FAST] if a.fast_accum else [])
     sweep_dtypes, dtypes = (_dtype_list(p, flag, value) for flag, value in
                             (("--sweep-dtypes", a.sweep_dtypes), ("--dtypes", a.dtypes)))
+    names = [n for n, _, _ in LLAMA_3_8B.shapes] + ["lm_head"]
+    shapes = None if a.sweep_shapes is None else [n.strip() for n in a.sweep_shapes.split(",") if n.strip()]
+    if shapes is not None and (not shapes or any(n not in names for n in shapes)):
+        p.error(f"--sweep-shapes: expected comma-separated names of {', '.join(names)}; got {a.sweep_shapes!r}")
     if not torch.cuda.is_available():
         if a.quick:
             print("benchmarks.gemm --quick: skipped, no CUDA GPU (the Triton kernels run on CPU only in Triton's "
@@ -494,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.sweep:
         forms_suffix = "" if a.sweep_forms == "all" else f"_{a.sweep_forms}"
         sweep(model, sweep_ms, device, copy_gbps, a.out, sweep_dtypes,
-              suffix + ("_separated" if a.separated else "") + forms_suffix, a.separated, a.sweep_forms)
+              suffix + ("_separated" if a.separated else "") + forms_suffix, a.separated, a.sweep_forms, shapes)
         return
     rows = bench_stack(model, ms, device, copy_gbps, a.iters, impls, dtypes)
     notes = [f"copy bandwidth {copy_gbps:.0f} GB/s; {model.layers} layers x "

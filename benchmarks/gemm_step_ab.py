@@ -36,7 +36,7 @@ against the first variant's, per batch.
 not ``_best``; several merged): per dtype, M and shape, the fastest correct config where it beats cuBLAS by at least
 ``--min-speedup`` (default 1.02), else ``cublas``; each rule fits its own shape (``MIN_N`` its N, ``MIN_RATIO`` its
 K / N rounded down), the wider shapes first, then ``DTYPE:M:0:0:cublas`` for any other shape of that M
-(:func:`sweep_rules`).
+(:func:`sweep_rules`; ``--sweep-others table``: no such rule, the other shapes keep the table's rows).
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--sweep-variant NAME=CSV] [--out DIR]`` (GPU only).
@@ -101,12 +101,13 @@ def config_text(config: SmallMConfig) -> str | None:
         return None
 
 
-def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
+def sweep_rules(paths: list[str], min_speedup: float = 1.02, others: str = "cublas") -> list[str]:
     """Rules (``DTYPE:MAX_M:MIN_RATIO:MIN_N:CONFIG`` texts) from ``benchmarks.gemm --sweep`` CSV files: per dtype, M
     and shape (N, K), the fastest correct config a rule can name where cuBLAS takes at least ``min_speedup`` times
     as long, else ``cublas``; the shapes widest N first (then longest K / N), so that each rule's ``MIN_N`` and
     ``MIN_RATIO`` (K / N rounded down to 1e-4) fit no shape before it; then ``DTYPE:M:0:0:cublas`` for any other
-    shape at that M. ValueError naming a file with no cuBLAS row."""
+    shape at that M (``others="table"``: none, so that the shapes the sweep did not have keep the table's rows).
+    ValueError naming a file with no cuBLAS row."""
     cublas: dict[tuple[str, int, int, int], float] = {}
     best: dict[tuple[str, int, int, int], tuple[float, str]] = {}
     for path in paths:
@@ -128,6 +129,8 @@ def sweep_rules(paths: list[str], min_speedup: float = 1.02) -> list[str]:
         dtype, m, n, k = key
         rules.append(f"{dtype}:{m}:{math.floor(k / n * 1e4) / 1e4}:{n}:"
                      f"{text if cublas[key] >= min_speedup * us else 'cublas'}")
+    if others == "table":
+        return rules
     return rules + [f"{dtype}:{m}:0:0:cublas" for dtype, m in dict.fromkeys(key[:2] for key in sorted(cublas))]
 
 
@@ -363,7 +366,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for (batch, name), mean in sorted(means.items(), key=lambda kv: kv[0][0])]  # stable: run order kept
 
 
-def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: float) -> list[str]:
+def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: float, others: str) -> list[str]:
     """The ``--sweep-variant NAME=CSV[,CSV...]`` items as variant texts (:func:`sweep_rules`), each printed; a bad
     item, file or ``--min-speedup`` is a one-line usage error."""
     if items and min_speedup <= 0:
@@ -374,7 +377,7 @@ def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: f
         if not sep or not files:
             p.error(f"--sweep-variant: expected NAME=CSV[,CSV...]; got {item!r}")
         try:
-            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), min_speedup)))
+            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), min_speedup, others)))
         except (OSError, ValueError, KeyError) as e:
             p.error(f"--sweep-variant: {type(e).__name__}: {e}")
         print(f"--sweep-variant: {texts[-1]}", flush=True)
@@ -393,11 +396,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "sweep files' picks (see the module's docstring); repeat")
     p.add_argument("--min-speedup", type=float, default=1.02, help="--sweep-variant: a pick's least speedup over "
                    "cuBLAS (else cublas for its shape)")
+    p.add_argument("--sweep-others", default="cublas", choices=("cublas", "table"), help="--sweep-variant: what "
+                   "the shapes the sweep files do not have run at their M (cuBLAS, or the table's rows)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches = common.int_list(p, "--batches", a.batches)
-    texts = a.variant + _sweep_variants(p, a.sweep_variant, a.min_speedup) or ["table="]
+    texts = a.variant + _sweep_variants(p, a.sweep_variant, a.min_speedup, a.sweep_others) or ["table="]
     try:
         variants = [parse_variant(v) for v in texts]
     except ValueError as e:

@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|narrow1bstep ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -247,6 +247,21 @@ for step in $steps; do
               timeout ${TMASTEP_TIMEOUT:-500} python3 -m benchmarks.gemm_step_ab --model ${TMASTEP_MODEL:-llama-3-8b} \
                 --batches ${TMASTEP_BATCHES:-8,32,64,128} --rounds ${TMASTEP_ROUNDS:-2} --variant table= ${TMASTEP_ALL---variant tma=tma=1} \
                 ${csvs:+--sweep-variant "sweep=$csvs"} --out "$R/stepab_tma" 2>&1 | tee "$R/stepab_tma.log" \
+                | grep -E "^\{|^--sweep|Error" ;;
+    narrow1b) # issue 16: Llama-3.2-1B at 8-128 tokens: its step's kernels (N1B_PROFILE_BATCHES), then the swapped tiles
+              # with 1-4 splits summed in the kernel, each read by pointers and by tensor descriptors, on its narrow
+              # shapes (qkv, o, down; the table has cuBLAS there past 16 rows) at N1B_MS (each call after a small kernel)
+              [ -n "${N1B_PROFILE_BATCHES-8,32,128}" ] && timeout ${N1B_PROFILE_TIMEOUT:-120} python3 -m benchmarks.kernel_profile \
+                --models llama-3.2-1b --batches ${N1B_PROFILE_BATCHES-8,32,128} --out "$R/kernel_profile_1b" \
+                > "$R/kernel_profile_1b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_1b.log" | tail -4
+              R=$R/sweep_narrow1b SWEEP_TIMEOUT=${N1B_SWEEP_TIMEOUT:-380} SWEEP_MS=${N1B_MS:-32,64,128} SWEEP_DTYPES=bf16 \
+                SWEEP_ARGS="--model llama-3.2-1b --separated --sweep-forms narrow --sweep-shapes qkv,o,down" bash "$0" gemmsweep ;;
+    narrow1bstep) # issue 16: the 1B's step with the narrow1b sweep's picks (N1B_CSVS, default that step's output) where
+              # they beat cuBLAS by 2%, the other shapes on the table's rows, against the table
+              csvs=$(ls ${N1B_CSVS:-$R/sweep_narrow1b/gemm_sweep_llama-3.2-1b_separated_narrow.csv} 2>/dev/null | paste -sd,)
+              timeout ${N1B_STEP_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model llama-3.2-1b \
+                --batches ${N1B_BATCHES:-32,64,128} --rounds ${N1B_ROUNDS:-2} --variant table= --sweep-others table \
+                ${csvs:+--sweep-variant "sweep=$csvs"} --out "$R/stepab_narrow1b" 2>&1 | tee "$R/stepab_narrow1b.log" \
                 | grep -E "^\{|^--sweep|Error" ;;
     targets)  # issues 12 and 16's figures in one call: the level-3 decode step of the 1B, the bf16 8B and both
               # quantized 8Bs (batch 1-128, context 512), the 8B linear stack at M = 1, attention alone (bf16 cache)

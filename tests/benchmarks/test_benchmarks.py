@@ -352,6 +352,22 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
         split = {dataclasses.replace(c, SERIAL=False) for c in swapped if c.SPLIT_K > 1}
         serial = {dataclasses.replace(c, SERIAL=True) for c in split}
         assert split and {c for c in swapped if c.SPLIT_K > 1} == split | serial  # each split also summed in-kernel
+    for m, rows in ((17, 32), (32, 32), (64, 64), (128, 128)):  # narrow: swapped, 1-4 splits summed in-kernel
+        narrow = gemm.sweep_grid(m, "narrow")
+        assert len(narrow) <= 24 and {c.SPLIT_K for c in narrow} == {1, 2, 4}
+        assert all(c.SWAP and c.BLOCK_M == rows and c.SERIAL == (c.SPLIT_K > 1) for c in narrow)
+        assert {dataclasses.replace(c, TMA=True) for c in narrow} == {c for c in narrow if c.TMA}  # both loads
+        assert all(c.num_stages >= 2 and c.BLOCK_K * (c.BLOCK_N + rows) * 2 * c.num_stages <= max(
+            200 << 10, c.BLOCK_K * (c.BLOCK_N + rows) * 4) for c in narrow)  # shared memory: ~200 KB or 2 stages
+
+
+def test_gemm_sweep_shapes_names_the_models_shapes(capsys):
+    from benchmarks import gemm
+
+    with pytest.raises(SystemExit) as e:
+        gemm.main(["--sweep", "--sweep-shapes", "qkv,gate"])
+    assert e.value.code == 2 and ("--sweep-shapes: expected comma-separated names of qkv, o, gate_up, down, "
+                                  "lm_head; got 'qkv,gate'") in capsys.readouterr().err
 
 
 def test_attention_host_quick_times_every_step_and_writes_its_files(tmp_path):
@@ -679,6 +695,12 @@ def test_gemm_step_ab_sweep_variant_takes_each_shapes_pick_over_cublas(tmp_path,
         pick = lambda n, k: small_m_gemm.small_m_config(128, n, k, torch.bfloat16, max_m=128)  # noqa: E731
         assert (pick(4096, 14336), pick(4096, 4096), pick(6144, 4096), pick(28672, 4096)) == (split, None, wide, wide)
         assert pick(128256, 4096) is None and pick(2048, 2048) is None  # shapes the sweep did not have: cuBLAS
+    kept = ab.sweep_rules(paths, others="table")  # the shapes the sweep did not have keep the table's rows
+    assert kept == rules[:-1]
+    head = small_m_gemm.small_m_config(128, 128256, 4096, torch.bfloat16, max_m=128)
+    with ab.applied("s=" + ";".join(kept)):
+        pick = lambda n, k: small_m_gemm.small_m_config(128, n, k, torch.bfloat16, max_m=128)  # noqa: E731
+        assert head is not None and pick(128256, 4096) == head and pick(4096, 14336) == split
     assert all(ab.parse_config(ab.config_text(c)) == c for c in (swap, wide, split))
     assert ab.config_text(SmallMConfig(4, 16, 128, DOT=False, num_warps=4)) is None  # the rolled GEMV
     with pytest.raises(SystemExit):
