@@ -321,6 +321,9 @@ SWEEP_COLUMNS = ["batch", "context", *DecodeConfig.__dataclass_fields__, "us", "
 _CONFIG_FIELDS = ("num_splits", "BLOCK_N", "num_warps", "num_stages", "merge_warps", "heads_first", "fused_merge",
                   "fused_write", "convert_v")
 
+#: A config field's default, for sweep files written before the field existed.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+
 
 def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (batch, context): the fastest correct config, with the table config's time beside it."""
@@ -337,26 +340,34 @@ def best_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def suggested_rows(rows: list[dict[str, Any]]) -> list[str]:
-    """Per batch: the config with the least geometric-mean loss over the contexts (against each context's
-    fastest), as a ``DECODE_TABLE`` row, with its mean and worst loss."""
-    lines = []
+def suggested_configs(rows: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any], float, float]]:
+    """Per batch of the sweep's ``rows``: the config (``DecodeConfig`` fields) with the least geometric-mean loss
+    over the contexts against each context's fastest, with that mean loss and its worst: (batch, fields, mean,
+    worst). Only configs measured correct at every context of the batch count."""
+    out = []
     for b in dict.fromkeys(r["batch"] for r in rows):
-        mine = [r for r in rows if r["batch"] == b and r["correct"]]
+        mine = [r for r in rows if r["batch"] == b and r["correct"] is True]
         contexts = sorted({r["context"] for r in mine})
         fastest = {c: min(r["us"] for r in mine if r["context"] == c) for c in contexts}
         by_cfg: dict[tuple, dict[int, float]] = {}
         for r in mine:
-            by_cfg.setdefault(tuple(r[k] for k in _CONFIG_FIELDS), {})[r["context"]] = r["us"]
-        full = {k: v for k, v in by_cfg.items() if len(v) == len(contexts)}
-        if not full:
+            by_cfg.setdefault(tuple(r.get(k, _DEFAULTS[k]) for k in _CONFIG_FIELDS), {})[r["context"]] = r["us"]
+        loss = {k: [v[c] / fastest[c] for c in contexts] for k, v in by_cfg.items() if len(v) == len(contexts)}
+        if not loss:
             continue
-        loss = {k: [v[c] / fastest[c] for c in contexts] for k, v in full.items()}
         k = min(loss, key=lambda k: math.fsum(math.log(x) for x in loss[k]))
         mean = math.exp(math.fsum(math.log(x) for x in loss[k]) / len(contexts))
-        cfg = ", ".join(f"{f}={v}" for f, v in zip(_CONFIG_FIELDS, k))
-        lines.append(f"    _R({b}, {HEAD}, _C({cfg})),  # batch {b}, contexts {contexts[0]}-{contexts[-1]}: "
-                     f"{mean:.3f}x the fastest on average, {max(loss[k]):.3f}x at worst")
+        out.append((b, dict(zip(_CONFIG_FIELDS, k)), mean, max(loss[k])))
+    return out
+
+
+def suggested_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """:func:`suggested_configs` as ``DECODE_TABLE`` rows, with each one's mean and worst loss."""
+    lines = []
+    for b, fields, mean, worst in suggested_configs(rows):
+        cs = sorted({r["context"] for r in rows if r["batch"] == b and r["correct"] is True})
+        lines.append(f"    _R({b}, {HEAD}, _C({', '.join(f'{f}={v}' for f, v in fields.items())})),  # batch {b}, "
+                     f"contexts {cs[0]}-{cs[-1]}: {mean:.3f}x the fastest on average, {worst:.3f}x at worst")
     return lines
 
 

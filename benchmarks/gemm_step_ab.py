@@ -22,12 +22,15 @@ config of the (patched) table and of ``GATED_ROWS`` (``base=;prefetch=0``: the t
 ``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` sets ``DecodeConfig`` fields (integers; a bool field 0 or 1;
 ``num_splits=none``) in the row of each of those tables with that ``max_seqs`` and ``max_head_size``
 (``attn_rule=8:128:num_splits=4``: the batch-8 row over four splits, where the decode kernel may launch with PDL);
+``attn_row=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` puts a new row (those fields over ``DecodeConfig``'s defaults)
+into ``DECODE_TABLE`` (the bf16 cache's) before its first row of at least that ``max_seqs`` and ``max_head_size``
+(``attn_row=32:64:num_splits=2,BLOCK_N=64``: the 1B's 64-size heads at 9-32 sequences on their own row);
 ``gated_row=DTYPE:MAX_M:CONFIG`` puts a row into ``GATED_ROWS`` (where the gated form, GEMM + SiLU-and-mul in one
 kernel, runs: ``gated_row=bf16:16:16x64x128,w4,s6,x``, bf16's gate-up at 2-16 tokens gated on the swapped tiles,
 not the GEMM then the activation; ``cublas``: the unfused ops there), before its dtype's first row of a ``max_m`` at
 least its own; ``inductor_pdl=0`` / ``=1`` runs the variant with Inductor's kernels launched without / with
 programmatic dependent launch (its ``triton.enable_pdl`` option, on by default at level 3). A rule above the public
-ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 32; fp8: ``SMALL_M_MAX`` = 16) raises
+ops' range for its dtype (``small_m_gemm.TRITON_MAX_M``: int8 128, bf16 / fp16 128; fp8: ``SMALL_M_MAX`` = 16) raises
 that range to its ``max_m`` for the run (``raised_ranges``), so e.g. an fp8 row at M <= 128 is timed against cuBLAS
 inside the step. Beside the runs, ``gemm_step_ab_summary``: each variant's mean over its rounds and its change in %
 against the first variant's, per batch.
@@ -37,6 +40,9 @@ not ``_best``; several merged): per dtype, M and shape, the fastest correct conf
 ``--min-speedup`` (default 1.02), else ``cublas``; each rule fits its own shape (``MIN_N`` its N, ``MIN_RATIO`` its
 K / N rounded down), the wider shapes first, then ``DTYPE:M:0:0:cublas`` for any other shape of that M
 (:func:`sweep_rules`; ``--sweep-others table``: no such rule, the other shapes keep the table's rows).
+``--attn-sweep-variant NAME=HEAD_SIZE:CSV[,CSV...]`` adds one from ``benchmarks.attention --sweep`` files of heads
+of that size: per batch the config the sweep suggests, as an ``attn_row`` for batches up to it
+(:func:`attention_sweep_items`).
 
 Usage: ``python -m benchmarks.gemm_step_ab --model llama-3-8b-int8 --batches 32,128 --rounds 2 --variant base=
 --variant "gu32=int8:32:0:16384:32x64x128,w4,s4" [--sweep-variant NAME=CSV] [--out DIR]`` (GPU only).
@@ -151,6 +157,7 @@ def parse_rule(text: str) -> SmallMRule:
 
 _OVERRIDE = re.compile(r"^(prefetch|preload|tma|attn_preload|inductor_pdl)=(\d+)$")
 _ATTN_RULE = "attn_rule="
+_ATTN_ROW = "attn_row="
 _GATED_ROW = "gated_row="
 _DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
 
@@ -158,14 +165,15 @@ _DECODE_TABLES = ("DECODE_TABLE", "DECODE_TABLE_FP8")
 def parse_variant(text: str) -> tuple[str, list[SmallMRule]]:
     """``NAME=RULE;RULE...`` -> (name, rules); ``NAME=``: no rules (the table as it is). ``prefetch=N``,
     ``preload=N``, ``tma=N``, ``attn_preload=N`` and ``inductor_pdl=N`` items are not rules
-    (:func:`variant_option`), nor ``attn_rule=...`` items (:func:`attention_tables`; checked here)."""
+    (:func:`variant_option`), nor ``attn_rule=...`` / ``attn_row=...`` items (:func:`attention_tables`; checked
+    here)."""
     name, sep, rules = text.partition("=")
     if not sep or not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a variant must be NAME=RULES with NAME of letters, digits, '_', '.' or '-'; got {text!r}")
     items = [r for r in rules.split(";") if r and not _OVERRIDE.match(r)]
     attention_tables(text)
     gated_rows(text)
-    return name, [parse_rule(r) for r in items if not r.startswith((_ATTN_RULE, _GATED_ROW))]
+    return name, [parse_rule(r) for r in items if not r.startswith((_ATTN_RULE, _ATTN_ROW, _GATED_ROW))]
 
 
 def gated_rows(variant: str) -> dict[torch.dtype, tuple[tuple[int, SmallMConfig | None], ...]]:
@@ -187,11 +195,12 @@ def gated_rows(variant: str) -> dict[torch.dtype, tuple[tuple[int, SmallMConfig 
 
 
 def parse_attn_rule(text: str) -> tuple[int, int, dict[str, Any]]:
-    """``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` -> (max_seqs, max_head_size, fields); ValueError naming
-    the item."""
-    parts = text[len(_ATTN_RULE):].split(":")
+    """``attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...`` (or ``attn_row=...``) -> (max_seqs, max_head_size,
+    fields); ValueError naming the item."""
+    key = text.partition("=")[0]
+    parts = text[len(key) + 1:].split(":")
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or not parts[2]:
-        raise ValueError(f"an attn_rule item must be attn_rule=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...; got {text!r}")
+        raise ValueError(f"an {key} item must be {key}=MAX_SEQS:MAX_HEAD_SIZE:FIELD=VALUE,...; got {text!r}")
     try:
         fields = paged_decode_config.config_fields(parts[2])
     except ValueError as e:
@@ -206,6 +215,9 @@ def attention_tables(variant: str) -> dict[str, tuple[DecodeRule, ...]]:
     tables = {name: getattr(paged_decode_config, name) for name in _DECODE_TABLES}
     changed = set()
     for item in variant.partition("=")[2].split(";"):
+        if item.startswith(_ATTN_ROW):
+            tables["DECODE_TABLE"] = with_attention_row(tables["DECODE_TABLE"], *parse_attn_rule(item), item)
+            changed.add("DECODE_TABLE")
         if not item.startswith(_ATTN_RULE):
             continue
         max_seqs, max_head, fields = parse_attn_rule(item)
@@ -222,6 +234,19 @@ def attention_tables(variant: str) -> dict[str, tuple[DecodeRule, ...]]:
         tables = {name: attention_preload(table, bool(attn)) for name, table in tables.items()}
         changed.update(tables)
     return {name: tables[name] for name in changed}
+
+
+def with_attention_row(table: tuple[DecodeRule, ...], max_seqs: int, max_head: int, fields: dict[str, Any],
+                        item: str) -> tuple[DecodeRule, ...]:
+    """``table`` with a new row (``DecodeConfig(**fields)``) before its first of at least ``max_seqs`` and
+    ``max_head``: batches of at most ``max_seqs`` with heads of at most ``max_head`` that no row before it takes now
+    take it. ValueError naming ``item`` where the fields make no valid config."""
+    try:
+        row = DecodeRule(max_seqs, max_head, paged_decode_config.DecodeConfig(**fields))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (in {item!r})") from None
+    at = next((i for i, r in enumerate(table) if r.max_seqs >= max_seqs and r.max_head_size >= max_head), len(table))
+    return table[:at] + (row,) + table[at:]
 
 
 def variant_option(text: str, name: str) -> int | None:
@@ -384,6 +409,44 @@ def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: f
     return texts
 
 
+def attention_sweep_items(head_size: int, paths: list[str]) -> list[str]:
+    """``attn_row`` items from ``benchmarks.attention --sweep`` files (``attention_sweep*.csv``, not ``_best``;
+    several merged) of heads of ``head_size``: per batch the config its sweep suggests (``attention.
+    suggested_configs``: the least mean loss over the contexts), as a row for batches up to that one.
+    ValueError naming a file that is no such sweep."""
+    from benchmarks import attention
+
+    rows = []
+    for path in paths:
+        part = common.read_results(path)[1]
+        if not part or not {"batch", "context", "us", "correct"} <= part[0].keys():
+            raise ValueError(f"{path}: expected a benchmarks.attention --sweep CSV (columns batch, context, us, "
+                             f"correct); got {sorted(part[0]) if part else 'no rows'}")
+        rows += part
+    items = []
+    for batch, fields, _, _ in sorted(attention.suggested_configs(rows), key=lambda c: c[0]):
+        text = ",".join(f"{k}={int(v) if isinstance(v, bool) else 'none' if v is None else v}" for k, v in fields.items())
+        items.append(f"{_ATTN_ROW}{batch}:{head_size}:{text}")
+    return items
+
+
+def _attn_sweep_variants(p: argparse.ArgumentParser, items: list[str]) -> list[str]:
+    """The ``--attn-sweep-variant NAME=HEAD_SIZE:CSV[,CSV...]`` items as variant texts, each printed; a bad item or
+    file is a one-line usage error."""
+    texts = []
+    for item in items:
+        name, _, spec = item.partition("=")
+        head, _, files = spec.partition(":")
+        if not name or not head.isdigit() or not files:
+            p.error(f"--attn-sweep-variant: expected NAME=HEAD_SIZE:CSV[,CSV...]; got {item!r}")
+        try:
+            texts.append(f"{name}=" + ";".join(attention_sweep_items(int(head), files.split(","))))
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--attn-sweep-variant: {type(e).__name__}: {e}")
+        print(f"--attn-sweep-variant: {texts[-1]}", flush=True)
+    return texts
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3-8b-int8", help="a built-in model (its decode step at level 3)")
@@ -394,6 +457,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--variant", action="append", default=[], help="NAME=RULES (see the module's docstring); repeat")
     p.add_argument("--sweep-variant", action="append", default=[], help="NAME=CSV[,CSV...]: a variant of the "
                    "sweep files' picks (see the module's docstring); repeat")
+    p.add_argument("--attn-sweep-variant", action="append", default=[], help="NAME=HEAD_SIZE:CSV[,CSV...]: a "
+                   "variant of the decode attention rows an attention sweep suggests (see the module's docstring)")
     p.add_argument("--min-speedup", type=float, default=1.02, help="--sweep-variant: a pick's least speedup over "
                    "cuBLAS (else cublas for its shape)")
     p.add_argument("--sweep-others", default="cublas", choices=("cublas", "table"), help="--sweep-variant: what "
@@ -402,7 +467,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     batches = common.int_list(p, "--batches", a.batches)
-    texts = a.variant + _sweep_variants(p, a.sweep_variant, a.min_speedup, a.sweep_others) or ["table="]
+    texts = a.variant + _sweep_variants(p, a.sweep_variant, a.min_speedup, a.sweep_others) \
+        + _attn_sweep_variants(p, a.attn_sweep_variant) or ["table="]
     try:
         variants = [parse_variant(v) for v in texts]
     except ValueError as e:

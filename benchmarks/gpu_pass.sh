@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|narrow1bstep ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -256,13 +256,19 @@ for step in $steps; do
                 > "$R/kernel_profile_1b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_1b.log" | tail -4
               R=$R/sweep_narrow1b SWEEP_TIMEOUT=${N1B_SWEEP_TIMEOUT:-380} SWEEP_MS=${N1B_MS:-32,64,128} SWEEP_DTYPES=bf16 \
                 SWEEP_ARGS="--model llama-3.2-1b --separated --sweep-forms narrow --sweep-shapes qkv,o,down" bash "$0" gemmsweep ;;
-    narrow1bstep) # issue 16: the 1B's step with the narrow1b sweep's picks (N1B_CSVS, default that step's output) where
-              # they beat cuBLAS by 2%, the other shapes on the table's rows, against the table
+    attn1b)   # issue 16: Llama-3.2-1B's 64-size heads at 32 and 128 sequences (the 8B's rows run them now): the decode
+              # attention sweep over contexts 512-4096
+              timeout ${ATTN1B_TIMEOUT:-300} python3 -m benchmarks.attention --head-size 64 --batches ${ATTN1B_BATCHES:-32,128} \
+                --sweep --deadline ${ATTN1B_DEADLINE:-220} --out "$R/attn_d64" > "$R/attn_d64.log" 2>&1
+              grep -E "^best|Error" "$R/attn_d64.log" | head ;;
+    step1b)   # issue 16: the 1B's step against the table with the picks of the narrow1b sweep (N1B_CSVS; where they beat
+              # cuBLAS by 2%, the other shapes on the table's rows) and with the rows the attn1b sweep suggests (A1B_CSVS)
               csvs=$(ls ${N1B_CSVS:-$R/sweep_narrow1b/gemm_sweep_llama-3.2-1b_separated_narrow.csv} 2>/dev/null | paste -sd,)
-              timeout ${N1B_STEP_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model llama-3.2-1b \
-                --batches ${N1B_BATCHES:-32,64,128} --rounds ${N1B_ROUNDS:-2} --variant table= --sweep-others table \
-                ${csvs:+--sweep-variant "sweep=$csvs"} --out "$R/stepab_narrow1b" 2>&1 | tee "$R/stepab_narrow1b.log" \
-                | grep -E "^\{|^--sweep|Error" ;;
+              acsvs=$(ls ${A1B_CSVS:-$R/attn_d64/attention_sweep_d64.csv} 2>/dev/null | paste -sd,)
+              timeout ${STEP1B_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model llama-3.2-1b \
+                --batches ${STEP1B_BATCHES:-32,64,128} --rounds ${STEP1B_ROUNDS:-2} --variant table= --sweep-others table \
+                ${csvs:+--sweep-variant "gemm=$csvs"} ${acsvs:+--attn-sweep-variant "attn=64:$acsvs"} \
+                --out "$R/stepab_1b" 2>&1 | tee "$R/stepab_1b.log" | grep -E "^\{|^--|Error" ;;
     targets)  # issues 12 and 16's figures in one call: the level-3 decode step of the 1B, the bf16 8B and both
               # quantized 8Bs (batch 1-128, context 512), the 8B linear stack at M = 1, attention alone (bf16 cache)
               for m in ${TARGET_MODELS:-llama-3.2-1b llama-3-8b llama-3-8b-fp8 llama-3-8b-int8}; do

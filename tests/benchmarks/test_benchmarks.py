@@ -791,6 +791,42 @@ def test_gemm_step_ab_attn_rule_sets_fields_of_the_decode_tables_row():
     assert ab.attention_tables("w=attn_rule=32:128:num_splits=none")["DECODE_TABLE"][3].config.num_splits is None
 
 
+def test_gemm_step_ab_attn_row_gives_a_head_size_its_own_row(tmp_path, capsys):
+    """``attn_row=32:64:...`` puts a row before the bf16 table's first of at least 32 sequences and head size 64:
+    the 1B's heads at 9-32 sequences take it, the 8B's and other batches keep theirs. ``--attn-sweep-variant``
+    builds such rows from an attention sweep's file, each batch's least-loss config."""
+    from benchmarks import gemm_step_ab as ab
+    from ops import paged_decode_config as pdc
+
+    text = "r=attn_row=32:64:num_splits=2,BLOCK_N=64,heads_first=1;attn_row=128:64:num_splits=1,num_warps=8"
+    assert ab.parse_variant(text) == ("r", [])
+    tables = ab.attention_tables(text)
+    assert set(tables) == {"DECODE_TABLE"}
+    own = pdc.decode_config(32, 128), pdc.decode_config(8, 64)
+    with ab.applied(text):
+        one, big, wide = pdc.decode_config(32, 64), pdc.decode_config(100, 64), pdc.decode_config(32, 128)
+        assert (one.num_splits, one.BLOCK_N, one.heads_first) == (2, 64, True)
+        assert (big.num_splits, big.num_warps) == (1, 8)
+        assert (wide, pdc.decode_config(8, 64)) == own
+    with pytest.raises(ValueError, match="must be a power of two"):
+        ab.attention_tables("r=attn_row=32:64:BLOCK_N=48")
+    path = tmp_path / "attention_sweep_d64.csv"
+    rows = [(32, 512, 2, 64, 10.0), (32, 1024, 2, 64, 20.0), (32, 512, 1, 32, 9.0), (32, 1024, 1, 32, 30.0),
+            (128, 512, 1, 64, 40.0)]  # at 32: 2 splits lose 1.11x at 512, 1 split 1.5x at 1024
+    path.write_text("# a GPU\nbatch,context,num_splits,BLOCK_N,us,correct\n"
+                    + "".join(f"{b},{c},{s},{n},{us},True\n" for b, c, s, n, us in rows))
+    items = ab.attention_sweep_items(64, [str(path)])
+    assert [i.split(",")[:2] for i in items] == [["attn_row=32:64:num_splits=2", "BLOCK_N=64"],
+                                                ["attn_row=128:64:num_splits=1", "BLOCK_N=64"]]
+    assert "heads_first=0" in items[0] and ab.attention_tables("v=" + ";".join(items))
+    with pytest.raises(SystemExit):
+        ab.main(["--attn-sweep-variant", f"v=64:{tmp_path / 'missing.csv'}"])
+    assert "--attn-sweep-variant: FileNotFoundError" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--attn-sweep-variant", f"v={path}"])
+    assert "expected NAME=HEAD_SIZE:CSV" in capsys.readouterr().err
+
+
 def test_gemm_step_ab_applied_puts_a_variant_in_place_for_a_block():
     """What the step A/B and the kernel profile run under: the variant's GEMM rule (over the table as it is, the ops'
     range raised to it) and attention row inside the block, the library's own tables after it."""
