@@ -12,7 +12,9 @@ a call reads its keys and values from HBM, not L2 (``copies``: the fewest, a pow
 256 MiB, at most 64); median over ``--replays`` replays, per call. ``bytes``: every key and value byte the call
 reads, plus q and the output; ``pct_of_copy_bw``: bytes / time / the device-to-device copy bandwidth measured in
 the same run (``benchmarks.common.measure_copy_bandwidth``). ``correct``: the output against
-``ops.paged_decode_ref`` (fp32) within 2e-2 (bf16 rounding).
+``ops.paged_decode_ref`` (fp32) within 2e-2 (bf16 rounding). ``copy_us`` / ``copy_pct_of_copy_bw``: a
+device-to-device copy moving the same bytes (half read, half written), timed in the same harness: the share of the
+copy bandwidth one plain kernel of that size reaches, launch and ramp included.
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
 BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape; then the fastest
@@ -156,6 +158,20 @@ def time_config(case: Case, config: DecodeConfig | None, replays: int, ref: torc
     return us, ok, ps[0].num_splits
 
 
+def same_bytes_copy_us(nbytes: int, copies: int, replays: int, device: str) -> float:
+    """µs a call of a device-to-device copy moving ``nbytes`` through HBM (half read, half written), in the same
+    harness as an attention call: one CUDA graph of ``copies`` calls, each over its own buffers. What one plain
+    kernel moving that many bytes reaches: the ceiling the size itself sets, beside the large copy that measured
+    the copy bandwidth."""
+    half = nbytes // 2
+    src = torch.empty(copies, half, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    fn = common.rotating(lambda i: dst[i].copy_(src[i]), [(i,) for i in range(copies)])
+    us = common.bench_gpu(fn, warmup=copies, iters=replays * copies, cuda_graph=True, graph_iters=copies)
+    del src, dst
+    return us
+
+
 def pct(batch: int, context: int, us: float, copy_gbps: float) -> float:
     return round(100 * io_bytes(batch, context) / (us * 1e-6) / (copy_gbps * 1e9), 1)
 
@@ -168,9 +184,11 @@ def bench_table(batches: list[int], contexts: list[int], device: str, copy_gbps:
         for ctx in contexts:
             case = make_case(b, ctx, device)
             us, ok, splits = time_config(case, None, replays, reference(case))
+            copy_us = same_bytes_copy_us(io_bytes(b, ctx), case.copies, replays, device)
             rows.append({"batch": b, "context": ctx, "splits": splits, "us": round(us, 2),
                          "kv_MB": round(kv_bytes(b, ctx) / 1e6, 1), "GB_per_s": round(io_bytes(b, ctx) / us / 1e3),
-                         "pct_of_copy_bw": pct(b, ctx, us, copy_gbps), "copies": case.copies, "correct": ok})
+                         "pct_of_copy_bw": pct(b, ctx, us, copy_gbps), "copy_us": round(copy_us, 2),
+                         "copy_pct_of_copy_bw": pct(b, ctx, copy_us, copy_gbps), "copies": case.copies, "correct": ok})
             print(rows[-1], flush=True)
             del case
             torch.cuda.empty_cache()
@@ -460,7 +478,9 @@ def main(argv: list[str] | None = None) -> None:
              f"{_kv_name()} KV, {PAGE}-token pages scattered); the config the decode table picks",
              f"one CUDA graph of `copies` calls, each over its own pages (KV read from HBM), median of {a.replays} "
              "replays, per call; bytes: every K and V byte + q + output",
-             "correct: within 2e-2 of the fp32 reference (ops.paged_decode_ref)"]
+             "correct: within 2e-2 of the fp32 reference (ops.paged_decode_ref)",
+             "copy_us, copy_pct_of_copy_bw: a device-to-device copy moving the call's bytes (half read, half written) "
+             "in the same harness: the ceiling one plain kernel of that size reaches"]
     common.write_results("attention" + _tag(), rows, title="Paged decode attention alone, % of copy bandwidth",
                          notes=notes, device=device, out_dir=a.out)
     common.plot_lines("attention" + _tag(), rows, x="context", y="pct_of_copy_bw", series="batch", logx=True, out_dir=a.out,

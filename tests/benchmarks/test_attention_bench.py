@@ -127,3 +127,18 @@ def test_operand_orders_compute_the_reference_attention(form, cache_dtype):
     O.run(form, q, cache, table, seq_lens, out, 64, 4, 2)
     ref = paged_decode_ref(q, cache, table, seq_lens, O.HEADS, O.D, O.D**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_table_rows_carry_the_same_bytes_copy_beside_the_kernel(tmp_path):
+    """On a GPU: each shape's row has the table's kernel and a copy moving the same bytes, both timed in the one
+    harness, as % of the large copy's bandwidth; the files are written."""
+    A.main(["--batches", "1,8", "--contexts", "512", "--replays", "3", "--out", str(tmp_path)])
+    rows = read_rows(tmp_path / "attention.csv")
+    assert [(r["batch"], r["context"]) for r in rows] == [("1", "512"), ("8", "512")]
+    for r in rows:
+        assert r["correct"] == "True" and float(r["us"]) > 0 and float(r["copy_us"]) > 0
+        assert 0 < float(r["copy_pct_of_copy_bw"]) < 120  # from HBM (copies past the L2), near or below the copy's
+    # the larger call moves 8x the bytes: its copy takes longer, at a larger share of the bandwidth
+    assert float(rows[1]["copy_us"]) > float(rows[0]["copy_us"])
+    assert float(rows[1]["copy_pct_of_copy_bw"]) > float(rows[0]["copy_pct_of_copy_bw"])
