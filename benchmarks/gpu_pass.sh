@@ -255,7 +255,7 @@ for step in $steps; do
                 --models llama-3.2-1b --batches ${N1B_PROFILE_BATCHES-8,32,128} --out "$R/kernel_profile_1b" \
                 > "$R/kernel_profile_1b.log" 2>&1; grep -E "\| total \||Error" "$R/kernel_profile_1b.log" | tail -4
               R=$R/sweep_narrow1b SWEEP_TIMEOUT=${N1B_SWEEP_TIMEOUT:-380} SWEEP_MS=${N1B_MS:-32,64,128} SWEEP_DTYPES=bf16 \
-                SWEEP_ARGS="--model llama-3.2-1b --separated --sweep-forms narrow --sweep-shapes qkv,o,down" bash "$0" gemmsweep ;;
+                SWEEP_ARGS="--model llama-3.2-1b --separated --sweep-forms narrow --sweep-shapes ${N1B_SHAPES:-down,qkv,o}" bash "$0" gemmsweep ;;
     attn1b)   # issue 16: Llama-3.2-1B's 64-size heads at 32 and 128 sequences (the 8B's rows run them now): the decode
               # attention sweep over contexts 512-4096
               timeout ${ATTN1B_TIMEOUT:-300} python3 -m benchmarks.attention --head-size 64 --batches ${ATTN1B_BATCHES:-32,128} \
