@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b|gated8b ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -269,6 +269,13 @@ for step in $steps; do
                 --batches ${STEP1B_BATCHES:-32,64,128} --rounds ${STEP1B_ROUNDS:-2} --variant table= --sweep-others table \
                 ${csvs:+--sweep-variant "gemm=$csvs"} ${acsvs:+--attn-sweep-variant "attn=64:$acsvs"} \
                 --out "$R/stepab_1b" 2>&1 | tee "$R/stepab_1b.log" | grep -E "^\{|^--|Error" ;;
+    gated8b)  # issue 16: the bf16 8B's gate-up at 33-128 tokens in the gated form (GEMM + SiLU-and-mul in one kernel, the
+              # unfused tiles nearest cuBLAS with BLOCK_N halved: the gated form reads BLOCK_N gate and BLOCK_N up rows) against the table (cuBLAS, then
+              # the activation kernel)
+              timeout ${GATED8B_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model llama-3-8b --batches ${GATED8B_BATCHES:-64,128} \
+                --rounds ${GATED8B_ROUNDS:-2} --variant table= \
+                --variant "gated=gated_row=bf16:64:64x64x128,w4,s4;gated_row=bf16:128:128x64x64,w8,s5" \
+                --out "$R/stepab_gated8b" 2>&1 | tee "$R/stepab_gated8b.log" | grep -E "^\{|Error" ;;
     targets)  # issues 12 and 16's figures in one call: the level-3 decode step of the 1B, the bf16 8B and both
               # quantized 8Bs (batch 1-128, context 512), the 8B linear stack at M = 1, attention alone (bf16 cache)
               for m in ${TARGET_MODELS:-llama-3.2-1b llama-3-8b llama-3-8b-fp8 llama-3-8b-int8}; do
