@@ -440,8 +440,8 @@ def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: s
     named = [(name, DTYPES[d], n, k) for d in dtypes for name, k, n in model.shapes]
     if "bf16" in dtypes:
         named.append((model.lm_head[0], BF16, model.lm_head[2], model.lm_head[1]))
-    cells = [cell for name, *cell in named] if shapes is None else \
-        [cell for want in shapes for name, *cell in named if name == want]  # in the order asked
+    cells = [tuple(cell) for name, *cell in named] if shapes is None else \
+        [tuple(cell) for want in shapes for name, *cell in named if name == want]  # in the order asked
     rows: list[dict[str, Any]] = []
     for dtype, n, k in dict.fromkeys(cells):
         rows += sweep_shape(dtype, n, k, ms, device, copy_gbps, separated, forms)

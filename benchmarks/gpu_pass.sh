@@ -263,7 +263,7 @@ for step in $steps; do
               grep -E "^best|Error" "$R/attn_d64.log" | head ;;
     step1b)   # issue 16: the 1B's step against the table with the picks of the narrow1b sweep (N1B_CSVS; where they beat
               # cuBLAS by 2%, the other shapes on the table's rows) and with the rows the attn1b sweep suggests (A1B_CSVS)
-              csvs=$(ls ${N1B_CSVS:-$R/sweep_narrow1b/gemm_sweep_llama-3.2-1b_separated_narrow.csv} 2>/dev/null | paste -sd,)
+              csvs=$(ls ${N1B_CSVS:-$R/sweep_narrow1b/gemm_sweep/gemm_sweep_llama-3.2-1b_separated_narrow.csv} 2>/dev/null | paste -sd,)
               acsvs=$(ls ${A1B_CSVS:-$R/attn_d64/attention_sweep_d64.csv} 2>/dev/null | paste -sd,)
               timeout ${STEP1B_TIMEOUT:-400} python3 -m benchmarks.gemm_step_ab --model llama-3.2-1b \
                 --batches ${STEP1B_BATCHES:-32,64,128} --rounds ${STEP1B_ROUNDS:-2} --variant table= --sweep-others table \

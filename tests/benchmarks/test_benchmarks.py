@@ -361,8 +361,19 @@ def test_gemm_counts_the_8b_weights_and_keeps_its_sweep_small():
             200 << 10, c.BLOCK_K * (c.BLOCK_N + rows) * 4) for c in narrow)  # shared memory: ~200 KB or 2 stages
 
 
-def test_gemm_sweep_shapes_names_the_models_shapes(capsys):
+def test_gemm_sweep_shapes_names_the_models_shapes(capsys, monkeypatch):
+    """``--sweep-shapes`` sweeps those of the model's shapes in the order given (default: every shape and the
+    lm_head); a name the model lacks is a one-line usage error."""
     from benchmarks import gemm
+
+    swept = []
+    monkeypatch.setattr(gemm, "sweep_shape", lambda dtype, n, k, *a, **kw: swept.append((n, k)) or [])
+    monkeypatch.setattr(gemm.common, "write_results", lambda *a, **kw: "")
+    gemm.sweep(gemm.LLAMA_3_2_1B, [32], "cpu", 1000.0, None, ["bf16"], shapes=["down", "qkv"])
+    assert swept == [(2048, 8192), (3072, 2048)]
+    swept.clear()
+    gemm.sweep(gemm.LLAMA_3_2_1B, [32], "cpu", 1000.0, None, ["bf16"])
+    assert swept == [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]
 
     with pytest.raises(SystemExit) as e:
         gemm.main(["--sweep", "--sweep-shapes", "qkv,gate"])
