@@ -116,6 +116,8 @@ class DecodeRule:
 
 _ANY = 1 << 30
 _C, _R = DecodeConfig, DecodeRule
+#: The rule for more than 32 sequences (head sizes up to 128; Llama-3.2-1B's 64-size heads at 33-64 too).
+_B128 = _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)
 #: The first rule that fits wins. Head sizes up to 128: ``benchmarks.attention --sweep``'s suggested rows, measured
 #: on the H200 (torch 2.11, Triton 3.6; results/attention_sweep_best.md: Llama-3-8B's heads, contexts 512-4096; the
 #: comments: µs at contexts 512 and 4096, this row / the rule before the table: two waves of programs, 64-token
@@ -139,7 +141,16 @@ DECODE_TABLE: tuple[DecodeRule, ...] = (
     # with a split merge kernel at 9-16): the fused sweep's pick at 512 and 1024 tokens (24.66 / 41.5 µs against the
     # table's 25.03 / 41.97, results/attention_sweep_fused_best.md).
     _R(32, 128, _C(waves=1, BLOCK_N=128, num_warps=4, num_stages=3, heads_first=True, fused_write=True)),
-    _R(_ANY, 128, _C(waves=1, BLOCK_N=64, num_warps=4, num_stages=3, heads_first=True)),  # b128: 72.74 / 72.74, 489.86 / 493.12
+    # Llama-3.2-1B's heads (64) at 65-128 sequences: 32-token steps on 2 warps, one split, the write fused, the
+    # d64 sweep's pick at batch 128 (results/attention_sweep_best_d64_b32_128_h100.md: 52.05 µs at 512 tokens against
+    # the 128-size row's 63.34, attention_d64_before_b128_row_h100.md; 1.004x the fastest on average over 512-4096).
+    # The 1B's step at batch 128 2095.1 / 2137.9 µs against 2350.1 / 2350.0, at 64 slower (1752.9 / 1777.6 against
+    # 1699.9 / 1690.2; H100, results/gemm_step_ab_1b_both_h100.md), so 33-64 keep the 128-size row (repeated here).
+    # At 9-32 the sweep's pick was the 128-size row's tile (and no faster in the step: variant attn,
+    # gemm_step_ab_1b_narrow_attn_h100.md).
+    _R(64, 64, _B128),
+    _R(128, 64, _C(num_splits=1, BLOCK_N=32, num_warps=2, num_stages=3, fused_write=True)),
+    _R(_ANY, 128, _B128),  # b128: 72.74 / 72.74, 489.86 / 493.12
     _R(_ANY, _ANY, _C(waves=2, BLOCK_N=32, num_warps=4, num_stages=3)),
 )
 #: The rules for an fp8 cache (``ops.kv_quant``: half the bytes a token, fp16 dots): ``benchmarks.attention
@@ -160,7 +171,7 @@ DECODE_TABLE_FP8: tuple[DecodeRule, ...] = (
                      convert_v=True)),  # b128: 55.17 / 363.46, 66.53 / 466.3
     DECODE_TABLE[-1],
 )
-del _C, _R
+del _C, _R, _B128
 
 
 def decode_config(num_seqs: int, head_size: int, kv_fp8: bool = False) -> DecodeConfig:

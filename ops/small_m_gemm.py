@@ -773,7 +773,16 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(32, _F16, 0.0, 65536, _C(32, 256, 128, num_warps=8, num_stages=3, SWAP=True)),  # lm_head 342.3 / 366.2
     _R(32, _F16, 0.0, 16384, _C(32, 128, 128, num_warps=8, num_stages=4, SWAP=True)),  # gate-up 80.0 / 80.6
     _R(32, _F16, 0.0, 4096, _C(32, 64, 128, num_warps=4, num_stages=6, SWAP=True)),  # qkv 20.4 / 21.9, o 14.3 / 14.3
-    _R(32, _F16, 0.0, 0, None),  # narrower shapes (Llama-3.2-1B's qkv, o, down): unmeasured at M > 16, cuBLAS
+    # The narrower shapes (Llama-3.2-1B's) at M = 17-32: its down_proj (K 8192 -> 2048) on swapped 32-row tiles over
+    # two splits summed in the kernel, its qkv (2048 -> 3072) on one split, both read by tensor descriptors; its
+    # o_proj (2048 -> 2048) stays on cuBLAS (1.015x). From the separated sweep at M = 32 on an H100
+    # (results/gemm_sweep_best_llama-3.2-1b_separated_narrow_h100.md, µs ours / cuBLAS: down 15.65 / 16.93, qkv 7.32 /
+    # 7.47); the 1B step at batch 32 1393.5 / 1389.2 µs against 1430.0 / 1439.5 with cuBLAS there (H100, two
+    # alternating runs, results/gemm_step_ab_1b_narrow_attn_h100.md, variant gemm). At M = 128 cuBLAS won all three
+    # (0.74-0.93x).
+    _R(32, _F16, 4.0, 2048, _C(32, 64, 256, SPLIT_K=2, num_warps=4, num_stages=4, SERIAL=True, SWAP=True, TMA=True)),
+    _R(32, _F16, 0.0, 3072, _C(32, 64, 256, num_warps=4, num_stages=4, SWAP=True, TMA=True)),
+    _R(32, _F16, 0.0, 0, None),  # narrower still (the 1B's o_proj): cuBLAS
     # bf16 / fp16 at M = 33-128 (up to F16_TRITON_MAX_M): the 8B's down_proj and the lm_head (and o_proj at 33-64:
     # below); qkv, o and gate-up stayed on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes. The sweeps' picks, µs ours / cuBLAS:
     # at M = 64 results/gemm_sweep_best_bf16_m64_separated_h100.md, at 128 the swapped down of

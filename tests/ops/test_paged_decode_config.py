@@ -45,6 +45,13 @@ def test_measured_rows_pick_splits_by_batch():
         cfg = decode_config(b, 128)
         assert (cfg.fused_merge, cfg.fused_write) == (merge, write), b
     assert not decode_config(1, 256).fused_merge
+    # Llama-3.2-1B's 64-size heads: the 128-size rows but at 2-8 sequences and 65-128 (one split, 32-token steps on 2
+    # warps, the write fused); 33-64 and past 128 the 128-size row
+    for b in (33, 64, 129, 512):
+        assert decode_config(b, 64) == decode_config(b, 128), b
+    for b in (65, 128):
+        cfg = decode_config(b, 64)
+        assert (cfg.splits(b, 8, 132), cfg.BLOCK_N, cfg.num_warps, cfg.fused_write) == (1, 32, 2, True), b
 
 
 def test_config_validation_and_fixed_splits():

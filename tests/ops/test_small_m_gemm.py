@@ -261,6 +261,21 @@ def test_small_m_mm_on_8b_shapes(m, k, n):
     _assert_mm_within_bound(ops.small_m_mm(a, w), a, w, None)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("k,n", [(2048, 3072), (8192, 2048)], ids=["qkv_1b", "down_1b"])
+@pytest.mark.parametrize("m", [17, 32])
+def test_small_m_mm_on_the_1b_narrow_shapes(m, k, n):
+    """The table's rows for Llama-3.2-1B's qkv and down_proj at 17-32 tokens (swapped tiles read by descriptors, the
+    down over two splits summed in the kernel), as the public op runs them: within the fp32 accumulation's bound,
+    twice (the split tile's arrival counters reset themselves)."""
+    a = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(m), device="cuda").to(BF16)
+    w = _weight(BF16, n, k)
+    config = ops.small_m_config(m, n, k, BF16, max_m=triton_max_m(BF16))
+    assert config is not None and config.TMA and all(d is not None for d in tma_operands(a, w, config))
+    for _ in range(2):
+        _assert_mm_within_bound(ops.small_m_mm(a, w), a, w, None)
+
+
 # Dot tiles read by tensor descriptors (TMA): unswapped and swapped, one and two (summed in the kernel) K splits,
 # at the decode sizes where the wide tiles run, on every 8B shape (N and K multiples of every block: no zero-filled
 # tail; test_small_m_gemm_interpreted.py has the tails).
@@ -310,8 +325,9 @@ def test_the_table_covers_small_m_and_leaves_larger_m_to_cublas():
 
 def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
     """bf16 / fp16 run the kernel up to ``triton_max_m`` (128): at 17-32 rows every 8B shape (N >= 4096, the lm_head
-    too) takes the swapped dot tiles; at 33-128 the 8B's down_proj and lm_head alone (and at 33-64 its o_proj and the
-    1B's lm_head, K 2048); narrower shapes (the 1B's qkv, o and down) and every shape past 128 cuBLAS."""
+    too) and the 1B's qkv and down take the swapped dot tiles (the 1B's down over two splits, both by descriptors),
+    the 1B's o_proj cuBLAS; at 33-128 the 8B's down_proj and lm_head alone (and at 33-64 its o_proj and the 1B's
+    lm_head, K 2048); the 1B's narrow shapes past 32 and every shape past 128 cuBLAS."""
     lm_8b, lm_1b, down_8b = (4096, 128256), (2048, 128256), (14336, 4096)
     for dtype in (BF16, torch.float16):
         top = triton_max_m(dtype)
@@ -319,7 +335,9 @@ def test_bf16_takes_the_swapped_tiles_up_to_its_range_on_8b_shapes():
         for k, n in SHAPES_8B + [lm_8b, lm_1b, (2048, 3072), (2048, 2048), (8192, 2048)]:
             for m in (SMALL_M_MAX + 1, 32):
                 config = ops.small_m_config(m, n, k, dtype, max_m=top)
-                assert (config is not None and config.SWAP and config.BLOCK_M == 32) == (n >= 4096)
+                assert (config is not None and config.SWAP and config.BLOCK_M == 32) == (n >= 3072 or k == 4 * n)
+                if n < 4096 and config is not None:  # the 1B's narrow rows: descriptors, its down over two splits
+                    assert config.TMA and (config.SPLIT_K, config.SERIAL) == ((2, True) if k == 4 * n else (1, False))
             for m in (33, 64):
                 taken = (k, n) in (lm_8b, lm_1b, down_8b, (4096, 4096))
                 assert (ops.small_m_config(m, n, k, dtype, max_m=top) is not None) == taken
