@@ -435,8 +435,9 @@ SWEEP_COLUMNS = ["dtype", "M", "N", "K", "impl", *SmallMConfig.__dataclass_field
 def sweep(model: Model, ms: list[int], device: str, copy_gbps: float, out_dir: str | None,
           dtypes: Sequence[str] = tuple(DTYPES), suffix: str = "", separated: bool = False,
           forms: str = "all", shapes: Sequence[str] | None = None) -> None:
-    """Sweep each layer shape (of ``shapes``' names in their order, default all) and the lm_head (bf16: unquantized in every
-    model) in each of ``dtypes``; writes ``gemm_sweep{suffix}`` after every shape, then ``gemm_sweep_best``."""
+    """Sweep each layer shape (of ``shapes``' names in their order, default all) and the lm_head (bf16: unquantized
+    in every model) in each of ``dtypes``; writes ``gemm_sweep{suffix}`` after every shape, then
+    ``gemm_sweep_best``."""
     named = [(name, DTYPES[d], n, k) for d in dtypes for name, k, n in model.shapes]
     if "bf16" in dtypes:
         named.append((model.lm_head[0], BF16, model.lm_head[2], model.lm_head[1]))

@@ -425,7 +425,8 @@ def attention_sweep_items(head_size: int, paths: list[str]) -> list[str]:
         rows += part
     items = []
     for batch, fields, _, _ in sorted(attention.suggested_configs(rows), key=lambda c: c[0]):
-        text = ",".join(f"{k}={int(v) if isinstance(v, bool) else 'none' if v is None else v}" for k, v in fields.items())
+        text = ",".join(f"{k}={int(v) if isinstance(v, bool) else 'none' if v is None else v}"
+                        for k, v in fields.items())
         items.append(f"{_ATTN_ROW}{batch}:{head_size}:{text}")
     return items
 
