@@ -69,7 +69,8 @@ class DecodeConfig:
     of the current kernels measured them fastest, the write up to 32; not above: measured on the H200 (llama-3-8b,
     level-3 whole-step graph, context 512, ``benchmarks.kernel_profile``) an earlier fused write made the split kernel 112 µs a layer
     at batch 128 against 72 without it; the current one, on the row above 32 sequences, made the 8B's step 2.98% /
-    0.88% slower at batch 64 / 128 on an H100 (results/gemm_step_ab_attn_fused_write_b128_h100_summary.md).
+    0.88% slower at batch 64 / 128 on an H100 (results/gemm_step_ab_attn_fused_write_b128_h100_summary.md). The one
+    row above 32 with the write fused is Llama-3.2-1B's 64-size heads' at 65-128 sequences, the d64 sweep's pick.
     """
 
     num_splits: int | None = None
