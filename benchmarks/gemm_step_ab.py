@@ -58,7 +58,7 @@ import math
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -391,22 +391,32 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for (batch, name), mean in sorted(means.items(), key=lambda kv: kv[0][0])]  # stable: run order kept
 
 
-def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: float, others: str) -> list[str]:
-    """The ``--sweep-variant NAME=CSV[,CSV...]`` items as variant texts (:func:`sweep_rules`), each printed; a bad
-    item, file or ``--min-speedup`` is a one-line usage error."""
-    if items and min_speedup <= 0:
-        p.error(f"--min-speedup: expected a number > 0; got {min_speedup}")
+def _built_variants(p: argparse.ArgumentParser, flag: str, form: str, items: list[str],
+                    build: Callable[[str], list[str] | None]) -> list[str]:
+    """``flag``'s ``NAME=SPEC`` items as variant texts, each ``NAME=`` and the items ``build(SPEC)`` gives, printed;
+    an item without a name, a SPEC ``build`` refuses (None) or a file it cannot read is a one-line usage error naming
+    ``form``."""
     texts = []
     for item in items:
-        name, sep, files = item.partition("=")
-        if not sep or not files:
-            p.error(f"--sweep-variant: expected NAME=CSV[,CSV...]; got {item!r}")
+        name, sep, spec = item.partition("=")
         try:
-            texts.append(f"{name}=" + ";".join(sweep_rules(files.split(","), min_speedup, others)))
+            built = build(spec) if sep and name and spec else None
         except (OSError, ValueError, KeyError) as e:
-            p.error(f"--sweep-variant: {type(e).__name__}: {e}")
-        print(f"--sweep-variant: {texts[-1]}", flush=True)
+            p.error(f"{flag}: {type(e).__name__}: {e}")
+        if built is None:
+            p.error(f"{flag}: expected {form}; got {item!r}")
+        texts.append(f"{name}=" + ";".join(built))
+        print(f"{flag}: {texts[-1]}", flush=True)
     return texts
+
+
+def _sweep_variants(p: argparse.ArgumentParser, items: list[str], min_speedup: float, others: str) -> list[str]:
+    """The ``--sweep-variant NAME=CSV[,CSV...]`` items as variant texts (:func:`sweep_rules`); a bad item, file or
+    ``--min-speedup`` is a one-line usage error."""
+    if items and min_speedup <= 0:
+        p.error(f"--min-speedup: expected a number > 0; got {min_speedup}")
+    return _built_variants(p, "--sweep-variant", "NAME=CSV[,CSV...]", items,
+                           lambda files: sweep_rules(files.split(","), min_speedup, others))
 
 
 def attention_sweep_items(head_size: int, paths: list[str]) -> list[str]:
@@ -432,20 +442,13 @@ def attention_sweep_items(head_size: int, paths: list[str]) -> list[str]:
 
 
 def _attn_sweep_variants(p: argparse.ArgumentParser, items: list[str]) -> list[str]:
-    """The ``--attn-sweep-variant NAME=HEAD_SIZE:CSV[,CSV...]`` items as variant texts, each printed; a bad item or
-    file is a one-line usage error."""
-    texts = []
-    for item in items:
-        name, _, spec = item.partition("=")
+    """The ``--attn-sweep-variant NAME=HEAD_SIZE:CSV[,CSV...]`` items as variant texts (:func:`attention_sweep_items`);
+    a bad item or file is a one-line usage error."""
+    def build(spec: str) -> list[str] | None:
         head, _, files = spec.partition(":")
-        if not name or not head.isdigit() or not files:
-            p.error(f"--attn-sweep-variant: expected NAME=HEAD_SIZE:CSV[,CSV...]; got {item!r}")
-        try:
-            texts.append(f"{name}=" + ";".join(attention_sweep_items(int(head), files.split(","))))
-        except (OSError, ValueError, KeyError) as e:
-            p.error(f"--attn-sweep-variant: {type(e).__name__}: {e}")
-        print(f"--attn-sweep-variant: {texts[-1]}", flush=True)
-    return texts
+        return attention_sweep_items(int(head), files.split(",")) if head.isdigit() and files else None
+
+    return _built_variants(p, "--attn-sweep-variant", "NAME=HEAD_SIZE:CSV[,CSV...]", items, build)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

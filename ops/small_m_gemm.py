@@ -784,7 +784,8 @@ SMALL_M_TABLE: tuple[SmallMRule, ...] = (
     _R(32, _F16, 0.0, 3072, _C(32, 64, 256, num_warps=4, num_stages=4, SWAP=True, TMA=True)),
     _R(32, _F16, 0.0, 0, None),  # narrower still (the 1B's o_proj): cuBLAS
     # bf16 / fp16 at M = 33-128 (up to F16_TRITON_MAX_M): the 8B's down_proj and the lm_head (and o_proj at 33-64:
-    # below); qkv, o and gate-up stayed on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes. The sweeps' picks, µs ours / cuBLAS:
+    # below); qkv, o and gate-up stayed on cuBLAS (as fast or faster alone there), as do the 1B's narrower shapes.
+    # The sweeps' picks, µs ours / cuBLAS:
     # at M = 64 results/gemm_sweep_best_bf16_m64_separated_h100.md, at 128 the swapped down of
     # gemm_sweep_best_bf16_swap_m64_128_h100.md and the lm_head of gemm_sweep_best_bf16_m128_separated_h100.md. The 8B
     # step (H100, two alternating runs, results/gemm_step_ab_bf16_m64_128_h100.md, variant g against table, which had
