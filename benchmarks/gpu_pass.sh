@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b|gated8b ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b|gated8b|attnb1 ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -269,6 +269,18 @@ for step in $steps; do
                 --batches ${STEP1B_BATCHES:-32,64,128} --rounds ${STEP1B_ROUNDS:-2} --variant table= --sweep-others table \
                 ${csvs:+--sweep-variant "gemm=$csvs"} ${acsvs:+--attn-sweep-variant "attn=64:$acsvs"} \
                 --out "$R/stepab_1b" 2>&1 | tee "$R/stepab_1b.log" | grep -E "^\{|^--|Error" ;;
+    attnb1)   # issue 16: the decode attention at one sequence with 1-8 splits (the table's row has 16; the sweep's
+              # candidates start at 8): alone (Llama-3.2-1B's heads and Llama-3-8B's) against the table's row, then the
+              # 1B's batch-1 step with each (AB1_SPLITS)
+              for h in 64 128; do
+                timeout ${AB1_ATTN_TIMEOUT:-100} python3 -m benchmarks.attention --head-size $h --batches 1 \
+                  --contexts 512,1024,2048 $(for s in ${AB1_SPLITS:-1 2 4 8}; do echo --variant s$s=num_splits=$s; done) \
+                  --out "$R/attnb1" > "$R/attnb1_d$h.log" 2>&1; grep -E "Error" "$R/attnb1_d$h.log" | head -5
+              done
+              timeout ${AB1_STEP_TIMEOUT:-240} python3 -m benchmarks.gemm_step_ab --model ${AB1_MODEL:-llama-3.2-1b} --batches 1 \
+                --rounds ${AB1_ROUNDS:-2} --variant table= \
+                $(for s in ${AB1_STEP_SPLITS:-1 2 4}; do echo --variant s$s=attn_rule=1:128:num_splits=$s; done) \
+                --out "$R/stepab_attnb1" 2>&1 | tee "$R/stepab_attnb1.log" | grep -E "^\{|^--|Error" ;;
     gated8b)  # issue 16: the bf16 8B's gate-up at 33-128 tokens in the gated form (GEMM + SiLU-and-mul in one kernel, the
               # unfused tiles nearest cuBLAS with BLOCK_N halved: the gated form reads BLOCK_N gate and BLOCK_N up rows) against the table (cuBLAS, then
               # the activation kernel)
