@@ -271,15 +271,22 @@ for step in $steps; do
                 --out "$R/stepab_1b" 2>&1 | tee "$R/stepab_1b.log" | grep -E "^\{|^--|Error" ;;
     attnb1)   # issue 16: the decode attention at one sequence with 1-8 splits (the table's row has 16; the sweep's
               # candidates start at 8): alone (Llama-3.2-1B's heads and Llama-3-8B's) against the table's row, then the
-              # 1B's batch-1 step with each (AB1_SPLITS)
+              # 1B's batch-1 step with the two variants fastest alone on its heads (on average over the contexts), if
+              # faster than the table's row
+              vs=${AB1_VARIANTS:-"s1=num_splits=1 s2=num_splits=2 s4=num_splits=4 s8=num_splits=8 s2n128=num_splits=2,BLOCK_N=128,num_stages=3 s4n128=num_splits=4,BLOCK_N=128,num_stages=3"}
               for h in 64 128; do
                 timeout ${AB1_ATTN_TIMEOUT:-100} python3 -m benchmarks.attention --head-size $h --batches 1 \
-                  --contexts 512,1024,2048 $(for s in ${AB1_SPLITS:-1 2 4 8}; do echo --variant s$s=num_splits=$s; done) \
+                  --contexts 512,1024,2048 $(for v in $vs; do echo --variant $v; done) \
                   --out "$R/attnb1" > "$R/attnb1_d$h.log" 2>&1; grep -E "Error" "$R/attnb1_d$h.log" | head -5
               done
-              timeout ${AB1_STEP_TIMEOUT:-240} python3 -m benchmarks.gemm_step_ab --model ${AB1_MODEL:-llama-3.2-1b} --batches 1 \
-                --rounds ${AB1_ROUNDS:-2} --variant table= \
-                $(for s in ${AB1_STEP_SPLITS:-1 2 4}; do echo --variant s$s=attn_rule=1:128:num_splits=$s; done) \
+              best=$(python3 -c "import csv,sys; r=[x for x in csv.DictReader(l for l in open(sys.argv[1]) if l[0] != '#')]
+g={}; [g.setdefault(x['variant'],[]).append(float(x['vs_table'])) for x in r if x['variant'] != 'table' and x['correct'] == 'True']
+print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k])/len(g[k]))[:2])" \
+                "$R/attnb1/attention_variants_d64.csv" 2>/dev/null)
+              echo "attnb1: variants faster than the table alone on the 1B's heads: ${best:-none}"
+              stepvs=$(for v in $vs; do n=${v%%=*}; case " $best " in *" $n "*) echo --variant "$n=attn_rule=1:128:${v#*=}";; esac; done)
+              [ -n "$stepvs" ] && timeout ${AB1_STEP_TIMEOUT:-240} python3 -m benchmarks.gemm_step_ab --model ${AB1_MODEL:-llama-3.2-1b} \
+                --batches 1 --rounds ${AB1_ROUNDS:-2} --variant table= $stepvs \
                 --out "$R/stepab_attnb1" 2>&1 | tee "$R/stepab_attnb1.log" | grep -E "^\{|^--|Error" ;;
     gated8b)  # issue 16: the bf16 8B's gate-up at 33-128 tokens in the gated form (GEMM + SiLU-and-mul in one kernel, the
               # unfused tiles nearest cuBLAS with BLOCK_N halved: the gated form reads BLOCK_N gate and BLOCK_N up rows) against the table (cuBLAS, then
