@@ -17,7 +17,7 @@ device-to-device copy moving the same bytes (half read, half written), timed in 
 copy bandwidth one plain kernel of that size reaches, launch and ramp included.
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
-BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's; ~100 a shape; then the fastest
+BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's or ``--splits``; ~100 a shape; then the fastest
 six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the fused merge and cache
 write), timed the same way, after a pass that compiles them all (in
 parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
@@ -34,7 +34,7 @@ copy bandwidth and its speed against the table's).
 ``--head-size 64``: Llama-3.2-1B's heads (32 query heads, 8 KV heads, head size 64; files end in ``_d64``).
 
 Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--head-size 128]
-[--sweep [--deadline 220]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown,
+[--sweep [--deadline 220] [--splits 1,2,4]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown,
 PNG) are written only with ``--out``.
 """
 
@@ -62,6 +62,8 @@ HEAD_TAG = ""  # the files' suffix for the head size: "" (128), "_d64"; set by m
 DTYPE = torch.bfloat16
 #: The cache's dtype: None (DTYPE's), or fp8 with ``--kv-cache-dtype fp8`` (``ops.kv_quant``, scales 1); set by main.
 CACHE_DTYPE: torch.dtype | None = None
+#: ``--splits``: the split counts the sweep tries at every batch, or None (around the two-wave rule's); set by main.
+SWEEP_SPLITS: list[int] | None = None
 SCALE = HEAD**-0.5
 TOL = 2e-2
 MAX_COPIES = 64
@@ -250,7 +252,9 @@ _TILES = [(bn, w, s) for bn in (16, 32, 64, 128) for w, s in ((2, 3), (4, 2), (4
 
 
 def sweep_splits(batch: int, num_sms: int) -> list[int]:
-    """Split counts around the two-wave rule's (a quarter of it to four times it, 1 to 32)."""
+    """Split counts around the two-wave rule's (a quarter of it to four times it, 1 to 32), or ``--splits``'."""
+    if SWEEP_SPLITS:
+        return list(SWEEP_SPLITS)
     s0 = DecodeConfig(waves=2).splits(batch, KV_HEADS, num_sms)
     return [s for s in (s0 // 4, s0 // 2, s0, s0 * 2, s0 * 4) if 1 <= s <= 32]
 
@@ -447,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replays", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config per shape")
     p.add_argument("--deadline", type=float, default=220.0, help="seconds the sweep may take (then it stops)")
+    p.add_argument("--splits", default=None, help="the sweep's split counts at every batch, e.g. 1,2,4 (1-32; "
+                   "default: a quarter to four times the two-wave rule's count)")
     p.add_argument("--compile-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="threads compiling the sweep's configs (1: one by one, without Triton's AsyncCompileMode)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
@@ -461,7 +467,10 @@ def main(argv: list[str] | None = None) -> None:
     variants = [parse_variant(p, v) for v in a.variant]
     if a.rounds < 1:
         p.error(f"--rounds: at least 1; got {a.rounds}")
-    global CACHE_DTYPE, HEAD, SCALE, HEAD_TAG
+    global CACHE_DTYPE, HEAD, SCALE, HEAD_TAG, SWEEP_SPLITS
+    SWEEP_SPLITS = common.int_list(p, "--splits", a.splits) if a.splits is not None else None
+    if SWEEP_SPLITS and not all(1 <= s <= 32 for s in SWEEP_SPLITS):
+        p.error(f"--splits: split counts from 1 to 32; got {a.splits!r}")
     CACHE_DTYPE = torch.float8_e4m3fn if a.kv_cache_dtype == "fp8" else None
     HEAD, SCALE, HEAD_TAG = a.head_size, a.head_size**-0.5, "" if a.head_size == 128 else f"_d{a.head_size}"
     batches, contexts = common.int_list(p, "--batches", a.batches), common.int_list(p, "--contexts", a.contexts)

@@ -101,6 +101,22 @@ def test_sweep_flow_writes_its_files(monkeypatch, tmp_path, capsys):
     assert len(lines) == 2 and "BLOCK_N=32" in lines[0] and "heads_first=True" in lines[0]
 
 
+def test_splits_flag_sets_the_sweeps_split_counts(monkeypatch, capsys):
+    """``--splits 1,2,4``: every batch's candidates take those counts (the table's batch-1 row has 16; the rule's
+    candidates start at 8); a count outside 1-32 is a one-line parser error naming the flag."""
+    monkeypatch.setattr(A, "SWEEP_SPLITS", None)
+    assert min(A.sweep_splits(1, H200_SMS)) == 8
+    with pytest.raises(SystemExit):  # past the flags, the CPU machine stops at the CUDA check
+        A.main(["--splits", "1,2,4", "--sweep"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert A.sweep_splits(1, H200_SMS) == A.sweep_splits(128, H200_SMS) == [1, 2, 4]
+    assert {c.num_splits for c in A.sweep_candidates(8, H200_SMS)} == {1, 2, 4}
+    for bad in ("0,2", "40"):
+        with pytest.raises(SystemExit) as e:
+            A.main(["--splits", bad])
+        assert e.value.code == 2 and "--splits" in capsys.readouterr().err
+
+
 def read_rows(path):
     import csv
 
