@@ -17,9 +17,9 @@ device-to-device copy moving the same bytes (half read, half written), timed in 
 copy bandwidth one plain kernel of that size reaches, launch and ramp included.
 
 ``--sweep``: per shape, every candidate config of the decode kernel (``sweep_candidates``: tokens per loop step
-BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's or ``--splits``; ~100 a shape; then the fastest
-six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the fused merge and cache
-write), timed the same way, after a pass that compiles them all (in
+BLOCK_N, num_warps, num_stages and the split count, around the two-wave rule's or ``--splits``; ~100 a shape;
+then the fastest six again in each other form of ``FORMS``: the other grid order ``heads_first``, and the fused
+merge and cache write), timed the same way, after a pass that compiles them all (in
 parallel threads, Triton's ``AsyncCompileMode``). Shapes go batch 32, 128, 8, 1 (the issue's first); ``--deadline``
 seconds (default 220) bounds the whole sweep: at the deadline it stops and writes what it measured. Saves
 ``attention_sweep`` (every config), ``attention_sweep_best`` (the fastest per shape, with the table's), and
@@ -34,8 +34,8 @@ copy bandwidth and its speed against the table's).
 ``--head-size 64``: Llama-3.2-1B's heads (32 query heads, 8 KV heads, head size 64; files end in ``_d64``).
 
 Usage: ``python -m benchmarks.attention [--batches 1,8,32,128] [--contexts 512,1024,2048,4096] [--head-size 128]
-[--sweep [--deadline 220] [--splits 1,2,4]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files (CSV, Markdown,
-PNG) are written only with ``--out``.
+[--sweep [--deadline 220] [--splits 1,2,4]] [--variant NAME=FIELD=VALUE,... [--rounds 2]] [--out DIR]``; files
+(CSV, Markdown, PNG) are written only with ``--out``.
 """
 
 from __future__ import annotations
