@@ -11,6 +11,8 @@ small M on CUDA, public for benchmarks; ``linear`` (bf16 / fp16) is the opaque o
 put in place of a compiled graph's GEMMs by the ``small_m_linear`` graph pass, and ``gated_linear`` the one that
 runs its gated form (gate-up GEMM + SiLU-and-mul), put in place of that pair by the ``gated_linear`` pass;
 ``rope_linear`` the QKV GEMM with the rotary embedding of q and k in its epilogue (the ``rope_linear`` pass);
+``norm_linear`` a residual add, its RMSNorm and the linear layer after it in one GEMV at one token (the
+``norm_linear`` pass);
 ``quant_gemm``'s ``static_quant_scaled_mm`` a W8A8 GEMM that quantizes its activation as it loads it (the
 ``quant_gemm`` pass).
 """
@@ -93,6 +95,7 @@ from .scaled_mm import (
 from .linear import LINEAR_DTYPES, linear, linear_uses_small_m
 from .gated_linear import GATED_LINEAR_DTYPES, gated_linear, gated_linear_ref, gated_linear_uses_small_m
 from .rope_linear import ROPE_LINEAR_DTYPES, rope_linear, rope_linear_ref, rope_linear_uses_small_m
+from .norm_linear import NORM_LINEAR_DTYPES, norm_linear, norm_linear_ref, norm_linear_uses_small_m
 from .quant_gemm import QUANT_GEMM_X_DTYPES, static_quant_scaled_mm, static_quant_scaled_mm_ref
 from .silu_and_mul import SiluAndMul, silu_and_mul, silu_and_mul_ref
 from .small_m_gemm import SMALL_M_MAX, SmallMConfig, small_m_config, small_m_mm, small_m_scaled_mm
@@ -116,6 +119,7 @@ TORCH_OP_NAMES = (
     "linear",
     "gated_linear",
     "rope_linear",
+    "norm_linear",
     "write_kv_cache",
     "paged_decode",
     "paged_prefill",
@@ -162,6 +166,9 @@ __all__ = [
     "rope_linear",
     "rope_linear_uses_small_m",
     "ROPE_LINEAR_DTYPES",
+    "norm_linear",
+    "norm_linear_uses_small_m",
+    "NORM_LINEAR_DTYPES",
     "small_m_scaled_mm",
     "small_m_mm",
     "small_m_config",
@@ -218,6 +225,7 @@ __all__ = [
     "gated_scaled_mm_static_quant_ref",
     "gated_linear_ref",
     "rope_linear_ref",
+    "norm_linear_ref",
     "gated_scaled_mm_dynamic_quant_ref",
     "static_quant_scaled_mm_ref",
     "FP8_DTYPE",
