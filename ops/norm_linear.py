@@ -14,8 +14,8 @@ graph pass (``dispatcher.passes``) puts in place of that chain, deciding at run 
 - anything else: ``ops.fused_add_rms_norm`` (its Triton kernel on CUDA), then ``ops.linear`` or, ``gated``,
   ``ops.gated_linear``.
 
-``gated``: ``weight`` is a merged gate-up projection ``[2D, K]`` and the output ``silu(gate) * up`` (``ops.gated_linear``).
-Returns ``(out, h)``: the layer's output and the sum, the next residual.
+``gated``: ``weight`` is a merged gate-up projection ``[2D, K]`` and the output ``silu(gate) * up``
+(``ops.gated_linear``). Returns ``(out, h)``: the layer's output and the sum, the next residual.
 
 Values: the sum rounded to ``x``'s dtype as the add does, the norm in fp32 (``ops.rms_norm_ref``'s arithmetic:
 ``h * rsqrt(mean(h^2) + eps) * g``), rounded to ``x``'s dtype, then the GEMM's fp32 sums in the GEMV's order; the

@@ -124,10 +124,12 @@ _OK = dict(x=torch.zeros(2, 8, dtype=BF16), residual=torch.zeros(2, 8, dtype=BF1
 @pytest.mark.parametrize("change, exc, match", [
     (dict(x=torch.zeros(2, 8)), TypeError, "x, residual and weight must all be bfloat16 or float16; got torch.float32"),
     (dict(residual=torch.zeros(2, 8, dtype=FP16)), TypeError, "got torch.bfloat16, torch.float16 and torch.bfloat16"),
-    (dict(residual=torch.zeros(3, 8, dtype=BF16)), ValueError, r"x and residual must be \[M, K\].*got \[2, 8\], \[3, 8\]"),
+    (dict(residual=torch.zeros(3, 8, dtype=BF16)), ValueError,
+     r"x and residual must be \[M, K\].*got \[2, 8\], \[3, 8\]"),
     (dict(weight=torch.zeros(6, 4, dtype=BF16)), ValueError, r"weight \[N, K\]; got \[2, 8\], \[2, 8\] and \[6, 4\]"),
     (dict(norm_weight=torch.ones(4)), ValueError, r"norm_weight must be \[K\] = \[8\]; got \[4\]"),
-    (dict(weight=torch.zeros(5, 8, dtype=BF16), gated=True), ValueError, r"gated weight must be \[gate; up\].*\[5, 8\]"),
+    (dict(weight=torch.zeros(5, 8, dtype=BF16), gated=True), ValueError,
+     r"gated weight must be \[gate; up\].*\[5, 8\]"),
 ])
 def test_errors_name_the_argument(change, exc, match):
     with pytest.raises(exc, match=match):
