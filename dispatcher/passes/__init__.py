@@ -14,6 +14,7 @@ from .graph_pass import GraphPass
 from .manager import PostGradPassManager, build_pass_manager, builtin_passes, compile_context, with_compile_size
 from .native_ops import NativeOpsPass
 from .noop_elimination import NoOpEliminationPass
+from .norm_linear import NormLinearPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
@@ -30,6 +31,7 @@ __all__ = [
     "GraphPass",
     "NativeOpsPass",
     "NoOpEliminationPass",
+    "NormLinearPass",
     "PassConfig",
     "PassCounter",
     "PassCounts",

@@ -32,6 +32,7 @@ from .gemm_act_quant import GemmActQuantPass
 from .graph_pass import GraphPass, module_source_hash
 from .native_ops import NativeOpsPass
 from .noop_elimination import NoOpEliminationPass
+from .norm_linear import NormLinearPass
 from .pass_config import PassConfig
 from .pattern_pass import PatternPass
 from .quant_fusion import ActQuantPass, RMSNormQuantPass
@@ -51,7 +52,7 @@ def builtin_passes() -> tuple[GraphPass, ...]:
     """The library's passes, one instance each per process (patterns are traced once), in ``PassConfig`` order."""
     passes = (NoOpEliminationPass(), FusedAddRMSNormPass(), RMSNormQuantPass(), ActQuantPass(), GemmActQuantPass(),
               QuantGemmPass(), SequenceParallelPass(), GatedLinearPass(), RopeLinearPass(), SmallMLinearPass(),
-              NativeOpsPass())
+              NormLinearPass(), NativeOpsPass())
     assert tuple(p.name for p in passes) == PassConfig.names(), "PassConfig's fields name the builtin passes"
     return passes
 

@@ -39,13 +39,16 @@ __all__ = ["PassConfig"]
 #: ``quant_gemm``: off. On the H200 the quantizing GEMV made the fp8 8B's batch-1 step slower: 2713.2 against
 #: 2683.6 µs with native code, 2716.9 against 2662.6 with the custom ops and every other pass
 #: (``benchmarks/results/quant_gemm_decode_llama-3-8b-fp8.md``); at more tokens it runs the same two kernels.
+#: ``norm_linear``: off until measured (written with no GPU lent: the residual add and norm before each QKV and
+#: gate-up GEMV of a bf16 decode step at one token, 2 of its ~8 kernels a layer, run in that GEMV's programs).
 #: ``small_m_linear``: on; with the M = 1 rows of the unrolled GEMV it made the H200's bf16 decode step at batch 1
 #: 7% (8B) and 13% (1B) faster, batch 8 2-4%, and a 2048-token prefill no slower (README "Decode kernels",
 #: ``benchmarks/results/small_m_linear_default_ab.md``); before those rows the 8B was 1.0-1.4% slower with it.
 DEFAULT_ON: dict[str, bool] = {"noop": False, "fused_add_rms_norm": False, "rms_norm_quant": False,
                                "act_quant": False, "gemm_act_quant": True, "quant_gemm": False,
                                "sequence_parallel": False,
-                               "gated_linear": True, "rope_linear": False, "small_m_linear": True, "native_ops": False}
+                               "gated_linear": True, "rope_linear": False, "small_m_linear": True, "norm_linear": False,
+                               "native_ops": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,11 @@ class PassConfig:
     """bf16 / fp16 linear layers' GEMMs -> ``dynamo_once::linear``: the library's small-M Triton GEMM at decode
     sizes (M <= 16) on the shapes where it is faster than cuBLAS, cuBLAS elsewhere (see
     ``dispatcher.passes.small_m_linear``)."""
+    norm_linear: bool | None = None
+    """A residual add + RMSNorm + the bf16 / fp16 linear op reading it (``small_m_linear``'s or ``gated_linear``'s) ->
+    ``dynamo_once::norm_linear``: one GEMV at one token that adds and normalizes its activation row itself, the
+    fused-add norm op and the linear op elsewhere (see ``dispatcher.passes.norm_linear``; after the passes making
+    the linear ops)."""
 
     native_ops: bool | None = None
     """Compiles of more than ``DYNAMO_ONCE_NATIVE_OPS_ABOVE`` tokens: every library op with a registered native form

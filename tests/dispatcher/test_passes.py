@@ -73,19 +73,19 @@ def run(n_layers, dtype=torch.float32, tokens=7, passes=None, config=None, **mod
     ("", PassConfig()),
     ("all", PassConfig(noop=True, fused_add_rms_norm=True, rms_norm_quant=True, act_quant=True, gemm_act_quant=True,
                        quant_gemm=True, sequence_parallel=True, gated_linear=True, rope_linear=True,
-                       small_m_linear=True, native_ops=True)),
+                       small_m_linear=True, norm_linear=True, native_ops=True)),
     ("none", PassConfig(noop=False, fused_add_rms_norm=False, rms_norm_quant=False, act_quant=False,
                         gemm_act_quant=False, quant_gemm=False, sequence_parallel=False, gated_linear=False,
-                        rope_linear=False, small_m_linear=False, native_ops=False)),
+                        rope_linear=False, small_m_linear=False, norm_linear=False, native_ops=False)),
     ("none,+fused_add_rms_norm", PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=False,
                                             act_quant=False, gemm_act_quant=False, quant_gemm=False,
                                             sequence_parallel=False, gated_linear=False, rope_linear=False,
-                                            small_m_linear=False, native_ops=False)),
+                                            small_m_linear=False, norm_linear=False, native_ops=False)),
     (" +fused_add_rms_norm , -noop ", PassConfig(noop=False, fused_add_rms_norm=True)),
     (["all", "-noop", "-act_quant"], PassConfig(noop=False, fused_add_rms_norm=True, rms_norm_quant=True,
                                                 act_quant=False, gemm_act_quant=True, quant_gemm=True,
                                                 sequence_parallel=True, gated_linear=True, rope_linear=True,
-                                                small_m_linear=True, native_ops=True)),
+                                                small_m_linear=True, norm_linear=True, native_ops=True)),
     ("-noop", PassConfig(noop=False)),
 ])
 def test_pass_config_parse(tokens, expected):
@@ -122,7 +122,8 @@ def test_pass_config_from_env_and_config(monkeypatch):
                                                                                 "+gemm_act_quant,+quant_gemm,"
                                                                                 "+sequence_parallel,+gated_linear,"
                                                                                 "+rope_linear,"
-                                                                                "+small_m_linear,+native_ops")
+                                                                                "+small_m_linear,+norm_linear,"
+                                                                                "+native_ops")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: bad token"):
         CompilationConfig(pass_config="fast")
     with pytest.raises(ValueError, match="CompilationConfig.pass_config: expected a PassConfig"):
@@ -198,8 +199,8 @@ def test_patterns_are_traced_by_the_first_compile_not_by_the_manager():
     assert out.returncode == 0, out.stderr[-3000:]
     built, compiled = out.stdout.strip().splitlines()[-2:]
     # fused_add_rms_norm, rms_norm_quant, act_quant, gemm_act_quant, quant_gemm, gated_linear, rope_linear,
-    # small_m_linear
-    assert built == "[0, 0, 0, 0, 0, 0, 0, 0]"
+    # small_m_linear, norm_linear
+    assert built == "[0, 0, 0, 0, 0, 0, 0, 0, 0]"
     # this model has no quantization and no linear of a weight the small-M op takes on the CPU: those passes ran
     # on its graphs (and traced), only fused_add_rms_norm rewrote; gemm_act_quant and quant_gemm, whose patterns all
     # hold a W8A8 GEMM, saw none in the graph and traced nothing (on by default, gemm_act_quant costs a bf16 model's
@@ -207,6 +208,7 @@ def test_patterns_are_traced_by_the_first_compile_not_by_the_manager():
     names, matches = compiled.rsplit(" ", 1)
     assert "fused_add_rms_norm" in names and "act_quant" in names and "gemm_act_quant" not in names
     assert "quant_gemm" not in names
+    assert "norm_linear" not in names  # no linear op in the graph: its anchors, nothing traced
     assert int(matches) == 2
 
 
@@ -313,7 +315,7 @@ def test_plugin_passes_run_where_they_asked(add_pass):
     names = [p.name for p in build_pass_manager(PassConfig.parse("all")).passes]
     assert names == ["first", "noop", "mid1", "mid2", "pre_fused", "fused_add_rms_norm", "rms_norm_quant",
                      "act_quant", "gemm_act_quant", "quant_gemm", "sequence_parallel", "gated_linear", "rope_linear",
-                     "small_m_linear", "native_ops",
+                     "small_m_linear", "norm_linear", "native_ops",
                      "last"]
     # the library's passes switched off keep their places as anchors; plugin passes still run
     names = [p.name for p in build_pass_manager(PassConfig.parse("none")).passes]

@@ -218,3 +218,46 @@ def test_llama_gated_and_rope_linear_on_cuda():
     assert none["gated_linear"] == none["rope_linear"] == 0
     assert matched["gated_linear"] >= GATE_UPS and matched["rope_linear"] >= QKVS
     assert_close(out, ref, torch.bfloat16)
+
+
+NORM_LINEAR = torch.ops.dynamo_once.norm_linear.default
+# layer 0's gate-up and layer 1's QKV and gate-up; layer 0's QKV reads the embeddings' norm (no add), the final
+# norm's output leaves the graph (the LM head runs outside it)
+NORM_LINEARS = 3
+
+
+@pytest.mark.parametrize("fused_add", [False, True], ids=["native", "fused-add-op"])
+def test_llama_add_norm_and_linear_take_the_norm_linear_op(pass_free, fused_add):
+    """bf16, after the linear passes: each residual add + norm whose output a linear op reads becomes
+    ``dynamo_once::norm_linear`` (on the CPU, the fused-add norm's reference then ``F.linear`` / the gated
+    reference: within the bf16 tolerance of Inductor's code), from the norm's native code or, with
+    ``fused_add_rms_norm`` first, from its op."""
+    passes = "none,+gated_linear,+small_m_linear,+norm_linear" + (",+fused_add_rms_norm" if fused_add else "")
+    with counted_after("norm_linear") as after:
+        out, counts = logits(passes, dtype=torch.bfloat16)
+    assert counts.runs["norm_linear"] == PIECES
+    assert counts.matches["norm_linear"] == after[NORM_LINEAR] == NORM_LINEARS
+    assert after[GATED] == 0 and after[LINEAR] == LINEARS - GATE_UPS - 1  # layer 0's QKV, the o and down GEMMs
+    # left: the norm of the embeddings and the final one (native, or the final one the fused-add op)
+    assert after[RSQRT] == (1 if fused_add else 2) and after[FUSED] == int(fused_add)
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
+
+
+def test_llama_norm_linear_needs_the_linear_ops(pass_free):
+    """Without the passes making the linear ops the pass finds nothing (and fp32, which they leave alone, neither):
+    the same logits bit for bit."""
+    for dtype, passes in ((torch.bfloat16, "none,+norm_linear"), (torch.float32, "none,+small_m_linear,+norm_linear")):
+        out, counts = logits(passes, dtype=dtype)
+        assert not counts.matches["norm_linear"]
+        assert torch.equal(out, pass_free[dtype])
+
+
+@pytest.mark.cuda
+def test_llama_norm_linear_on_cuda():
+    """On the GPU the decode steps' QKV and gate-up GEMVs take the fused kernel at one token (whole-step graphs), the
+    unfused ops elsewhere: the logits within the bf16 tolerance of the pass-free model's."""
+    prompts = [[5, 9, 2]]  # one sequence: its decode steps are one token
+    (ref, none), (out, matched) = (cuda_logits(p, prompts) for p in ("none", "none,+gated_linear,+small_m_linear,"
+                                                                               "+norm_linear"))
+    assert none["norm_linear"] == 0 and matched["norm_linear"] >= NORM_LINEARS
+    assert_close(out, ref, torch.bfloat16)
