@@ -10,7 +10,7 @@
 # and xgrammar with its FFI library (without them the structured-output tests skip on the GPU):
 #   pip download xgrammar apache-tvm-ffi --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d wheels
-# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b|gated8b|attnb1 ...]
+# Usage: bash benchmarks/gpu_pass.sh [failed|tests|ops|opsfull|sweepsmall|profile|profileprefill|prefill1b|clean|ops3|tracesize|overhead|decode|decode8b|serve|quant|importtime|startupprof|startupphases|startup|gemm|gemmsweep|attn|compare1b|compare8b|comparepw|passes|passesi|pwi|prefix|attnhost|tptests|allreduce|tpdecode|tpsp|pw|mixed|attnprof|attnbreak|chunked|fqconfigs|stepab|kprofmodes|gated|gatedk|gatedstep|gatedlin|attnops|quantgemm|gaqfp8|targets|pdlinline|nativeops|w8a8|preload|next16|swap16|swap16b|next16c|attnvar|b128|tma|tmastep|narrow1b|attn1b|step1b|gated8b|attnb1|normlin ...]
 # (default: tests ops overhead decode). Per-step timeouts keep one call inside the device's 10 minutes.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -288,6 +288,17 @@ print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k]
               [ -n "$stepvs" ] && timeout ${AB1_STEP_TIMEOUT:-240} python3 -m benchmarks.gemm_step_ab --model ${AB1_MODEL:-llama-3.2-1b} \
                 --batches 1 --rounds ${AB1_ROUNDS:-2} --variant table= $stepvs \
                 --out "$R/stepab_attnb1" 2>&1 | tee "$R/stepab_attnb1.log" | grep -E "^\{|^--|Error" ;;
+    normlin)  # issue 16: the norm_linear pass (each residual add + RMSNorm in the QKV / gate-up GEMV after it at one
+              # token): its CUDA tests, then the level-3 step with it against without, interleaved (batch 1, where it
+              # fuses; 8 and 32, where its op runs the fused-add norm kernel and the linear op), 1B and 8B
+              timeout ${NORMLIN_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 --tb=short -rf \
+                tests/ops/test_norm_linear.py tests/models/test_graph_passes.py > "$R/normlin_tests.log" 2>&1
+              grep -E "FAILED|ERROR" "$R/normlin_tests.log" | head -10; tail -1 "$R/normlin_tests.log"
+              for m in ${NORMLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
+                timeout ${NORMLIN_TIMEOUT:-200} python3 -m benchmarks.decode --models $m --batches ${NORMLIN_BATCHES:-1,8,32} \
+                  --modes "level 3,level 3 +norm_linear" --rounds ${NORMLIN_ROUNDS:-3} --prefill 0 --iters 30 \
+                  --out "$R/normlin_$m" 2>&1 | tee "$R/normlin_$m.log" | grep -E "^\{|Error"
+              done ;;
     gated8b)  # issue 16: the bf16 8B's gate-up at 33-128 tokens in the gated form (GEMM + SiLU-and-mul in one kernel, the
               # unfused tiles nearest cuBLAS with BLOCK_N halved: the gated form reads BLOCK_N gate and BLOCK_N up rows) against the table (cuBLAS, then
               # the activation kernel)

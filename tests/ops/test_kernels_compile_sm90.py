@@ -215,3 +215,26 @@ def test_gemv_preload_loads_its_weights_before_the_wait(preload, rows):
         # the weight loads ahead are `steps` of the 4 steps' (a's loads and the scales' are all after)
         per_step = ahead // steps
         assert ahead == steps * per_step and after >= (4 - steps) * per_step + 1
+
+
+_NORM_TYPES = dict(x_ptr="*bf16", r_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", M="i32",
+                   N="i32", stride_xm="i32", stride_rm="i32", stride_wn="i32", eps="fp32")
+
+
+@pytest.mark.parametrize("k", [2048, 4096], ids=["1b", "8b"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_norm_gemv_compiles_for_sm90_and_preloads_its_weights(gated, k):
+    """``ops.norm_linear``'s fused GEMV as it launches at the bf16 GEMV row (NORM_MIN_ROWS weight rows a program,
+    1024-column steps; the 8B's K: two steps loaded ahead): nothing spilled; the preloaded weights read ahead of
+    ``griddepcontrol.wait``, the activation row and the residual after it."""
+    norm = importlib.import_module("ops.norm_linear")
+    from ops.small_m_gemm import SmallMConfig, preload_steps
+
+    config = SmallMConfig(1, norm.NORM_MIN_ROWS, 1024, DOT=False, UNROLL=True, PRELOAD=2)
+    preload = preload_steps(config, k)
+    consts = dict(K=k, BLOCK_N=config.BLOCK_N // 2 if gated else config.BLOCK_N, BLOCK_K=1024, EVEN=True,
+                  INT64=False, PDL=True, GATED=gated, H=tl.bfloat16, PRELOAD=preload)
+    compiled = _compile(norm._norm_gemv_kernel, _NORM_TYPES, consts, num_warps=4)
+    assert re.search(r"LOCAL:0\b", read_cubin(compiled.asm["cubin"], "-res-usage"))
+    head, _, tail = compiled.asm["ptx"].partition("griddepcontrol.wait")
+    assert tail and (head.count("ld.global") > 0) == (preload > 0) and tail.count("ld.global") > 0

@@ -64,6 +64,7 @@ def _samples(num_tokens: int, device: str) -> dict:
         "linear": (ops.linear, (x, rand(48, x.shape[1]), rand(48))),
         "gated_linear": (ops.gated_linear, (x, rand(48, x.shape[1]))),
         "rope_linear": (ops.rope_linear, (x, rand(3 * HEAD_SIZE, x.shape[1]), positions, cache, HEAD_SIZE, 2)),
+        "norm_linear": (ops.norm_linear, (x, r, w, rand(48, x.shape[1]), EPS, True)),
         "write_kv_cache": (_write_kv_cache, (kv_cache, rand(num_tokens, 2 * HEAD_SIZE), rand(num_tokens, 2 * HEAD_SIZE),
                                              slots)),
         "paged_decode": (ops.paged_decode, (rand(num_tokens, 4 * HEAD_SIZE), kv_cache, block_table, seq_lens, 4,
