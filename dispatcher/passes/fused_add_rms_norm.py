@@ -37,10 +37,10 @@ import torch
 from .. import compat
 from .pattern_pass import PatternPass
 
-__all__ = ["FusedAddRMSNormPass", "dynamo_once_op"]
+__all__ = ["EPS_STAND_IN", "FusedAddRMSNormPass", "dynamo_once_op", "native_norm"]
 
 #: Traced in place of eps; any constant there in a graph matches and reaches the replacement.
-_EPS_STAND_IN = 1e-6
+EPS_STAND_IN = 1e-6
 #: (input, weight) dtypes traced: a norm's weight in the input dtype or in fp32.
 _DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
            (torch.float16, torch.float16), (torch.float16, torch.float32)]
@@ -58,7 +58,8 @@ def dynamo_once_op(name: str) -> Any | None:
         return None
 
 
-def _native_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+def native_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """The norm in plain torch, as the library's norm modules write it (the patterns' search form)."""
     hf = h.float()
     w = 1.0 + weight.float() if gemma else weight.float()
     return (hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(h.dtype)
@@ -101,7 +102,7 @@ def _addmm(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Ca
 def _example(form: Callable[..., Any], x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[Any]:
     """Tracing inputs: ``x, residual`` (``residual, mat1, mat2`` for ``addmm``) ``[4, 8]``, the weight, eps."""
     shapes = [(4, 8), (4, 6), (6, 8)] if form is _addmm else [(4, 8), (4, 8)]
-    return [torch.empty(s, dtype=x_dtype) for s in shapes] + [torch.empty(8, dtype=w_dtype), _EPS_STAND_IN]
+    return [torch.empty(s, dtype=x_dtype) for s in shapes] + [torch.empty(8, dtype=w_dtype), EPS_STAND_IN]
 
 
 def _fusable(match: Any) -> bool:
@@ -141,12 +142,12 @@ class FusedAddRMSNormPass(PatternPass):
 
     def register_patterns(self, patterns: Any) -> int:
         count = 0
-        scalars = {"eps": _EPS_STAND_IN}
+        scalars = {"eps": EPS_STAND_IN}
         for variant, (norm_op, fused_op) in self.variants().items():
             gemma = variant == "gemma"
 
             def native(h, weight, eps, gemma=gemma):
-                return _native_norm(h, weight, eps, gemma)
+                return native_norm(h, weight, eps, gemma)
 
             for x_dtype, w_dtype in _DTYPES:
                 # In fp32 the upcasts are no nodes: the upcast add traces as the plain one.

@@ -20,12 +20,12 @@ Gemma's norm (``weight + 1``) is not matched. This module names ops, never model
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .. import compat
-from .fused_add_rms_norm import _EPS_STAND_IN, _native_norm, dynamo_once_op
+from .fused_add_rms_norm import EPS_STAND_IN, dynamo_once_op, native_norm
 from .pattern_pass import PatternPass
 
 __all__ = ["NormLinearPass"]
@@ -44,11 +44,11 @@ def _forms(linear_op: Any, op: Any, fused_op: Any | None, gated: bool) -> list[t
 
     def plain(x, residual, weight, w, eps):
         h = x + residual
-        return layer(_native_norm(h, weight, eps, False), w), h
+        return layer(native_norm(h, weight, eps, False), w), h
 
     def upcast(x, residual, weight, w, eps):
         h = (x.float() + residual.float()).to(x.dtype)
-        return layer(_native_norm(h, weight, eps, False), w), h
+        return layer(native_norm(h, weight, eps, False), w), h
 
     def fused(x, residual, weight, w, eps):
         out = fused_op(x, residual, weight, eps)
@@ -76,7 +76,7 @@ class NormLinearPass(PatternPass):
     at one token), in compiles for the symbolic size and for one token."""
 
     name = "norm_linear"
-    opaque_ops: Any = True
+    opaque_ops: ClassVar[bool] = True
 
     def is_available(self) -> bool:
         return dynamo_once_op("norm_linear") is not None
@@ -94,7 +94,7 @@ class NormLinearPass(PatternPass):
 
     def register_patterns(self, patterns: Any) -> int:
         op, fused_op = dynamo_once_op("norm_linear"), dynamo_once_op("fused_add_rms_norm")
-        scalars = {"eps": _EPS_STAND_IN}
+        scalars = {"eps": EPS_STAND_IN}
         count = 0
         with compat.triton_ops_decomposed(False):  # the library's ops as the compiles see them: opaque
             for gated, linear_op in ((False, dynamo_once_op("linear")), (True, dynamo_once_op("gated_linear"))):
@@ -114,4 +114,4 @@ def _example(dtype: torch.dtype, w_dtype: torch.dtype) -> list[Any]:
     """Tracing inputs: ``x, residual [4, 8]``, the norm weight ``[8]``, ``w [12, 8]`` (an even row count: the gated
     op's too), eps."""
     return [torch.empty(4, 8, dtype=dtype), torch.empty(4, 8, dtype=dtype), torch.empty(8, dtype=w_dtype),
-            torch.empty(12, 8, dtype=dtype), _EPS_STAND_IN]
+            torch.empty(12, 8, dtype=dtype), EPS_STAND_IN]
