@@ -11,7 +11,8 @@ a read in w's layout) and the plain one bf16 keeps (a multiply and an add, a bro
 quantizing a bf16 activation as loaded (``ops.static_quant_scaled_mm``); with ``--rows``, the GEMV over 2-8 rows of a
 a program (``SmallMConfig.UNROLL`` with ``BLOCK_M > 1``); and for each its registers.
 
-    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--quant] [--rows 2,4] [--out benchmarks/results]
+    python -m benchmarks.gemv_instructions [--k 4096] [--gated] [--quant] [--rows 2,4] [--norm]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -143,6 +144,32 @@ def compile_rope_cubin(block_n: int, block_k: int, num_warps: int, k: int, head_
     return _compile_sm90(kernel, sig, consts, num_warps, (*_DIVISIBLE, "cs_ptr", "pos_ptr", "stride_cs"))
 
 
+def compile_norm_cubin(block_n: int, block_k: int, num_warps: int, k: int, gated: bool) -> bytes:
+    """``ops.norm_linear``'s fused GEMV (residual add + RMSNorm of the activation row, then the GEMV) compiled for
+    sm_90 as it launches a bf16 ``block_n``-row tile (at least ``NORM_MIN_ROWS`` rows a program; ``gated``: half gate,
+    half up), every load unmasked, no weight loaded before the wait (as the other forms here)."""
+    import importlib
+
+    import triton.language as tl
+
+    norm = importlib.import_module("ops.norm_linear")  # the module: ops.norm_linear is the op
+    rows = max(block_n, norm.NORM_MIN_ROWS)
+    consts = dict(K=k, BLOCK_N=rows // 2 if gated else rows, BLOCK_K=block_k, EVEN=True, INT64=False, PDL=True,
+                  GATED=gated, H=tl.bfloat16, PRELOAD=0)
+    pointers = ("x_ptr", "r_ptr", "g_ptr", "w_ptr", "out_ptr", "h_ptr")
+    sig = {name: "*bf16" if name in pointers else "fp32" if name == "eps" else "i32"
+           for name in norm._norm_gemv_kernel.arg_names if name not in consts} | {name: "constexpr" for name in consts}
+    return _compile_sm90(norm._norm_gemv_kernel, sig, consts, num_warps,
+                         (*pointers, "N", "stride_xm", "stride_rm", "stride_wn"))
+
+
+def norm_rows(block_n: int) -> int:
+    """Weight rows a program of ``ops.norm_linear``'s GEMV streams on a ``block_n``-row tile."""
+    import importlib
+
+    return max(block_n, importlib.import_module("ops.norm_linear").NORM_MIN_ROWS)
+
+
 def count(sass: str) -> collections.Counter:
     """Instructions by opcode (predicated ones included)."""
     return collections.Counter(m.group(1) for line in sass.splitlines() if (m := _SASS_LINE.match(line)))
@@ -163,9 +190,13 @@ def m1_tiles() -> list[tuple[torch.dtype, int, int, int]]:
 def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, form: str) -> dict[str, Any]:
     """One form of one tile: ``plain``, ``8-bit``, or ``8-bit gated`` / ``gated`` (bf16) (the gated config of the tile:
     its rows half gate, half up, as ``ops.small_m_gemm.gated_config`` runs a gate-up row of the table: int8 on half
-    the warps), or ``rope`` (bf16: ``ops.rope_linear``'s kernel on the tile)."""
+    the warps), ``rope`` (bf16: ``ops.rope_linear``'s kernel on the tile), or ``norm`` / ``norm gated`` (bf16:
+    ``ops.norm_linear``'s, its rows a program at least ``NORM_MIN_ROWS``)."""
     from ops import small_m_gemm
 
+    label = form
+    if form.endswith(" (norm rows)"):  # the plain or gated form on the rows a program the norm form takes
+        form, block_n = form.split()[0], norm_rows(block_n)
     gated = form in ("8-bit gated", "gated")
     n, w = block_n, warps
     if gated:
@@ -173,6 +204,9 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
         n, w = block_n // 2, small_m_gemm.gated_config(tile, dtype).num_warps
     if form == "rope":
         cubin = compile_rope_cubin(block_n, block_k, warps, k)
+    elif form.startswith("norm"):
+        cubin = compile_norm_cubin(block_n, block_k, warps, k, form == "norm gated")
+        block_n = norm_rows(block_n)  # its rows a program
     elif form.startswith("rows "):
         cubin = compile_rows_cubin(dtype, int(form.split()[1]), block_n, block_k, warps, k)
     else:
@@ -180,12 +214,13 @@ def _row(dtype: torch.dtype, block_n: int, block_k: int, warps: int, k: int, for
     ops_count = count(read_cubin(cubin, "-sass"))
     elements = k * block_n // (32 * w)  # gated: n gate and n up rows
     total = sum(ops_count.values())
-    return {"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}", "form": form,
+    return {"dtype": _NAMES[dtype], "tile": f"{block_n}x{block_k} w{warps}", "form": label,
             "elements_a_thread": elements, "instructions": total, "per_element": round(total / elements, 2),
             "registers": registers(cubin), "top": ", ".join(f"{op} {c}" for op, c in ops_count.most_common(4))}
 
 
-def measure(k: int, gated: bool = False, quant: bool = False, row_counts: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+def measure(k: int, gated: bool = False, quant: bool = False, row_counts: tuple[int, ...] = (),
+            norm: bool = False) -> list[dict[str, Any]]:
     rows = []
     for dtype, block_n, block_k, warps in m1_tiles():
         forms = ["8-bit", "plain"] if dtype.itemsize == 1 else ["plain"]
@@ -195,6 +230,8 @@ def measure(k: int, gated: bool = False, quant: bool = False, row_counts: tuple[
             forms.insert(1, "8-bit gated" if dtype.itemsize == 1 else "gated")
             forms += ["rope"] if dtype == torch.bfloat16 else []
         forms += [f"rows {r}" for r in row_counts]
+        if norm and dtype == torch.bfloat16:
+            forms += ["plain (norm rows)", "norm", "gated (norm rows)", "norm gated"]
         for form in forms:
             rows.append(_row(dtype, block_n, block_k, warps, k, form))
             print(rows[-1], flush=True)
@@ -210,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="", help="also the GEMV over these rows of a a program (e.g. 2,4: a "
                                                 "SmallMConfig's BLOCK_M with UNROLL), per tile; instructions an "
                                                 "element count every row's products")
+    p.add_argument("--norm", action="store_true", help="also bf16's norm forms of each tile (ops.norm_linear: the "
+                                                        "residual add and RMSNorm in the GEMV, plain and gated)")
     p.add_argument("--out", default=None, help="results folder (nothing is written without it)")
     a = p.parse_args(argv)
     row_counts = tuple(common.int_list(p, "--rows", a.rows)) if a.rows else ()
@@ -225,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"Triton's package has no cuobjdump at {cuobjdump()}")
     import triton
 
-    rows = measure(a.k, a.gated, a.quant, row_counts)
+    rows = measure(a.k, a.gated, a.quant, row_counts, a.norm)
     header = (f"sm_90 SASS compiled on this machine (no GPU), triton {triton.__version__} with its ptxas, torch "
               f"{torch.__version__}, Python {platform.python_version()}, "
               f"{common.utc_now()}{common.switches()}")
@@ -242,9 +281,13 @@ def main(argv: list[str] | None = None) -> None:
              "rows R (--rows): the GEMV over R rows of a a program (int8 dp4a with a read in w's layout, fp8 / bf16 "
              "an fma a product, a's rows broadcast), every weight tile loaded and converted once for the R rows; "
              "per_element counts the R rows' products of an element",
+             "norm / norm gated (--norm): ops.norm_linear's fused GEMV (bf16): each program adds its activation row "
+             "to the residual, sums its squares over K, normalizes each step's chunk, then the GEMV (gated: half the "
+             "rows gate, half up), on max(BLOCK_N, NORM_MIN_ROWS) rows a program (the tile column says which); "
+             "plain / gated (norm rows): the GEMV without the norm on those rows, the same tile",
              "registers: a thread's (cuobjdump -res-usage)"]
     stem = "gemv_instructions" + ("_gated" if a.gated else "") + ("_quant" if a.quant else "") \
-        + ("_rows" if row_counts else "")
+        + ("_rows" if row_counts else "") + ("_norm" if a.norm else "")
     common.write_results(stem, rows, title="Instructions a weight element of the unrolled GEMV (sm_90)",
                          notes=notes, out_dir=a.out, header=header)
     common.plot_stacked_bars(stem, rows, label=["dtype", "tile", "form"], parts=["per_element"],
