@@ -963,6 +963,22 @@ def test_gemv_instructions_counts_the_sm90_code_of_each_form(tmp_path):
         assert e.value.code == 2
 
 
+def test_gemv_instructions_norm_form_is_the_same_tile_plus_the_norm():
+    """``--norm``: ops.norm_linear's GEMV on a bf16 tile runs ``NORM_MIN_ROWS`` rows a program; its code is the
+    plain GEMV's on those rows plus the norm's (more instructions, not half again as many), and its rows say so."""
+    pytest.importorskip("triton")
+    from benchmarks import gemv_instructions as gi
+    from ops.norm_linear import NORM_MIN_ROWS
+
+    rows = {r["form"]: r for r in (gi._row(torch.bfloat16, 2, 1024, 4, 2048, f)
+                                   for f in ("plain", "plain (norm rows)", "norm"))}
+    assert rows["plain"]["tile"] == "2x1024 w4"
+    assert rows["norm"]["tile"] == rows["plain (norm rows)"]["tile"] == f"{NORM_MIN_ROWS}x1024 w4"
+    assert rows["norm"]["elements_a_thread"] == 2048 * NORM_MIN_ROWS // 128
+    assert rows["plain (norm rows)"]["instructions"] < rows["norm"]["instructions"] \
+        < 1.5 * rows["plain (norm rows)"]["instructions"]
+
+
 def test_decode_mode_words_set_ops_passes_and_compile_sizes():
     """A level-3 mode's words: custom ops (``+ops``, ``native``, ``-op:NAME``), passes (``+passes``, ``+NAME``,
     ``-NAME``) and per-size compiles (``size:N``), each into the config field it names and no other."""
