@@ -290,7 +290,12 @@ print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k]
                 --out "$R/stepab_attnb1" 2>&1 | tee "$R/stepab_attnb1.log" | grep -E "^\{|^--|Error" ;;
     normlin)  # issue 16: the norm_linear pass (each residual add + RMSNorm in the QKV / gate-up GEMV after it at one
               # token): its CUDA tests, then the level-3 step with it against without, interleaved (batch 1, where it
-              # fuses; 8 and 32, where its op runs the fused-add norm kernel and the linear op), 1B and 8B
+              # fuses; 8 and 32, where its op runs the fused-add norm kernel and the linear op), 1B and 8B; first the op
+              # alone against the unfused ops, with 2-16 weight rows a program
+              for m in ${NORMLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
+                timeout ${NORMLIN_OP_TIMEOUT:-90} python3 -m benchmarks.norm_linear --model $m --out "$R/norm_linear" \
+                  > "$R/norm_linear_$m.log" 2>&1; grep -E "Error" "$R/norm_linear_$m.log" | head -3
+              done
               timeout ${NORMLIN_TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 --tb=short -rf \
                 tests/ops/test_norm_linear.py tests/models/test_graph_passes.py > "$R/normlin_tests.log" 2>&1
               grep -E "FAILED|ERROR" "$R/normlin_tests.log" | head -10; tail -1 "$R/normlin_tests.log"

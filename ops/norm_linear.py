@@ -132,10 +132,12 @@ def _normed(h, g_ptr, inv, k, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.c
 
 
 def norm_small_m_mm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                    eps: float, config: SmallMConfig, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, config: SmallMConfig, gated: bool = False,
+                    min_rows: int = NORM_MIN_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`norm_linear`'s fused kernel: ``(out, h)``. ``config`` an unrolled GEMV of a row a program (``UNROLL``,
-    ``BLOCK_M = 1``), run with at least :data:`NORM_MIN_ROWS` weight rows a program. An eager launcher for CUDA
-    tensors, and CPU tensors under ``TRITON_INTERPRET=1``; ``x`` and ``residual`` with unit column stride."""
+    ``BLOCK_M = 1``), run with at least ``min_rows`` weight rows a program (a power of 2; the op's:
+    :data:`NORM_MIN_ROWS`). An eager launcher for CUDA tensors, and CPU tensors under ``TRITON_INTERPRET=1``; ``x``
+    and ``residual`` with unit column stride."""
     if not HAS_TRITON:
         raise RuntimeError("norm_small_m_mm needs Triton, which does not import here")
     if not config.UNROLL or config.BLOCK_M != 1:
@@ -143,7 +145,7 @@ def norm_small_m_mm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
                          f"BLOCK_M=1); got {config}")
     (m, k), n = x.shape, weight.shape[0]
     norm_weight = norm_weight.contiguous()
-    c = dataclasses.replace(config, BLOCK_N=max(config.BLOCK_N, NORM_MIN_ROWS))
+    c = dataclasses.replace(config, BLOCK_N=max(config.BLOCK_N, min_rows))
     rows = c.BLOCK_N // 2 if gated else c.BLOCK_N  # a program's output columns
     cols = n // 2 if gated else n
     out = torch.empty((m, cols), dtype=x.dtype, device=x.device)
