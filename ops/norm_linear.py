@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from .gated_linear import gated_linear, gated_linear_ref
 from .linear import linear
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref
-from .small_m_gemm import (SmallMConfig, _gemv_step, _store_gated, _TL_DTYPES, _w_tile, gated_runtime_config,
-                           preload_steps, runtime_config, small_m_operands)
+from .small_m_gemm import (SmallMConfig, _gemv_program, _gemv_step, _step_tiles, _store_gated, _TL_DTYPES,
+                           gated_runtime_config, preload_steps, runtime_config, small_m_operands)
 from .triton_utils import HAS_TRITON, cdiv, needs_int64, pdl_args, tl, triton
 
 __all__ = ["NORM_LINEAR_DTYPES", "NORM_MIN_ROWS", "norm_linear", "norm_linear_ref", "norm_linear_uses_small_m",
@@ -56,33 +56,14 @@ def _norm_gemv_kernel(
     # Program (row, column block): ops.small_m_gemm's unrolled GEMV (_small_m_gemv_kernel, bf16 / fp16, no bias)
     # with the residual add and RMSNorm of its activation row first. GATED: BLOCK_N gate rows and their up rows.
     pid = tl.program_id(0)
-    row = pid % M
-    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INT64:
-        row = row.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    n_ok = offs_n < (N // 2 if GATED else N)
-    pre, pre_up = (), ()  # weight tiles read before the wait (they do not depend on the kernel before)
-    for i in tl.static_range(PRELOAD):
-        pre = pre + (_w_tile(w_ptr, offs_n, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
-        if GATED:
-            pre_up = pre_up + (_w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    row, offs_n, n_ok, pre, pre_up = _gemv_program(pid, w_ptr, M, N, stride_wn, K, BLOCK_N, BLOCK_K, EVEN, INT64, PDL,
+                                                   GATED, PRELOAD)
     hs, inv = _row_sum_and_scale(x_ptr + row * stride_xm, r_ptr + row * stride_rm, h_ptr + row * K, pid < M, eps, K,
                                  BLOCK_K, EVEN)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)  # GATED only
     for k in tl.static_range(0, K, BLOCK_K):
-        if k // BLOCK_K < PRELOAD:
-            w = pre[k // BLOCK_K]
-            if GATED:
-                w_up = pre_up[k // BLOCK_K]
-        else:
-            w = _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
-            if GATED:
-                w_up = _w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+        w, w_up = _step_tiles(pre, pre_up, w_ptr, offs_n, n_ok, N, stride_wn, k, K, BLOCK_K, EVEN, GATED, PRELOAD)
         a = _normed(hs[k // BLOCK_K], g_ptr, inv, k, K, BLOCK_K, EVEN)
         acc = _gemv_step(acc, w, a, False, False, False)
         if GATED:

@@ -306,22 +306,8 @@ def _small_m_gemv_kernel(
     # a_scale_ptr[0] (quantize_by_scale: ops.static_scaled_{fp8,int8}_quant's values), once an element (a's row
     # read and quantized flat, then broadcast over the tile's rows); the epilogue then scales by that scale.
     pid = tl.program_id(0)
-    row = pid % M
-    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if INT64:
-        row = row.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    n_ok = offs_n < (N // 2 if GATED else N)
-    # weight tiles before the wait: in registers, not prefetched into L2 (SmallMConfig.PREFETCH's form, which made
-    # the 1B's step slower); GATED: the up rows' tiles too
-    pre, pre_up = (), ()
-    for i in tl.static_range(PRELOAD):
-        pre = pre + (_w_tile(w_ptr, offs_n, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
-        if GATED:
-            pre_up = pre_up + (_w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    row, offs_n, n_ok, pre, pre_up = _gemv_program(pid, w_ptr, M, N, stride_wn, K, BLOCK_N, BLOCK_K, EVEN, INT64, PDL,
+                                                   GATED, PRELOAD)
     acc_type = tl.int32 if INTEGER else tl.float32
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=acc_type)
     acc_up = tl.zeros_like(acc)  # GATED only
@@ -333,14 +319,7 @@ def _small_m_gemv_kernel(
             a_ptrs = a_ptr + row * stride_am + (offs_k[None, :] + 0 * offs_n[:, None])
         else:
             a_ptrs = a_ptr + row * stride_am + offs_k
-        if k // BLOCK_K < PRELOAD:
-            w = pre[k // BLOCK_K]
-            if GATED:
-                w_up = pre_up[k // BLOCK_K]
-        else:
-            w = _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
-            if GATED:
-                w_up = _w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+        w, w_up = _step_tiles(pre, pre_up, w_ptr, offs_n, n_ok, N, stride_wn, k, K, BLOCK_K, EVEN, GATED, PRELOAD)
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
             a = tl.load(a_ptrs, eviction_policy="evict_last")
         else:
@@ -365,6 +344,58 @@ def _small_m_gemv_kernel(
     else:
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=n_ok[None, :])
+
+
+@triton.jit
+def _gemv_program(pid, w_ptr, M, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
+                  PRELOAD: tl.constexpr):
+    """The unrolled GEMV program ``pid``'s ``(row, offs_n, n_ok, pre, pre_up)``: its row of a, its weight rows (GATED:
+    its gate rows, the up rows ``N // 2`` after them) and which exist, and its first ``PRELOAD`` steps' weight tiles,
+    read before the wait for the kernel before (with PDL; in registers, not prefetched into L2: SmallMConfig.PREFETCH's
+    form made the 1B's step slower); then that wait, and the next launch let go."""
+    row = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INT64:
+        row = row.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    n_ok = offs_n < (N // 2 if GATED else N)
+    pre, pre_up = _preloaded_tiles(w_ptr, offs_n, n_ok, N, stride_wn, K, BLOCK_K, EVEN, GATED, PRELOAD)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return row, offs_n, n_ok, pre, pre_up
+
+
+@triton.jit
+def _preloaded_tiles(w_ptr, offs_n, n_ok, N, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                     GATED: tl.constexpr, PRELOAD: tl.constexpr):
+    """``(pre, pre_up)``: the unrolled GEMV's first ``PRELOAD`` loop steps' weight tiles (``GATED``: and their up rows',
+    ``N // 2`` rows on), loaded into registers (SmallMConfig.PRELOAD: before the program's PDL wait)."""
+    pre, pre_up = (), ()
+    for i in tl.static_range(PRELOAD):
+        pre = pre + (_w_tile(w_ptr, offs_n, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
+        if GATED:
+            pre_up = pre_up + (_w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, i * BLOCK_K, K, BLOCK_K, EVEN),)
+    return pre, pre_up
+
+
+@triton.jit
+def _step_tiles(pre, pre_up, w_ptr, offs_n, n_ok, N, stride_wn, k: tl.constexpr, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr):
+    """Loop step ``k``'s weight tile and (``GATED``) its up rows' (else the tile again, unused): from
+    :func:`_preloaded_tiles`' registers, or loaded now."""
+    if k // BLOCK_K < PRELOAD:
+        w = pre[k // BLOCK_K]
+        w_up = w
+        if GATED:
+            w_up = pre_up[k // BLOCK_K]
+    else:
+        w = _w_tile(w_ptr, offs_n, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+        w_up = w
+        if GATED:
+            w_up = _w_tile(w_ptr, offs_n + N // 2, n_ok, stride_wn, k, K, BLOCK_K, EVEN)
+    return w, w_up
 
 
 @triton.jit
