@@ -467,7 +467,7 @@ class FusedEps(Tagger):
 def test_eps_reaches_the_fused_op(add_pass):
     seen = add_pass(FusedEps(), after="fused_add_rms_norm")
     run(2)
-    assert seen.eps == [EPS, EPS] and EPS != fused_module._EPS_STAND_IN  # the model's, not the traced stand-in
+    assert seen.eps == [EPS, EPS] and EPS != fused_module.EPS_STAND_IN  # the model's, not the traced stand-in
 
 
 def test_fused_add_rms_norm_refuses_broadcast_and_promotion():
