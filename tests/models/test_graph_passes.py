@@ -243,6 +243,17 @@ def test_llama_add_norm_and_linear_take_the_norm_linear_op(pass_free, fused_add)
     assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
 
 
+def test_llama_calling_the_norm_op_takes_the_norm_linear_op(pass_free, monkeypatch):
+    """Custom ops on, the norms calling ``dynamo_once::fused_add_rms_norm`` (kept opaque while the pass is on, as on
+    CUDA): the pass takes the op's output and the linear op reading it, without ``fused_add_rms_norm``'s pass."""
+    with counted_after("norm_linear") as after:
+        out, counts = logits("none,+gated_linear,+small_m_linear,+norm_linear", custom_ops="all", op_path=True,
+                             opaque=True, dtype=torch.bfloat16, monkeypatch=monkeypatch)
+    assert counts.matches["norm_linear"] == after[NORM_LINEAR] == NORM_LINEARS
+    assert after[FUSED] == 1 and after[GATED] == 0  # left: the final norm
+    assert_close(out, pass_free[torch.bfloat16], torch.bfloat16)
+
+
 def test_llama_norm_linear_needs_the_linear_ops(pass_free):
     """Without the passes making the linear ops the pass finds nothing (and fp32, which they leave alone, neither):
     the same logits bit for bit."""
