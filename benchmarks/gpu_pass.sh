@@ -290,8 +290,9 @@ print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k]
                 --out "$R/stepab_attnb1" 2>&1 | tee "$R/stepab_attnb1.log" | grep -E "^\{|^--|Error" ;;
     normlin)  # issue 16: the norm_linear pass (each residual add + RMSNorm in the QKV / gate-up GEMV after it at one
               # token): its CUDA tests, then the level-3 step with it against without, interleaved (batch 1, where it
-              # fuses; 8 and 32, where its op runs the fused-add norm kernel and the linear op), 1B and 8B; first the op
-              # alone against the unfused ops, with 2-16 weight rows a program
+              # fuses; 8 and 32, where its op runs the fused-add norm kernel and the linear op; a 2048-token prefill, where
+              # the op's eager call adds host time), 1B and 8B; first the op alone against the unfused ops, with 2-16
+              # weight rows a program
               for m in ${NORMLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${NORMLIN_OP_TIMEOUT:-90} python3 -m benchmarks.norm_linear --model $m --out "$R/norm_linear" \
                   > "$R/norm_linear_$m.log" 2>&1; grep -E "Error" "$R/norm_linear_$m.log" | head -3
@@ -301,7 +302,7 @@ print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k]
               grep -E "FAILED|ERROR" "$R/normlin_tests.log" | head -10; tail -1 "$R/normlin_tests.log"
               for m in ${NORMLIN_MODELS:-llama-3.2-1b llama-3-8b}; do
                 timeout ${NORMLIN_TIMEOUT:-200} python3 -m benchmarks.decode --models $m --batches ${NORMLIN_BATCHES:-1,8,32} \
-                  --modes "level 3,level 3 +norm_linear" --rounds ${NORMLIN_ROUNDS:-3} --prefill 0 --iters 30 \
+                  --modes "level 3,level 3 +norm_linear" --rounds ${NORMLIN_ROUNDS:-3} --prefill ${NORMLIN_PREFILL:-2048} --iters 30 \
                   --out "$R/normlin_$m" 2>&1 | tee "$R/normlin_$m.log" | grep -E "^\{|Error"
               done ;;
     gated8b)  # issue 16: the bf16 8B's gate-up at 33-128 tokens in the gated form (GEMM + SiLU-and-mul in one kernel, the
