@@ -64,3 +64,16 @@ def test_norm_small_m_mm_refuses_a_tile_form():
         norm_small_m_mm(x, r, nw, w, 1e-5, SmallMConfig(16, 16, 64))
     with pytest.raises(ValueError, match=r"norm_small_m_mm: config must be an unrolled GEMV of a row a program"):
         norm_small_m_mm(x, r, nw, w, 1e-5, SmallMConfig(2, 8, 64, DOT=False, UNROLL=True))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_rows_a_program_change_the_tiling_not_the_values(gated):
+    """``min_rows`` (``benchmarks.norm_linear --rows``): 2 to 16 weight rows a program; a column's sums do not depend
+    on the other rows of its program (here, in the interpreter, not even their order): the same output and sum bit
+    for bit."""
+    x, r, nw, w = _operands(1, 256, 64, torch.bfloat16)
+    config = SmallMConfig(1, 2, 128, DOT=False, UNROLL=True)
+    first = norm_small_m_mm(x, r, nw, w, 1e-5, config, gated, min_rows=2)
+    for rows in (4, NORM_MIN_ROWS, 16):
+        out, h = norm_small_m_mm(x, r, nw, w, 1e-5, config, gated, min_rows=rows)
+        assert torch.equal(out, first[0]) and torch.equal(h, first[1])
