@@ -11,8 +11,8 @@ post-grad graph:
 - native: the norm in the library's convention (``dispatcher.passes.fused_add_rms_norm``'s, its weight in the
   operands' dtype or fp32) of a plain add in the operands' dtype, or of the add of their fp32 upcasts rounded back
   (the Llama norm module's native path);
-- ``dynamo_once::fused_add_rms_norm`` (which ``fused_add_rms_norm`` puts in place of the native forms, earlier in the
-  same compile).
+- ``dynamo_once::fused_add_rms_norm``: the norm module's op with the custom ops on (kept opaque while this pass is on,
+  ``opaque_ops``), or what the ``fused_add_rms_norm`` pass made of the native forms earlier in the same compile.
 
 Compiles for the symbolic size and for one token (a larger size's compile would only run the unfused ops).
 Gemma's norm (``weight + 1``) is not matched. This module names ops, never models.
