@@ -320,7 +320,7 @@ print(*sorted((k for k in g if sum(g[k])/len(g[k]) > 1), key=lambda k: -sum(g[k]
               done
               timeout 120 python3 -m benchmarks.gemm --ms 1 --out "$R/targets_gemm" 2>&1 | tee "$R/targets_gemm.log" \
                 | grep -E "'ours|Error"
-              timeout 120 python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048 \
+              timeout 150 python3 -m benchmarks.attention --batches 32,128 --contexts 512,1024,2048,4096 \
                 --out "$R/targets_attention" 2>&1 | tee "$R/targets_attention.log" | grep -E "^\{|Error" ;;
     pdlinline) # issue 13: the library's kernels Inductor runs inlined, launched with PDL: their CUDA tests, then native
               # code / custom ops / custom ops + every pass but quant_gemm interleaved (fp8, int8), and the fp8 batch-1
