@@ -1,8 +1,8 @@
-"""``ops.norm_linear``: a residual add, the RMSNorm of the sum and the linear layer after it (Llama's norm before the
-QKV projection, before the gate-up projection, and the final norm before the LM head), for bf16 / fp16.
+"""``ops.norm_linear``: a residual add, the RMSNorm of the sum and the linear layer after it (in a Llama layer, the
+norms before the QKV and the gate-up projections), for bf16 / fp16.
 
-In a decode step at one token each of these norms is a kernel of its own (~1.5-2 µs a launch in a CUDA graph) between
-two GEMVs: ``h = x + residual``, ``n = rms_norm(h) * g``, then ``n @ weight.T``. This op is what the ``norm_linear``
+In a decode step at one token each of these norms is a kernel of its own (1.62-1.68 µs in an H100's CUDA graph)
+between two GEMVs: ``h = x + residual``, ``n = rms_norm(h, g)``, then ``n @ weight.T``. This op is what the ``norm_linear``
 graph pass (``dispatcher.passes``) puts in place of that chain, deciding at run time on the concrete M:
 
 - CUDA, one token, a GEMV row for the GEMM (``ops.small_m_gemm.SMALL_M_TABLE``'s unrolled GEMV at M = 1, or with
@@ -41,9 +41,10 @@ __all__ = ["NORM_LINEAR_DTYPES", "NORM_MIN_ROWS", "norm_linear", "norm_linear_re
 
 #: The dtypes ``ops.norm_linear`` takes.
 NORM_LINEAR_DTYPES = (torch.bfloat16, torch.float16)
-#: Weight rows a program of the fused kernel streams at least: each program sums its row's norm over the whole K
-#: (two reads of K elements and a square each), so the table's gated GEMV row (one gate and one up row a program)
-#: takes 4 of each. Not tuned: no GPU was lent when this kernel was written.
+#: Weight rows a program of the fused kernel streams at least: each program reads its activation and residual rows
+#: over the whole K and squares their sum, work spread over more weight rows than the table's GEMV rows have (2: its
+#: gated row, one gate and one up row a program, takes 4 of each). Not tuned: no GPU was lent when this kernel was
+#: written (``benchmarks.norm_linear --rows`` times 2-16).
 NORM_MIN_ROWS = 8
 
 
