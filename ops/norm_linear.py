@@ -2,8 +2,8 @@
 norms before the QKV and the gate-up projections), for bf16 / fp16.
 
 In a decode step at one token each of these norms is a kernel of its own (1.62-1.68 µs in an H100's CUDA graph)
-between two GEMVs: ``h = x + residual``, ``n = rms_norm(h, g)``, then ``n @ weight.T``. This op is what the ``norm_linear``
-graph pass (``dispatcher.passes``) puts in place of that chain, deciding at run time on the concrete M:
+between two GEMVs: ``h = x + residual``, ``n = rms_norm(h, g)``, then ``n @ weight.T``. This op is what the
+``norm_linear`` graph pass (``dispatcher.passes``) puts in place of that chain, deciding at run time on the concrete M:
 
 - CUDA, one token, a GEMV row for the GEMM (``ops.small_m_gemm.SMALL_M_TABLE``'s unrolled GEMV at M = 1, or with
   ``gated`` ``GATED_ROWS``' gated GEMV), ``x`` and ``residual`` with unit column stride, ``weight`` contiguous,
