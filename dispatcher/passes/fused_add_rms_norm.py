@@ -37,7 +37,7 @@ import torch
 from .. import compat
 from .pattern_pass import PatternPass
 
-__all__ = ["EPS_STAND_IN", "FusedAddRMSNormPass", "dynamo_once_op", "native_norm"]
+__all__ = ["EPS_STAND_IN", "FusedAddRMSNormPass", "dynamo_once_op", "llama_add_norms"]
 
 #: Traced in place of eps; any constant there in a graph matches and reaches the replacement.
 EPS_STAND_IN = 1e-6
@@ -58,8 +58,7 @@ def dynamo_once_op(name: str) -> Any | None:
         return None
 
 
-def native_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
-    """The norm in plain torch, as the library's norm modules write it (the patterns' search form)."""
+def _native_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     hf = h.float()
     w = 1.0 + weight.float() if gemma else weight.float()
     return (hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps) * w).to(h.dtype)
@@ -85,6 +84,21 @@ def _upcast_add(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any
         return norm(h, weight, eps), h
 
     return search, _plain_add(norm, fused)[1]
+
+
+def llama_add_norms(fused: Any | None) -> list[tuple[Callable[..., Any], bool]]:
+    """A residual add and Llama's norm of the sum as this pass finds them natively (the add plain, or of fp32 upcasts)
+    and, where given, as its op ``fused``: ``(f, native)`` pairs, ``f(x, residual, weight, eps) -> (normed, h)``, for
+    a pass that matches what reads the norm (``norm_linear``)."""
+    def native(h, weight, eps):
+        return _native_norm(h, weight, eps, False)
+
+    def op(x, residual, weight, eps):
+        out = fused(x, residual, weight, eps)
+        return out[0], out[1]
+
+    return [(form(native, None)[0], True) for form in (_plain_add, _upcast_add)] + \
+        ([(op, False)] if fused is not None else [])
 
 
 def _addmm(norm: Callable[..., Any], fused: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -147,7 +161,7 @@ class FusedAddRMSNormPass(PatternPass):
             gemma = variant == "gemma"
 
             def native(h, weight, eps, gemma=gemma):
-                return native_norm(h, weight, eps, gemma)
+                return _native_norm(h, weight, eps, gemma)
 
             for x_dtype, w_dtype in _DTYPES:
                 # In fp32 the upcasts are no nodes: the upcast add traces as the plain one.

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import compat
-from .fused_add_rms_norm import EPS_STAND_IN, dynamo_once_op, native_norm
+from .fused_add_rms_norm import EPS_STAND_IN, dynamo_once_op, llama_add_norms
 from .pattern_pass import PatternPass
 
 __all__ = ["NormLinearPass"]
@@ -34,28 +34,19 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _forms(linear_op: Any, op: Any, fused_op: Any | None, gated: bool) -> list[tuple[Any, Any, bool]]:
-    """(search, replacement, native) per form of the add and norm before ``linear_op`` (the linear or gated op)."""
-    def layer(n, w):
-        return linear_op(n, w) if gated else linear_op(n, w, None)
+    """(search, replacement, native) per form of the add and norm (``fused_add_rms_norm.llama_add_norms``) before
+    ``linear_op`` (the linear or gated op)."""
+    def chained(add_norm):
+        def search(x, residual, weight, w, eps):
+            n, h = add_norm(x, residual, weight, eps)
+            return (linear_op(n, w) if gated else linear_op(n, w, None)), h
+        return search
 
     def replace(x, residual, weight, w, eps):
         out = op(x, residual, weight, w, eps, gated)
         return out[0], out[1]
 
-    def plain(x, residual, weight, w, eps):
-        h = x + residual
-        return layer(native_norm(h, weight, eps, False), w), h
-
-    def upcast(x, residual, weight, w, eps):
-        h = (x.float() + residual.float()).to(x.dtype)
-        return layer(native_norm(h, weight, eps, False), w), h
-
-    def fused(x, residual, weight, w, eps):
-        out = fused_op(x, residual, weight, eps)
-        return layer(out[0], w), out[1]
-
-    forms = [(plain, replace, True), (upcast, replace, True)]
-    return forms + ([(fused, replace, False)] if fused_op is not None else [])
+    return [(chained(f), replace, native) for f, native in llama_add_norms(fused_op)]
 
 
 def _rewritable(match: Any) -> bool:
