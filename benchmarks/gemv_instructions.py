@@ -153,7 +153,7 @@ def compile_norm_cubin(block_n: int, block_k: int, num_warps: int, k: int, gated
     import triton.language as tl
 
     norm = importlib.import_module("ops.norm_linear")  # the module: ops.norm_linear is the op
-    rows = max(block_n, norm.NORM_MIN_ROWS)
+    rows = norm_rows(block_n)
     consts = dict(K=k, BLOCK_N=rows // 2 if gated else rows, BLOCK_K=block_k, EVEN=True, INT64=False, PDL=True,
                   GATED=gated, H=tl.bfloat16, PRELOAD=0)
     pointers = ("x_ptr", "r_ptr", "g_ptr", "w_ptr", "out_ptr", "h_ptr")
